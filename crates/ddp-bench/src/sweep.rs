@@ -1,0 +1,143 @@
+//! Collective sweeps in the manner of nccl-tests: for each size (×4 steps), a barrier, warm-up
+//! iterations, then timed iterations whose median is reported, and a correctness pass that
+//! counts the elements differing from the exact expected result.
+//!
+//! `algbw = bytes / time`; `busbw = algbw * factor` with nccl-tests' factors: all_reduce
+//! `2(N-1)/N`, all_gather and reduce_scatter `(N-1)/N`, broadcast `1`.
+
+use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
+use std::time::Instant;
+
+use crate::SweepArgs;
+
+/// The collective being measured.
+#[derive(Clone, Copy, Debug)]
+pub enum Op {
+    AllReduce,
+    AllGather,
+    ReduceScatter,
+    Broadcast,
+}
+
+/// Parse `4096`, `4K`, `1M`, `2G` (powers of 1024).
+pub fn parse_bytes(s: &str) -> Result<usize, String> {
+    let s = s.trim();
+    let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
+        Some('K') => (&s[..s.len() - 1], 1 << 10),
+        Some('M') => (&s[..s.len() - 1], 1 << 20),
+        Some('G') => (&s[..s.len() - 1], 1 << 30),
+        _ => (s, 1),
+    };
+    num.parse::<usize>()
+        .map(|n| n * mult)
+        .map_err(|_| format!("{s:?} is not a size (examples: 4096, 4K, 64M)"))
+}
+
+fn busbw_factor(op: Op, n: usize) -> f64 {
+    let n = n as f64;
+    match op {
+        Op::AllReduce => 2.0 * (n - 1.0) / n,
+        Op::AllGather | Op::ReduceScatter => (n - 1.0) / n,
+        Op::Broadcast => 1.0,
+    }
+}
+
+/// Value of element `i` on `rank` (small integers: every sum is exact in f32).
+fn value(rank: usize, i: usize) -> f32 {
+    ((i % 13) + rank) as f32
+}
+
+/// One iteration of `op` over `bytes` (f32 elements); returns the count of wrong elements when
+/// `check` is set (inputs are re-initialised first).
+struct Bufs {
+    a: Vec<f32>,
+    b: Vec<f32>,
+}
+
+fn setup(op: Op, pg: &ProcessGroup, elems: usize) -> Bufs {
+    let (r, p) = (pg.rank(), pg.size());
+    match op {
+        // bytes = the per-rank buffer
+        Op::AllReduce | Op::Broadcast => Bufs { a: (0..elems).map(|i| value(r, i)).collect(), b: Vec::new() },
+        // bytes = total output (all_gather) / total input (reduce_scatter)
+        Op::AllGather => Bufs { a: (0..elems / p).map(|i| value(r, i)).collect(), b: vec![0.0; elems / p * p] },
+        Op::ReduceScatter => Bufs { a: (0..elems / p * p).map(|i| value(r, i)).collect(), b: vec![0.0; elems / p] },
+    }
+}
+
+fn run_once(op: Op, pg: &ProcessGroup, bufs: &mut Bufs) -> ddp_comm::Result<()> {
+    match op {
+        Op::AllReduce => pg.all_reduce(&mut bufs.a, ReduceOp::Sum),
+        Op::Broadcast => pg.broadcast(&mut bufs.a, 0),
+        Op::AllGather => pg.all_gather(&bufs.a, &mut bufs.b),
+        Op::ReduceScatter => pg.reduce_scatter(&bufs.a, &mut bufs.b, ReduceOp::Sum),
+    }
+}
+
+fn count_wrong(op: Op, pg: &ProcessGroup, bufs: &Bufs) -> usize {
+    let p = pg.size();
+    let sum = |i: usize| (0..p).map(|r| value(r, i)).sum::<f32>();
+    match op {
+        Op::AllReduce => bufs.a.iter().enumerate().filter(|(i, &v)| v != sum(*i)).count(),
+        Op::Broadcast => bufs.a.iter().enumerate().filter(|(i, &v)| v != value(0, *i)).count(),
+        Op::AllGather => {
+            let n = bufs.a.len();
+            bufs.b.iter().enumerate().filter(|(i, &v)| v != value(i / n.max(1), i % n.max(1))).count()
+        }
+        Op::ReduceScatter => {
+            let n = bufs.b.len();
+            let off = pg.rank() * n;
+            bufs.b.iter().enumerate().filter(|(i, &v)| v != sum(off + i)).count()
+        }
+    }
+}
+
+/// Run the sweep as one worker; rank 0 prints.
+pub fn run(op: Op, args: &SweepArgs) -> ddp_comm::Result<()> {
+    let pg = init_process_group(InitOptions::default())?;
+    let (rank, p) = (pg.rank(), pg.size());
+    if rank == 0 && !args.json {
+        println!("# ddp-bench {op:?}  world_size {p}  backend {}  dtype f32", args.backend);
+        println!("{:>12} {:>12} {:>10} {:>10} {:>8}", "bytes", "time_us", "algbw_GBs", "busbw_GBs", "wrong");
+    }
+    let mut bytes = args.min_bytes.max(4);
+    while bytes <= args.max_bytes {
+        let elems = bytes / 4;
+        let iters = args.iters.unwrap_or_else(|| ((256 << 20) / bytes).clamp(5, 500));
+        let mut bufs = setup(op, &pg, elems);
+        for _ in 0..args.warmup {
+            run_once(op, &pg, &mut bufs)?;
+        }
+        pg.barrier()?;
+        let mut times = Vec::with_capacity(iters);
+        for _ in 0..iters {
+            let t = Instant::now();
+            run_once(op, &pg, &mut bufs)?;
+            times.push(t.elapsed().as_secs_f64());
+        }
+        // Agree on the slowest rank's median, like nccl-tests reports the max over ranks.
+        times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        let mut med = [times[times.len() / 2]];
+        pg.all_reduce(&mut med, ReduceOp::Max)?;
+        // Correctness pass on fresh inputs, every size.
+        let mut bufs = setup(op, &pg, elems);
+        run_once(op, &pg, &mut bufs)?;
+        let mut wrong = [count_wrong(op, &pg, &bufs) as i64];
+        pg.all_reduce(&mut wrong, ReduceOp::Sum)?;
+        if rank == 0 {
+            let t = med[0];
+            let algbw = bytes as f64 / t / 1e9;
+            let busbw = algbw * busbw_factor(op, p);
+            if args.json {
+                println!(
+                    "{}",
+                    serde_json::json!({"bytes": bytes, "time_us": t * 1e6, "algbw_gbs": algbw, "busbw_gbs": busbw, "wrong": wrong[0]})
+                );
+            } else {
+                println!("{bytes:>12} {:>12.2} {algbw:>10.3} {busbw:>10.3} {:>8}", t * 1e6, wrong[0]);
+            }
+        }
+        bytes *= 4;
+    }
+    Ok(())
+}

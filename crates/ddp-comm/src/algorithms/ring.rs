@@ -1,0 +1,71 @@
+//! Ring algorithms: reduce-scatter and all-gather in `p - 1` steps each, every rank sending to
+//! `rank + 1` and receiving from `rank - 1` at once; all-reduce is their composition and moves
+//! `2 (p-1)/p` of the buffer per rank, the bandwidth optimum.
+//!
+//! Each step is split into chunks of [`CHUNK_BYTES`]: a received chunk is reduced while it is
+//! still in cache, and the kernel keeps receiving the next one meanwhile.
+
+use super::{bytes, bytes_mut, segment, split_disjoint};
+use crate::dtype::{Element, ReduceOp};
+use crate::transport::Transport;
+use crate::Result;
+
+/// Bytes moved per exchange within one ring step.
+pub const CHUNK_BYTES: usize = 256 * 1024;
+
+/// Ring reduce-scatter in place over `buf` split into `p` segments ([`segment`]): afterwards
+/// segment `r` of rank `r` holds the reduction over all ranks (other segments hold partials).
+pub fn reduce_scatter<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    let (r, p) = (t.rank(), t.size());
+    if p == 1 {
+        return Ok(());
+    }
+    let n = buf.len();
+    let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+    let chunk = (CHUNK_BYTES / std::mem::size_of::<T>()).max(1);
+    let mut tmp: Vec<T> = vec![T::zeroed(); segment(n, p, 0).len().min(chunk)];
+    for s in 0..p - 1 {
+        let send_seg = segment(n, p, (r + 2 * p - s - 1) % p);
+        let recv_seg = segment(n, p, (r + 2 * p - s - 2) % p);
+        // Segment lengths differ by at most one; walk both in chunk steps (an empty exchange is
+        // still sent so that a zero-length segment keeps the two ends in step).
+        let steps = send_seg.len().max(recv_seg.len()).div_ceil(chunk).max(1);
+        for c in 0..steps {
+            let sr = clip(&send_seg, c * chunk, chunk);
+            let rr = clip(&recv_seg, c * chunk, chunk);
+            let got = &mut tmp[..rr.len()];
+            t.send_recv(next, bytes(&buf[sr]), prev, bytes_mut(got))?;
+            T::reduce_into(&mut buf[rr], got, op);
+        }
+    }
+    Ok(())
+}
+
+/// Ring all-gather in place: on entry segment `r` of rank `r` is valid; on exit all are.
+pub fn all_gather<T: Element>(t: &mut dyn Transport, buf: &mut [T]) -> Result<()> {
+    let (r, p) = (t.rank(), t.size());
+    if p == 1 {
+        return Ok(());
+    }
+    let n = buf.len();
+    let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+    for s in 0..p - 1 {
+        let send_seg = segment(n, p, (r + p - s) % p);
+        let recv_seg = segment(n, p, (r + 2 * p - s - 1) % p);
+        let (out, inp) = split_disjoint(buf, send_seg, recv_seg);
+        t.send_recv(next, bytes(out), prev, bytes_mut(inp))?;
+    }
+    Ok(())
+}
+
+/// Ring all-reduce: reduce-scatter then all-gather.
+pub fn all_reduce<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    reduce_scatter(t, buf, op)?;
+    all_gather(t, buf)
+}
+
+/// The part `[off, off + len)` of `range`, clipped to it.
+fn clip(range: &std::ops::Range<usize>, off: usize, len: usize) -> std::ops::Range<usize> {
+    let start = (range.start + off).min(range.end);
+    start..(start + len).min(range.end)
+}

@@ -1,0 +1,214 @@
+//! Where a worker learns who it is: rank, world size and master address from its environment.
+//!
+//! Recognised, in this order:
+//! 1. torchrun / `ddprun`: `RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`, and when present
+//!    `LOCAL_RANK`, `LOCAL_WORLD_SIZE`, `GROUP_RANK`, `TORCHELASTIC_RESTART_COUNT`.
+//! 2. Slurm: `SLURM_PROCID`, `SLURM_NTASKS`, `SLURM_LOCALID`, `SLURM_NTASKS_PER_NODE`/
+//!    `SLURM_STEP_TASKS_PER_NODE`; master = first host of `SLURM_JOB_NODELIST` unless `MASTER_ADDR` is set.
+//! 3. OpenMPI: `OMPI_COMM_WORLD_RANK`, `_SIZE`, `_LOCAL_RANK`, `_LOCAL_SIZE`; master from
+//!    `MASTER_ADDR` (default `127.0.0.1`).
+//!
+//! `MASTER_PORT` defaults to 29500 for Slurm and OpenMPI.
+
+use crate::{Error, Result};
+
+/// Default rendezvous port, as in torchrun.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Which launcher the environment came from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Launcher {
+    /// torchrun-compatible variables (set by `ddprun` or by hand).
+    Torchrun,
+    Slurm,
+    OpenMpi,
+}
+
+/// A worker's identity, read from its environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct EnvConfig {
+    pub launcher: Launcher,
+    pub rank: usize,
+    pub world_size: usize,
+    pub local_rank: usize,
+    pub local_world_size: usize,
+    pub master_addr: String,
+    pub master_port: u16,
+    /// `true` when the launcher already hosts the store (`DDP_STORE_HOSTED=1`, set by `ddprun`):
+    /// then rank 0 connects as a client instead of starting a server.
+    pub store_hosted: bool,
+    /// `TORCHELASTIC_RESTART_COUNT` (0 when absent): namespaces the rendezvous keys of each attempt.
+    pub restart_count: u32,
+}
+
+impl EnvConfig {
+    /// Read the process environment.
+    pub fn from_env() -> Result<Self> {
+        Self::from_lookup(|k| std::env::var(k).ok())
+    }
+
+    /// Same as [`EnvConfig::from_env`] over any lookup function (used by tests).
+    pub fn from_lookup(get: impl Fn(&str) -> Option<String>) -> Result<Self> {
+        let num = |name: &str| -> Result<Option<usize>> {
+            match get(name) {
+                None => Ok(None),
+                Some(v) => v.trim().parse::<usize>().map(Some).map_err(|_| {
+                    Error::Config(format!("{name}={v:?} is not a non-negative integer"))
+                }),
+            }
+        };
+        let port = |default: Option<u16>| -> Result<u16> {
+            match get("MASTER_PORT") {
+                Some(v) => v.trim().parse::<u16>().map_err(|_| {
+                    Error::Config(format!("MASTER_PORT={v:?} is not a port number (0..=65535)"))
+                }),
+                None => default.ok_or_else(|| Error::Config("MASTER_PORT is not set".into())),
+            }
+        };
+        let store_hosted = get("DDP_STORE_HOSTED").is_some_and(|v| v == "1");
+        let restart_count = num("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u32;
+
+        let (launcher, rank, world_size, local_rank, local_world_size, master_addr, master_port) =
+            if let (Some(rank), Some(world)) = (num("RANK")?, num("WORLD_SIZE")?) {
+                let addr = get("MASTER_ADDR").ok_or_else(|| {
+                    Error::Config("RANK and WORLD_SIZE are set but MASTER_ADDR is not".into())
+                })?;
+                let local_rank = num("LOCAL_RANK")?.unwrap_or(rank);
+                let local_world = num("LOCAL_WORLD_SIZE")?.unwrap_or(world);
+                (Launcher::Torchrun, rank, world, local_rank, local_world, addr, port(None)?)
+            } else if let (Some(rank), Some(world)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
+                let addr = match get("MASTER_ADDR") {
+                    Some(a) => a,
+                    None => get("SLURM_JOB_NODELIST")
+                        .or_else(|| get("SLURM_NODELIST"))
+                        .and_then(|l| first_slurm_host(&l))
+                        .unwrap_or_else(|| "127.0.0.1".to_string()),
+                };
+                let local_rank = num("SLURM_LOCALID")?.unwrap_or(0);
+                let local_world = get("SLURM_NTASKS_PER_NODE")
+                    .or_else(|| get("SLURM_STEP_TASKS_PER_NODE"))
+                    .and_then(|v| v.split(['(', ',']).next()?.trim().parse().ok())
+                    .unwrap_or(world);
+                let p = port(Some(DEFAULT_MASTER_PORT))?;
+                (Launcher::Slurm, rank, world, local_rank, local_world, addr, p)
+            } else if let (Some(rank), Some(world)) =
+                (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?)
+            {
+                let addr = get("MASTER_ADDR").unwrap_or_else(|| "127.0.0.1".to_string());
+                let local_rank = num("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(rank);
+                let local_world = num("OMPI_COMM_WORLD_LOCAL_SIZE")?.unwrap_or(world);
+                let p = port(Some(DEFAULT_MASTER_PORT))?;
+                (Launcher::OpenMpi, rank, world, local_rank, local_world, addr, p)
+            } else {
+                return Err(Error::Config(
+                    "no launcher environment found: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT \
+                     (ddprun/torchrun do this), or run under Slurm (SLURM_PROCID) or mpirun (OMPI_COMM_WORLD_RANK)"
+                        .into(),
+                ));
+            };
+        if world_size == 0 {
+            return Err(Error::Config("world size is 0; it must be at least 1".into()));
+        }
+        if rank >= world_size {
+            return Err(Error::Config(format!(
+                "rank {rank} is not below world size {world_size}"
+            )));
+        }
+        Ok(EnvConfig {
+            launcher,
+            rank,
+            world_size,
+            local_rank,
+            local_world_size,
+            master_addr,
+            master_port,
+            store_hosted,
+            restart_count,
+        })
+    }
+}
+
+/// First host name of a Slurm hostlist such as `node[01-04,07],gpu3` → `node01`.
+pub fn first_slurm_host(list: &str) -> Option<String> {
+    let list = list.trim();
+    if list.is_empty() {
+        return None;
+    }
+    let end = list.find(',').unwrap_or(list.len());
+    match list.find('[') {
+        Some(open) if open < end => {
+            let prefix = &list[..open];
+            let inner = &list[open + 1..];
+            let first = inner.split([',', ']']).next()?;
+            let first = first.split('-').next()?;
+            Some(format!("{prefix}{first}"))
+        }
+        _ => Some(list[..end].to_string()),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashMap;
+
+    fn cfg(pairs: &[(&str, &str)]) -> Result<EnvConfig> {
+        let m: HashMap<String, String> =
+            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        EnvConfig::from_lookup(|k| m.get(k).cloned())
+    }
+
+    #[test]
+    fn torchrun_env() {
+        let c = cfg(&[
+            ("RANK", "3"),
+            ("WORLD_SIZE", "4"),
+            ("LOCAL_RANK", "1"),
+            ("LOCAL_WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "10.0.0.1"),
+            ("MASTER_PORT", "1234"),
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.world_size, c.local_rank, c.local_world_size), (3, 4, 1, 2));
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("10.0.0.1", 1234));
+        assert_eq!(c.launcher, Launcher::Torchrun);
+    }
+
+    #[test]
+    fn invalid_values_are_named() {
+        let base = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
+        let e = cfg(&[&base[..], &[("RANK", "4"), ("WORLD_SIZE", "4")]].concat()).unwrap_err();
+        assert!(e.to_string().contains("rank 4 is not below world size 4"), "{e}");
+        let e = cfg(&[&base[..], &[("RANK", "0"), ("WORLD_SIZE", "0")]].concat()).unwrap_err();
+        assert!(e.to_string().contains("world size is 0"), "{e}");
+        let e = cfg(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")])
+            .unwrap_err();
+        assert!(e.to_string().contains("MASTER_PORT=\"99999\""), "{e}");
+        let e = cfg(&[("RANK", "x"), ("WORLD_SIZE", "1")]).unwrap_err();
+        assert!(e.to_string().contains("RANK=\"x\""), "{e}");
+        assert!(cfg(&[]).unwrap_err().to_string().contains("no launcher environment"));
+    }
+
+    #[test]
+    fn slurm_and_openmpi_env() {
+        let c = cfg(&[
+            ("SLURM_PROCID", "5"),
+            ("SLURM_NTASKS", "8"),
+            ("SLURM_LOCALID", "1"),
+            ("SLURM_NTASKS_PER_NODE", "4(x2)"),
+            ("SLURM_JOB_NODELIST", "gpu[07-08,11],cpu1"),
+        ])
+        .unwrap();
+        assert_eq!((c.rank, c.world_size, c.local_rank, c.local_world_size), (5, 8, 1, 4));
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu07", 29500));
+        let c = cfg(&[
+            ("OMPI_COMM_WORLD_RANK", "1"),
+            ("OMPI_COMM_WORLD_SIZE", "2"),
+            ("OMPI_COMM_WORLD_LOCAL_RANK", "1"),
+            ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
+        ])
+        .unwrap();
+        assert_eq!((c.launcher, c.rank, c.master_addr.as_str()), (Launcher::OpenMpi, 1, "127.0.0.1"));
+        assert_eq!(first_slurm_host("a1,b2"), Some("a1".into()));
+    }
+}

@@ -1,0 +1,75 @@
+//! The one error type of the communication core.
+//!
+//! Errors are `Clone` because a failure of one collective is handed to every pending and later
+//! operation of the group (a broken group stays broken), and each of them must be able to say
+//! which peer, which collective and which sequence number failed.
+
+use std::time::Duration;
+
+/// Result alias used throughout `ddp-comm`.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Everything that can go wrong in the communication core.
+#[derive(Debug, Clone, thiserror::Error)]
+pub enum Error {
+    /// Bad or missing configuration (env vars, init options, ranks, world size).
+    #[error("invalid configuration: {0}")]
+    Config(String),
+
+    /// A caller passed arguments that cannot work (buffer sizes, ranks out of range, ...).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
+
+    /// An I/O failure that is not attributable to a specific peer rank.
+    #[error("{context}: {message}")]
+    Io { context: String, message: String },
+
+    /// The store refused this client (wrong or missing shared secret) or broke its protocol.
+    #[error("store at {addr}: {message}")]
+    Store { addr: String, message: String },
+
+    /// An operation did not finish within its timeout.
+    #[error("timed out after {timeout:?} waiting for {what}")]
+    Timeout { what: String, timeout: Duration },
+
+    /// A peer rank died, closed its connection, or aborted the group.
+    #[error("{op} #{seq} failed: peer rank {peer} {reason}")]
+    PeerFailed {
+        peer: usize,
+        op: String,
+        seq: u64,
+        reason: String,
+    },
+
+    /// Ranks issued different collectives (op, dtype, element count or root differ).
+    #[error("collective mismatch at #{seq}: rank {rank} issued {local} but rank {peer} issued {remote}")]
+    Mismatch {
+        seq: u64,
+        rank: usize,
+        local: String,
+        peer: usize,
+        remote: String,
+    },
+
+    /// The group was aborted earlier; carries the original cause.
+    #[error("process group aborted: {0}")]
+    Aborted(Box<Error>),
+}
+
+impl Error {
+    /// An I/O error with a description of what was being done.
+    pub fn io(context: impl Into<String>, err: std::io::Error) -> Self {
+        Error::Io {
+            context: context.into(),
+            message: err.to_string(),
+        }
+    }
+
+    /// The root cause, looking through [`Error::Aborted`] wrappers.
+    pub fn root_cause(&self) -> &Error {
+        match self {
+            Error::Aborted(inner) => inner.root_cause(),
+            other => other,
+        }
+    }
+}

@@ -1,0 +1,31 @@
+//! `ddp-comm`: the communication core of ddp-rs, with no ML dependencies.
+//!
+//! Data flows one way: environment ([`env`]) → rendezvous [`store`] → [`ProcessGroup`]
+//! (a [`transport`] connecting every pair of ranks, driven by a background thread) →
+//! collective [`algorithms`] over that transport. Every operation is bounded by a timeout and
+//! every failure names the peer rank, the collective and its sequence number.
+//!
+//! Where to find things:
+//! - [`store`]: the TCP key-value store used for rendezvous (server, client, prefix wrapper).
+//! - [`env`]: reading rank / world size / master address from torchrun, Slurm or OpenMPI env.
+//! - [`transport`]: the [`transport::Transport`] trait and its TCP implementation.
+//! - [`algorithms`]: one file per collective algorithm (ring, recursive doubling, trees, ...).
+//! - [`process_group`]: groups, subgroups and the public collective API.
+//! - [`work`]: async work handles.
+//! - [`dtype`]: element types and reduction ops.
+//! - [`error`]: the error type.
+
+pub mod algorithms;
+pub mod dtype;
+pub mod env;
+pub mod error;
+pub mod process_group;
+pub mod store;
+pub mod transport;
+pub mod work;
+
+pub use dtype::{DType, Element, ReduceOp};
+pub use error::{Error, Result};
+pub use process_group::{init_process_group, InitOptions, ProcessGroup};
+pub use store::{PrefixStore, Store, StoreServer, TcpStore};
+pub use work::Work;

@@ -1,0 +1,58 @@
+//! The rendezvous store: a small TCP key-value server and its client.
+//!
+//! Ranks find each other through it (each publishes its listening address, then reads the
+//! others'), and the launcher uses it to count arriving nodes. Semantics follow PyTorch's
+//! `TCPStore`: `get` and `wait` block until the keys exist or the timeout passes, `add` is an
+//! atomic counter, `compare_set` is an atomic swap. An optional shared secret
+//! (`DDP_STORE_SECRET`) makes the server refuse clients that do not know it.
+//!
+//! - [`server`]: [`StoreServer`], the listening side (hosted by rank 0 or by `ddprun`).
+//! - [`client`]: [`TcpStore`], the connecting side.
+//! - [`prefix`]: [`PrefixStore`], a namespace over any store.
+//! - [`protocol`]: the wire format shared by both sides.
+
+mod client;
+mod prefix;
+mod protocol;
+mod server;
+
+pub use client::{StoreOptions, TcpStore};
+pub use prefix::PrefixStore;
+pub use server::StoreServer;
+
+use crate::Result;
+use std::time::Duration;
+
+/// Environment variable holding the optional shared secret of the store.
+pub const SECRET_ENV: &str = "DDP_STORE_SECRET";
+
+/// Default timeout of blocking store operations (PyTorch's default is 30 minutes too... for
+/// collectives; its store default is 5 minutes, which we follow).
+pub const DEFAULT_STORE_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// The key-value interface shared by [`TcpStore`] and [`PrefixStore`].
+pub trait Store: Send + Sync {
+    /// Set `key` to `value`, waking any `get`/`wait` blocked on it.
+    fn set(&self, key: &str, value: &[u8]) -> Result<()>;
+    /// Value of `key`, blocking until it exists or [`Store::timeout`] passes.
+    fn get(&self, key: &str) -> Result<Vec<u8>> {
+        self.get_timeout(key, self.timeout())
+    }
+    /// Value of `key`, blocking until it exists or `timeout` passes.
+    fn get_timeout(&self, key: &str, timeout: Duration) -> Result<Vec<u8>>;
+    /// Atomically add `delta` to the integer stored at `key` (missing = 0); returns the new value.
+    fn add(&self, key: &str, delta: i64) -> Result<i64>;
+    /// If `key`'s value equals `expected` (or `key` is missing and `expected` is empty), set it
+    /// to `desired`. Returns the value after the operation.
+    fn compare_set(&self, key: &str, expected: &[u8], desired: &[u8]) -> Result<Vec<u8>>;
+    /// Block until every key in `keys` exists or `timeout` passes (the error names the missing keys).
+    fn wait(&self, keys: &[&str], timeout: Duration) -> Result<()>;
+    /// Delete `key`; returns whether it existed.
+    fn delete(&self, key: &str) -> Result<bool>;
+    /// Number of keys currently stored.
+    fn num_keys(&self) -> Result<u64>;
+    /// Whether `key` exists right now (never blocks).
+    fn check(&self, key: &str) -> Result<bool>;
+    /// Default timeout of blocking operations.
+    fn timeout(&self) -> Duration;
+}

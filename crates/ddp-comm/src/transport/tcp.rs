@@ -1,0 +1,596 @@
+//! TCP transport: a full mesh of connections, one per pair of ranks, with `TCP_NODELAY`.
+//!
+//! Setup ([`TcpTransport::connect_mesh`]): every rank listens on an ephemeral port and publishes
+//! `ip:port` under `addr/{rank}` in the store; rank `r` connects to every lower rank and accepts a
+//! connection from every higher one. The connector sends a hello (`magic, rank, world size`), the
+//! acceptor answers with an ack or a refusal text (e.g. a world-size mismatch), so a
+//! misconfigured job fails at init on both sides with a message naming the ranks.
+//!
+//! Data moves in frames; every frame starts with a 40-byte header:
+//!
+//! ```text
+//! 0      4    5   6      7       8      12     20      28         36     40
+//! | magic | kind | op | dtype | reduce | root | seq | count | payload len | pad |
+//! ```
+//!
+//! `kind` is data or abort (an abort frame's payload is the UTF-8 reason). The receiver checks
+//! the header against its own [`Fingerprint`] before trusting the payload. Sockets are
+//! non-blocking; [`Transport::exchange`] drives all sends and receives of one step with
+//! `writev`/`readv` and `poll(2)`, so a ring step never deadlocks and a closed socket, an abort
+//! or the deadline ends the step with an error naming the peer.
+
+use super::{Fingerprint, OpKind, Recv, Send, Transport};
+use crate::dtype::{DType, ReduceOp};
+use crate::store::Store;
+use crate::{Error, Result};
+use std::io::{Read, Write};
+use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::{AsRawFd, RawFd};
+use std::time::{Duration, Instant};
+
+const FRAME_MAGIC: u32 = 0xDD9C_0001;
+const HELLO_MAGIC: u32 = 0xDD9C_0AAA;
+const HEADER_LEN: usize = 40;
+const KIND_DATA: u8 = 0;
+const KIND_ABORT: u8 = 1;
+const NO_REDUCE: u8 = 0xFF;
+/// Busy-poll iterations (each yields the CPU) before sleeping in `poll(2)`: keeps
+/// small-message latency low without starving other ranks when cores are oversubscribed.
+const SPIN_ITERS: u32 = 2000;
+
+fn encode_header(fp: &Fingerprint, kind: u8, len: u64) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
+    h[4] = kind;
+    h[5] = fp.op as u8;
+    h[6] = fp.dtype.code();
+    h[7] = fp.reduce.map_or(NO_REDUCE, |r| r.code());
+    h[8..12].copy_from_slice(&fp.root.to_le_bytes());
+    h[12..20].copy_from_slice(&fp.seq.to_le_bytes());
+    h[20..28].copy_from_slice(&fp.count.to_le_bytes());
+    h[28..36].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+struct Header {
+    kind: u8,
+    fp: Option<Fingerprint>,
+    len: u64,
+}
+
+fn decode_header(h: &[u8; HEADER_LEN]) -> Option<Header> {
+    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap());
+    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap());
+    if u32_at(0) != FRAME_MAGIC {
+        return None;
+    }
+    let fp = (|| {
+        Some(Fingerprint {
+            op: OpKind::from_code(h[5])?,
+            dtype: DType::from_code(h[6])?,
+            reduce: if h[7] == NO_REDUCE {
+                None
+            } else {
+                Some(ReduceOp::from_code(h[7])?)
+            },
+            root: u32_at(8),
+            seq: u64_at(12),
+            count: u64_at(20),
+        })
+    })();
+    Some(Header {
+        kind: h[4],
+        fp,
+        len: u64_at(28),
+    })
+}
+
+struct Peer {
+    stream: TcpStream,
+    fd: RawFd,
+    /// A frame was partly written when an operation failed: the stream can't carry an abort frame.
+    dirty: bool,
+}
+
+/// One rank's end of a TCP full mesh.
+pub struct TcpTransport {
+    rank: usize,
+    size: usize,
+    peers: Vec<Option<Peer>>,
+    fp: Fingerprint,
+    deadline: Instant,
+    timeout: Duration,
+}
+
+/// Progress of one send within an exchange.
+struct SendState {
+    header: [u8; HEADER_LEN],
+    done: usize,
+    total: usize,
+}
+
+/// Progress of one receive within an exchange.
+struct RecvState {
+    header: [u8; HEADER_LEN],
+    done: usize,
+    total: usize,
+    checked: bool,
+}
+
+impl TcpTransport {
+    /// Build the mesh among `size` ranks through `store` (already namespaced for this group).
+    /// `local_ip` is the address peers use to reach this process.
+    pub fn connect_mesh(
+        store: &dyn Store,
+        rank: usize,
+        size: usize,
+        local_ip: IpAddr,
+        timeout: Duration,
+    ) -> Result<TcpTransport> {
+        let deadline = Instant::now() + timeout;
+        let listener = TcpListener::bind(SocketAddr::new(
+            if local_ip.is_loopback() {
+                local_ip
+            } else {
+                IpAddr::from([0, 0, 0, 0])
+            },
+            0,
+        ))
+        .map_err(|e| Error::io("cannot open a listening socket for peer connections", e))?;
+        let port = listener.local_addr().map_err(|e| Error::io("listener address", e))?.port();
+        store.set(&format!("addr/{rank}"), format!("{local_ip}:{port}").as_bytes())?;
+
+        let mut peers: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
+        // Connect to every lower rank.
+        for peer in 0..rank {
+            let key = format!("addr/{peer}");
+            let remaining = deadline.saturating_duration_since(Instant::now());
+            let addr = store.get_timeout(&key, remaining).map_err(|e| match e {
+                Error::Timeout { timeout, .. } => Error::Timeout {
+                    what: format!("rank {peer} to join the rendezvous (world size {size})"),
+                    timeout,
+                },
+                e => e,
+            })?;
+            let addr = String::from_utf8_lossy(&addr).to_string();
+            let stream = connect_with_retry(&addr, deadline)
+                .map_err(|e| Error::io(format!("cannot connect to rank {peer} at {addr}"), e))?;
+            let mut stream = stream;
+            stream
+                .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+                .ok();
+            let mut hello = Vec::with_capacity(12);
+            hello.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
+            hello.extend_from_slice(&(rank as u32).to_le_bytes());
+            hello.extend_from_slice(&(size as u32).to_le_bytes());
+            stream
+                .write_all(&hello)
+                .map_err(|e| Error::io(format!("handshake with rank {peer} at {addr}"), e))?;
+            let mut len = [0u8; 4];
+            stream.read_exact(&mut len).map_err(|e| {
+                Error::io(format!("handshake with rank {peer} at {addr} (no answer)"), e)
+            })?;
+            let len = u32::from_le_bytes(len) as usize;
+            if len > 0 {
+                let mut msg = vec![0u8; len.min(4096)];
+                stream.read_exact(&mut msg).ok();
+                return Err(Error::Config(format!(
+                    "rank {peer} refused this rank ({rank}): {}",
+                    String::from_utf8_lossy(&msg)
+                )));
+            }
+            peers[peer] = Some(Peer::new(stream)?);
+        }
+        // Accept every higher rank.
+        listener
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("listener", e))?;
+        let mut missing: Vec<usize> = (rank + 1..size).collect();
+        while !missing.is_empty() {
+            let (mut stream, from) = match listener.accept() {
+                Ok(s) => s,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    if Instant::now() >= deadline {
+                        return Err(Error::Timeout {
+                            what: format!(
+                                "rank(s) {missing:?} to connect to rank {rank} (world size {size})"
+                            ),
+                            timeout,
+                        });
+                    }
+                    std::thread::sleep(Duration::from_millis(2));
+                    continue;
+                }
+                Err(e) => return Err(Error::io("accepting a peer connection", e)),
+            };
+            stream.set_nonblocking(false).ok();
+            stream.set_read_timeout(Some(Duration::from_secs(10))).ok();
+            let mut hello = [0u8; 12];
+            if stream.read_exact(&mut hello).is_err()
+                || u32::from_le_bytes(hello[0..4].try_into().unwrap()) != HELLO_MAGIC
+            {
+                tracing::warn!("ignoring a connection from {from} that is not a ddp-rs peer");
+                continue;
+            }
+            let peer = u32::from_le_bytes(hello[4..8].try_into().unwrap()) as usize;
+            let peer_size = u32::from_le_bytes(hello[8..12].try_into().unwrap()) as usize;
+            let refusal = if peer_size != size {
+                Some(format!(
+                    "world size mismatch: rank {peer} was started with world size {peer_size}, rank {rank} with {size}"
+                ))
+            } else if !missing.contains(&peer) {
+                Some(format!(
+                    "rank {peer} connected twice or is out of range (world size {size}): two processes were given the same rank?"
+                ))
+            } else {
+                None
+            };
+            if let Some(msg) = refusal {
+                let _ = stream.write_all(&(msg.len() as u32).to_le_bytes());
+                let _ = stream.write_all(msg.as_bytes());
+                return Err(Error::Config(msg));
+            }
+            stream
+                .write_all(&0u32.to_le_bytes())
+                .map_err(|e| Error::io(format!("handshake with rank {peer}"), e))?;
+            missing.retain(|&m| m != peer);
+            peers[peer] = Some(Peer::new(stream)?);
+        }
+        Ok(TcpTransport {
+            rank,
+            size,
+            peers,
+            fp: Fingerprint {
+                seq: 0,
+                op: OpKind::Rendezvous,
+                dtype: DType::U8,
+                reduce: None,
+                count: 0,
+                root: Fingerprint::NO_ROOT,
+            },
+            deadline,
+            timeout,
+        })
+    }
+
+    fn peer(&self, r: usize) -> Result<&Peer> {
+        self.peers
+            .get(r)
+            .and_then(|p| p.as_ref())
+            .ok_or_else(|| Error::InvalidArgument(format!("rank {r} is not a peer of rank {} (world size {})", self.rank, self.size)))
+    }
+
+    fn fail(&self, peer: usize, reason: impl Into<String>) -> Error {
+        Error::PeerFailed {
+            peer,
+            op: self.fp.to_string(),
+            seq: self.fp.seq,
+            reason: reason.into(),
+        }
+    }
+
+    fn io_fail(&self, peer: usize, e: &std::io::Error) -> Error {
+        use std::io::ErrorKind::*;
+        match e.kind() {
+            ConnectionReset | BrokenPipe | ConnectionAborted | UnexpectedEof => {
+                self.fail(peer, "closed its connection (process died or left the group)")
+            }
+            _ => self.fail(peer, format!("connection failed: {e}")),
+        }
+    }
+
+    /// Read the rest of an abort frame's reason text (best effort, short timeout).
+    fn read_abort_reason(&self, from: usize, prefix: &[u8], len: usize) -> String {
+        let mut msg = prefix[..prefix.len().min(len)].to_vec();
+        if let Ok(p) = self.peer(from) {
+            let mut s = &p.stream;
+            let until = Instant::now() + Duration::from_millis(200);
+            let mut chunk = [0u8; 512];
+            while msg.len() < len.min(64 * 1024) && Instant::now() < until {
+                match s.read(&mut chunk[..(len - msg.len()).min(512)]) {
+                    Ok(0) => break,
+                    Ok(n) => msg.extend_from_slice(&chunk[..n]),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        std::thread::sleep(Duration::from_millis(1))
+                    }
+                    Err(_) => break,
+                }
+            }
+        }
+        String::from_utf8_lossy(&msg).into_owned()
+    }
+
+    fn check_header(&self, from: usize, st: &RecvState, buf: &[u8]) -> Result<()> {
+        let h = decode_header(&st.header)
+            .ok_or_else(|| self.fail(from, "sent a corrupt frame (protocol violation)"))?;
+        if h.kind == KIND_ABORT {
+            let got = st.done.saturating_sub(HEADER_LEN).min(buf.len());
+            let reason = self.read_abort_reason(from, &buf[..got], h.len as usize);
+            return Err(self.fail(from, format!("aborted the group: {reason}")));
+        }
+        let remote = h
+            .fp
+            .ok_or_else(|| self.fail(from, "sent a frame with an unknown operation code"))?;
+        if remote != self.fp || h.len != buf.len() as u64 {
+            let describe = |fp: &Fingerprint, len: u64| {
+                if fp.seq == self.fp.seq {
+                    format!("{fp} [{len} bytes]")
+                } else {
+                    format!("{fp} #{} [{len} bytes]", fp.seq)
+                }
+            };
+            return Err(Error::Mismatch {
+                seq: self.fp.seq,
+                rank: self.rank,
+                local: describe(&self.fp, buf.len() as u64),
+                peer: from,
+                remote: describe(&remote, h.len),
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Peer {
+    fn new(stream: TcpStream) -> Result<Peer> {
+        stream.set_nodelay(true).map_err(|e| Error::io("TCP_NODELAY", e))?;
+        stream.set_read_timeout(None).ok();
+        stream
+            .set_nonblocking(true)
+            .map_err(|e| Error::io("non-blocking socket", e))?;
+        let fd = stream.as_raw_fd();
+        Ok(Peer {
+            stream,
+            fd,
+            dirty: false,
+        })
+    }
+}
+
+fn connect_with_retry(addr: &str, deadline: Instant) -> std::io::Result<TcpStream> {
+    loop {
+        match TcpStream::connect(addr) {
+            Ok(s) => return Ok(s),
+            Err(e) if Instant::now() >= deadline => return Err(e),
+            Err(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+}
+
+/// `writev` of the unsent part of `header ++ data`. Returns bytes written or the error.
+fn writev2(fd: RawFd, a: &[u8], b: &[u8]) -> std::io::Result<usize> {
+    let iov = [
+        libc::iovec {
+            iov_base: a.as_ptr() as *mut libc::c_void,
+            iov_len: a.len(),
+        },
+        libc::iovec {
+            iov_base: b.as_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        },
+    ];
+    // SAFETY: the iovecs point into live slices for the duration of the call.
+    let n = unsafe { libc::writev(fd, iov.as_ptr(), 2) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+/// `readv` into the unread part of `header ++ buf`. Returns bytes read (0 = peer closed).
+fn readv2(fd: RawFd, a: &mut [u8], b: &mut [u8]) -> std::io::Result<usize> {
+    let iov = [
+        libc::iovec {
+            iov_base: a.as_mut_ptr() as *mut libc::c_void,
+            iov_len: a.len(),
+        },
+        libc::iovec {
+            iov_base: b.as_mut_ptr() as *mut libc::c_void,
+            iov_len: b.len(),
+        },
+    ];
+    // SAFETY: the iovecs point into live, exclusively borrowed slices for the duration of the call.
+    let n = unsafe { libc::readv(fd, iov.as_ptr(), 2) };
+    if n < 0 {
+        Err(std::io::Error::last_os_error())
+    } else {
+        Ok(n as usize)
+    }
+}
+
+impl Transport for TcpTransport {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn begin(&mut self, fp: Fingerprint, deadline: Instant) {
+        self.fp = fp;
+        self.deadline = deadline;
+    }
+
+    fn exchange(&mut self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
+        let mut sst: Vec<SendState> = sends
+            .iter()
+            .map(|s| SendState {
+                header: encode_header(&self.fp, KIND_DATA, s.data.len() as u64),
+                done: 0,
+                total: HEADER_LEN + s.data.len(),
+            })
+            .collect();
+        let mut rst: Vec<RecvState> = recvs
+            .iter()
+            .map(|r| RecvState {
+                header: [0; HEADER_LEN],
+                done: 0,
+                total: HEADER_LEN + r.buf.len(),
+                checked: false,
+            })
+            .collect();
+        for s in sends.iter() {
+            self.peer(s.to)?;
+        }
+        for r in recvs.iter() {
+            self.peer(r.from)?;
+        }
+        let mut idle: u32 = 0;
+        let mut pollfds: Vec<libc::pollfd> = Vec::new();
+        loop {
+            let mut progress = false;
+            let mut pending = false;
+            for (s, st) in sends.iter().zip(sst.iter_mut()) {
+                if st.done == st.total {
+                    continue;
+                }
+                let fd = self.peer(s.to)?.fd;
+                let (h, d) = if st.done < HEADER_LEN {
+                    (&st.header[st.done..], s.data)
+                } else {
+                    (&st.header[..0], &s.data[st.done - HEADER_LEN..])
+                };
+                match writev2(fd, h, d) {
+                    Ok(n) => {
+                        if n > 0 {
+                            progress = true;
+                            st.done += n;
+                            if let Some(p) = self.peers[s.to].as_mut() {
+                                p.dirty = st.done < st.total;
+                            }
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(self.io_fail(s.to, &e)),
+                }
+                if st.done < st.total {
+                    pending = true;
+                }
+            }
+            for (r, st) in recvs.iter_mut().zip(rst.iter_mut()) {
+                if st.done == st.total {
+                    continue;
+                }
+                let fd = self.peer(r.from)?.fd;
+                let res = if st.done < HEADER_LEN {
+                    readv2(fd, &mut st.header[st.done..], r.buf)
+                } else {
+                    readv2(fd, &mut [], &mut r.buf[st.done - HEADER_LEN..])
+                };
+                match res {
+                    Ok(0) => {
+                        return Err(self.fail(
+                            r.from,
+                            "closed its connection (process died or left the group)",
+                        ))
+                    }
+                    Ok(n) => {
+                        progress = true;
+                        st.done += n;
+                        if !st.checked && st.done >= HEADER_LEN {
+                            st.checked = true;
+                            self.check_header(r.from, st, r.buf)?;
+                        }
+                    }
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                    Err(e) => return Err(self.io_fail(r.from, &e)),
+                }
+                if st.done < st.total {
+                    pending = true;
+                }
+            }
+            if !pending {
+                return Ok(());
+            }
+            if progress {
+                idle = 0;
+                continue;
+            }
+            idle += 1;
+            if idle < SPIN_ITERS {
+                std::thread::yield_now();
+                continue;
+            }
+            // Nothing moved for a while: sleep in poll(2) until a socket is ready or the deadline.
+            let now = Instant::now();
+            if now >= self.deadline {
+                let waiting: Vec<usize> = recvs
+                    .iter()
+                    .zip(&rst)
+                    .filter(|(_, st)| st.done < st.total)
+                    .map(|(r, _)| r.from)
+                    .chain(
+                        sends
+                            .iter()
+                            .zip(&sst)
+                            .filter(|(_, st)| st.done < st.total)
+                            .map(|(s, _)| s.to),
+                    )
+                    .collect();
+                let peer = waiting.first().copied().unwrap_or(self.rank);
+                return Err(self.fail(
+                    peer,
+                    format!(
+                        "did not answer within the timeout of {:?} (stalled, deadlocked, or issuing other collectives); waiting on rank(s) {waiting:?}",
+                        self.timeout
+                    ),
+                ));
+            }
+            pollfds.clear();
+            for (s, st) in sends.iter().zip(&sst) {
+                if st.done < st.total {
+                    pollfds.push(libc::pollfd {
+                        fd: self.peer(s.to)?.fd,
+                        events: libc::POLLOUT,
+                        revents: 0,
+                    });
+                }
+            }
+            for (r, st) in recvs.iter().zip(&rst) {
+                if st.done < st.total {
+                    pollfds.push(libc::pollfd {
+                        fd: self.peer(r.from)?.fd,
+                        events: libc::POLLIN | libc::POLLRDHUP,
+                        revents: 0,
+                    });
+                }
+            }
+            let wait_ms = (self.deadline - now).as_millis().clamp(1, 1000) as i32;
+            // SAFETY: pollfds is a valid array of pollfd for the duration of the call.
+            unsafe { libc::poll(pollfds.as_mut_ptr(), pollfds.len() as libc::nfds_t, wait_ms) };
+            idle = SPIN_ITERS / 2;
+        }
+    }
+
+    fn abort(&mut self, cause: &Error) {
+        let reason = format!("rank {}: {}", self.rank, cause.root_cause());
+        let header = encode_header(&self.fp, KIND_ABORT, reason.len() as u64);
+        for p in self.peers.iter_mut().flatten() {
+            if !p.dirty {
+                let until = Instant::now() + Duration::from_millis(100);
+                let mut done = 0;
+                let total = HEADER_LEN + reason.len();
+                while done < total && Instant::now() < until {
+                    let (h, d) = if done < HEADER_LEN {
+                        (&header[done..], reason.as_bytes())
+                    } else {
+                        (&header[..0], &reason.as_bytes()[done - HEADER_LEN..])
+                    };
+                    match writev2(p.fd, h, d) {
+                        Ok(n) => done += n,
+                        Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                            std::thread::sleep(Duration::from_micros(200))
+                        }
+                        Err(_) => break,
+                    }
+                }
+            }
+            let _ = p.stream.shutdown(std::net::Shutdown::Both);
+            p.dirty = true;
+        }
+    }
+}

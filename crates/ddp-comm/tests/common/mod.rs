@@ -1,0 +1,266 @@
+//! Shared test harness: run a closure on `world` ranks, one thread each, every rank with its own
+//! process group over real TCP sockets on loopback.
+#![allow(dead_code)]
+
+use ddp_comm::algorithms::AllReduceAlgorithm;
+use ddp_comm::store::{StoreOptions, StoreServer, TcpStore};
+use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
+use ddp_comm::{Element, ReduceOp};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Start `world` process groups (ranks as threads) and run `f(pg)` on each; results by rank.
+pub fn run_ranks<R: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    run_ranks_with(world, timeout, None, f)
+}
+
+/// [`run_ranks`] with a forced all-reduce algorithm.
+pub fn run_ranks_with<R: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    algorithm: Option<AllReduceAlgorithm>,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let server = StoreServer::bind("127.0.0.1:0", None).expect("store server");
+    let addr = server.local_addr().to_string();
+    let f = Arc::new(f);
+    let handles: Vec<_> = (0..world)
+        .map(|rank| {
+            let f = f.clone();
+            let addr = addr.clone();
+            std::thread::spawn(move || {
+                let store = TcpStore::connect(
+                    &addr,
+                    StoreOptions { secret: None, timeout, connect_timeout: timeout },
+                )
+                .expect("store client");
+                let mut opts = InitOptions::with_store(Arc::new(store), rank, world);
+                opts.timeout = timeout;
+                opts.allreduce_algorithm = algorithm;
+                let pg = init_process_group(opts).expect("init_process_group");
+                f(pg)
+            })
+        })
+        .collect();
+    let out = handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect();
+    drop(server);
+    out
+}
+
+// ----- sequential reference for every collective -------------------------------------------
+
+pub const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max, ReduceOp::Product];
+
+/// Conversions the reference needs.
+pub trait Num: Element + Copy {
+    fn from_i(v: i64) -> Self;
+    fn to_f(self) -> f64;
+    /// The reference reduction, mirroring the library's semantics for this type.
+    fn reduce(vals: &[Self], op: ReduceOp) -> Self;
+}
+
+macro_rules! float_num {
+    ($t:ty, $from:expr, $to:expr) => {
+        impl Num for $t {
+            fn from_i(v: i64) -> Self {
+                $from(v as f32)
+            }
+            fn to_f(self) -> f64 {
+                $to(self) as f64
+            }
+            fn reduce(vals: &[Self], op: ReduceOp) -> Self {
+                let v: Vec<f64> = vals.iter().map(|x| x.to_f()).collect();
+                let r = match op {
+                    ReduceOp::Sum => v.iter().sum::<f64>(),
+                    ReduceOp::Avg => (v.iter().sum::<f64>() as f32 / v.len() as f32) as f64,
+                    ReduceOp::Min => v.iter().cloned().fold(f64::INFINITY, f64::min),
+                    ReduceOp::Max => v.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+                    ReduceOp::Product => v.iter().product::<f64>(),
+                };
+                $from(r as f32)
+            }
+        }
+    };
+}
+float_num!(f32, |x: f32| x, |x: f32| x);
+float_num!(f16, f16::from_f32, |x: f16| x.to_f32());
+float_num!(bf16, bf16::from_f32, |x: bf16| x.to_f32());
+
+impl Num for f64 {
+    fn from_i(v: i64) -> Self {
+        v as f64
+    }
+    fn to_f(self) -> f64 {
+        self
+    }
+    fn reduce(vals: &[Self], op: ReduceOp) -> Self {
+        match op {
+            ReduceOp::Sum => vals.iter().sum(),
+            ReduceOp::Avg => vals.iter().sum::<f64>() / vals.len() as f64,
+            ReduceOp::Min => vals.iter().cloned().fold(f64::INFINITY, f64::min),
+            ReduceOp::Max => vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+            ReduceOp::Product => vals.iter().product(),
+        }
+    }
+}
+
+macro_rules! int_num {
+    ($t:ty) => {
+        impl Num for $t {
+            fn from_i(v: i64) -> Self {
+                v as $t
+            }
+            fn to_f(self) -> f64 {
+                self as f64
+            }
+            fn reduce(vals: &[Self], op: ReduceOp) -> Self {
+                let mut acc = vals[0];
+                for &v in &vals[1..] {
+                    acc = match op {
+                        ReduceOp::Sum | ReduceOp::Avg => acc.wrapping_add(v),
+                        ReduceOp::Product => acc.wrapping_mul(v),
+                        ReduceOp::Min => acc.min(v),
+                        ReduceOp::Max => acc.max(v),
+                    };
+                }
+                if op == ReduceOp::Avg {
+                    acc / vals.len() as $t
+                } else {
+                    acc
+                }
+            }
+        }
+    };
+}
+int_num!(i32);
+int_num!(i64);
+int_num!(u8);
+
+/// Rank `rank`'s input for case `case`: small integers (products stay small too).
+pub fn input<T: Num>(case: u64, rank: usize, n: usize, op: ReduceOp) -> Vec<T> {
+    let mut rng = StdRng::seed_from_u64(case * 1000 + rank as u64);
+    (0..n)
+        .map(|_| {
+            let v: i64 = match op {
+                ReduceOp::Product => [1, 2, 1, 1][rng.gen_range(0..4)],
+                _ if T::DTYPE == ddp_comm::DType::U8 => rng.gen_range(0..40),
+                _ => rng.gen_range(-8..=8),
+            };
+            T::from_i(v)
+        })
+        .collect()
+}
+
+pub fn reference<T: Num>(case: u64, world: usize, n: usize, op: ReduceOp) -> Vec<T> {
+    let all: Vec<Vec<T>> = (0..world).map(|r| input(case, r, n, op)).collect();
+    (0..n)
+        .map(|i| T::reduce(&all.iter().map(|v| v[i]).collect::<Vec<_>>(), op))
+        .collect()
+}
+
+pub fn assert_same<T: Num>(what: &str, got: &[T], want: &[T]) {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    if let Some(i) = (0..got.len()).find(|&i| got[i].to_f().to_bits() != want[i].to_f().to_bits()) {
+        panic!("{what}: element {i}: got {:?}, want {:?}", got[i], want[i]);
+    }
+}
+
+/// Run every collective of `T` on `pg` for the sizes in `sizes`, checking each against the reference.
+pub fn check_all<T: Num>(pg: &ProcessGroup, seed: u64, sizes: &[usize]) {
+    let (rank, world) = (pg.rank(), pg.size());
+    let mut rng = StdRng::seed_from_u64(seed); // same sequence on every rank
+    for (k, &n) in sizes.iter().enumerate() {
+        let case = seed * 100 + k as u64;
+        let dt = T::DTYPE;
+        // Large messages: one op, and per-rank blocks of n / world, to bound the test's time.
+        let large = n > 100_000;
+        let ops: &[ReduceOp] = if large { &[ReduceOp::Sum] } else { &OPS };
+        let blk = if large { n / world } else { n };
+        for &op in ops {
+            // all_reduce, blocking and async
+            let mut buf = input::<T>(case, rank, n, op);
+            pg.all_reduce(&mut buf, op).unwrap();
+            assert_same(&format!("all_reduce {dt} {op} n={n} world={world}"), &buf, &reference(case, world, n, op));
+            let got = pg.all_reduce_async(input::<T>(case, rank, n, op), op).wait().unwrap();
+            assert_same("all_reduce_async", &got, &reference(case, world, n, op));
+            // reduce to a random root
+            let root = rng.gen_range(0..world);
+            let mut buf = input::<T>(case, rank, n, op);
+            pg.reduce(&mut buf, op, root).unwrap();
+            if rank == root {
+                assert_same(&format!("reduce {dt} {op} n={n} root={root}"), &buf, &reference(case, world, n, op));
+            } else {
+                assert_same("reduce leaves non-root input unchanged", &buf, &input::<T>(case, rank, n, op));
+            }
+            // reduce_scatter: rank r gets block r of the reduction
+            let full: Vec<T> = input(case, rank, blk * world, op);
+            let mut out = vec![T::from_i(0); blk];
+            pg.reduce_scatter(&full, &mut out, op).unwrap();
+            let want = reference::<T>(case, world, blk * world, op);
+            assert_same(&format!("reduce_scatter {dt} {op} n={blk}"), &out, &want[rank * blk..(rank + 1) * blk]);
+        }
+        let op = ReduceOp::Sum;
+        // broadcast
+        let root = rng.gen_range(0..world);
+        let mut buf = input::<T>(case, rank, n, op);
+        pg.broadcast(&mut buf, root).unwrap();
+        assert_same(&format!("broadcast {dt} n={n} root={root}"), &buf, &input::<T>(case, root, n, op));
+        // all_gather
+        let mine = input::<T>(case, rank, blk, op);
+        let mut out = vec![T::from_i(0); blk * world];
+        pg.all_gather(&mine, &mut out).unwrap();
+        let want: Vec<T> = (0..world).flat_map(|r| input::<T>(case, r, blk, op)).collect();
+        assert_same(&format!("all_gather {dt} n={blk}"), &out, &want);
+        // gather
+        let mut out = vec![T::from_i(0); blk * world];
+        pg.gather(&mine, (rank == root).then_some(&mut out[..]), root).unwrap();
+        if rank == root {
+            assert_same(&format!("gather {dt} n={blk}"), &out, &want);
+        }
+        // scatter: root's input is everyone's blocks
+        let mut out = vec![T::from_i(0); blk];
+        let all_in: Vec<T> = input(case + 7, root, blk * world, op);
+        pg.scatter((rank == root).then_some(&all_in[..]), &mut out, root).unwrap();
+        assert_same(&format!("scatter {dt} n={blk}"), &out, &input::<T>(case + 7, root, blk * world, op)[rank * blk..(rank + 1) * blk]);
+        // all_to_all: block j of rank i goes to rank j's block i
+        let send: Vec<T> = input(case + 9, rank, blk * world, op);
+        let mut recv = vec![T::from_i(0); blk * world];
+        pg.all_to_all(&send, &mut recv).unwrap();
+        let want: Vec<T> = (0..world)
+            .flat_map(|i| input::<T>(case + 9, i, blk * world, op)[rank * blk..(rank + 1) * blk].to_vec())
+            .collect();
+        assert_same(&format!("all_to_all {dt} n={blk}"), &recv, &want);
+        // send / recv around the ring (even ranks send first, odd ranks receive first)
+        if world > 1 {
+            let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
+            let mine = input::<T>(case, rank, n, op);
+            let mut got = vec![T::from_i(0); n];
+            if rank % 2 == 0 {
+                pg.send(&mine, next).unwrap();
+                pg.recv(&mut got, prev).unwrap();
+            } else {
+                pg.recv(&mut got, prev).unwrap();
+                pg.send(&mine, next).unwrap();
+            }
+            assert_same(&format!("send/recv {dt} n={n}"), &got, &input::<T>(case, prev, n, op));
+        }
+        pg.barrier().unwrap();
+    }
+}
+
+pub fn sizes(seed: u64, large: bool) -> Vec<usize> {
+    let mut rng = StdRng::seed_from_u64(seed);
+    let mut s = vec![0, 1, 7, rng.gen_range(2..200) * 2 + 1, rng.gen_range(1000..70_000)];
+    if large {
+        s.push((4 << 20) / 4 + 3); // ≥ 4 MiB of f32, odd
+    }
+    s
+}
+

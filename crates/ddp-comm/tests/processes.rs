@@ -1,0 +1,194 @@
+//! Real processes: collectives against the reference, a peer killed with SIGKILL mid-collective,
+//! mismatched collectives, and a stalled peer. Every survivor must fail with an error naming the
+//! peer, and no test may hang.
+//!
+//! The workers are this test binary itself, re-executed on the ignored `worker` test with the
+//! torchrun environment (`RANK`, `WORLD_SIZE`, `MASTER_ADDR`, `MASTER_PORT`).
+
+mod common;
+
+use ddp_comm::{init_process_group, InitOptions, ReduceOp};
+use half::bf16;
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+}
+
+fn spawn_workers(world: usize, mode: &str, extra: &[(&str, String)]) -> Vec<Child> {
+    let port = free_port().to_string();
+    (0..world)
+        .map(|rank| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args(["worker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+                .env("RANK", rank.to_string())
+                .env("WORLD_SIZE", world.to_string())
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("MASTER_PORT", &port)
+                .env("DDP_TEST_MODE", mode)
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped());
+            for (k, v) in extra {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect()
+}
+
+/// Wait for `child` at most until `deadline`; kill it if it is still running then.
+fn finish(mut child: Child, deadline: Instant) -> (Option<i32>, String) {
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut out = String::new();
+            child.stdout.take().unwrap().read_to_string(&mut out).ok();
+            child.stderr.take().unwrap().read_to_string(&mut out).ok();
+            return (status.code(), out);
+        }
+        if Instant::now() > deadline {
+            child.kill().ok();
+            child.wait().ok();
+            return (None, "<killed: still running at the deadline>".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The worker side, run only when re-executed by the tests above.
+#[test]
+#[ignore = "entry point of worker processes spawned by the other tests"]
+fn worker() {
+    let mode = std::env::var("DDP_TEST_MODE").expect("DDP_TEST_MODE");
+    let timeout = Duration::from_secs(
+        std::env::var("DDP_TEST_TIMEOUT").map_or(30, |v| v.parse().unwrap()),
+    );
+    let pg = init_process_group(InitOptions { timeout, ..Default::default() }).unwrap();
+    let rank = pg.rank();
+    let fail = |e: ddp_comm::Error| -> ! {
+        println!("ERROR: {e}");
+        std::process::exit(3)
+    };
+    match mode.as_str() {
+        "reference" => {
+            let seed = 500 + pg.size() as u64;
+            common::check_all::<f32>(&pg, seed, &common::sizes(seed, true));
+            common::check_all::<bf16>(&pg, seed + 1, &common::sizes(seed + 1, false));
+            common::check_all::<i64>(&pg, seed + 2, &common::sizes(seed + 2, false));
+            common::check_all::<u8>(&pg, seed + 3, &common::sizes(seed + 3, false));
+            println!("OK");
+        }
+        "loop" => {
+            let mut buf = vec![1.0f32; 1 << 20];
+            let mut i = 0u64;
+            loop {
+                if let Err(e) = pg.all_reduce(&mut buf, ReduceOp::Avg) {
+                    fail(e)
+                }
+                if i == 0 {
+                    println!("READY");
+                }
+                i += 1;
+            }
+        }
+        "mismatch" => {
+            let mut ok = vec![0.0f32; 8];
+            pg.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+            let n = if rank == 1 { 10 } else { 11 };
+            let mut buf = vec![1.0f32; n];
+            match pg.all_reduce(&mut buf, ReduceOp::Sum) {
+                Err(e) => fail(e),
+                Ok(()) => println!("NO ERROR"),
+            }
+        }
+        "stall" => {
+            if rank == 1 {
+                std::thread::sleep(Duration::from_secs(20));
+            }
+            let mut buf = vec![1i64; 100];
+            match pg.all_reduce(&mut buf, ReduceOp::Sum) {
+                Err(e) => fail(e),
+                Ok(()) => println!("NO ERROR"),
+            }
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+#[test]
+fn processes_match_reference_world_2_and_3() {
+    for world in [2, 3] {
+        let deadline = Instant::now() + Duration::from_secs(90);
+        for (rank, child) in spawn_workers(world, "reference", &[]).into_iter().enumerate() {
+            let (code, out) = finish(child, deadline);
+            assert_eq!(code, Some(0), "rank {rank} of {world}: {out}");
+            assert!(out.contains("OK"), "rank {rank}: {out}");
+        }
+    }
+}
+
+#[test]
+fn killed_peer_is_named_by_every_survivor() {
+    let world = 3;
+    let victim = 1;
+    let mut children = spawn_workers(world, "loop", &[]);
+    // Wait until every worker has finished one all_reduce, then kill the victim mid-loop.
+    let mut readers = Vec::new();
+    for c in children.iter_mut() {
+        let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
+        let line = lines.next().unwrap().unwrap();
+        assert_eq!(line, "READY");
+        readers.push(lines);
+    }
+    let killed_at = Instant::now();
+    children[victim].kill().unwrap();
+    children[victim].wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for (rank, (mut child, lines)) in children.into_iter().zip(readers).enumerate() {
+        if rank == victim {
+            continue;
+        }
+        // stdout was taken for the READY line; read the rest from the line iterator.
+        let code = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s.code();
+            }
+            assert!(Instant::now() < deadline, "rank {rank} hangs after its peer died");
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let out: Vec<String> = lines.map_while(|l| l.ok()).collect();
+        let out = out.join("\n");
+        assert_eq!(code, Some(3), "rank {rank}: {out}");
+        assert!(out.contains(&format!("rank {victim}")), "rank {rank} does not name rank {victim}: {out}");
+        assert!(out.contains("all_reduce"), "rank {rank} does not name the collective: {out}");
+    }
+    assert!(killed_at.elapsed() < Duration::from_secs(10), "detection took {:?}", killed_at.elapsed());
+}
+
+#[test]
+fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    for (rank, child) in spawn_workers(3, "mismatch", &[]).into_iter().enumerate() {
+        let (code, out) = finish(child, deadline);
+        assert_eq!(code, Some(3), "rank {rank}: {out}");
+        assert!(out.contains("mismatch"), "rank {rank}: {out}");
+        assert!(out.contains("f32 x 10") && out.contains("f32 x 11"), "rank {rank} must name both sides: {out}");
+    }
+}
+
+#[test]
+fn stalled_peer_times_out_naming_it() {
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(40);
+    let children = spawn_workers(3, "stall", &[("DDP_TEST_TIMEOUT", "3".to_string())]);
+    for (rank, child) in children.into_iter().enumerate() {
+        let (code, out) = finish(child, if rank == 1 { Instant::now() } else { deadline });
+        if rank == 1 {
+            continue; // still asleep: killed
+        }
+        assert_eq!(code, Some(3), "rank {rank}: {out}");
+        assert!(out.contains("rank 1"), "rank {rank} must name the stalled rank 1: {out}");
+        assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+    }
+}

@@ -44,18 +44,23 @@ pub fn run_local(nproc: usize) -> i32 {
         }
     }
     // Supervise: the first failure stops everyone.
-    let mut remaining = nproc;
+    let mut done = vec![false; nproc];
     let mut code = 0;
-    while remaining > 0 {
+    while done.iter().any(|d| !d) {
         for (rank, c) in children.iter_mut().enumerate() {
+            if done[rank] {
+                continue;
+            }
             if let Ok(Some(status)) = c.try_wait() {
+                done[rank] = true;
                 if !status.success() && code == 0 {
-                    eprintln!("ddp-bench: worker rank {rank} failed ({status}); stopping the others");
+                    eprintln!(
+                        "ddp-bench: worker rank {rank} failed ({status}); stopping the others"
+                    );
                     code = 1;
                 }
             }
         }
-        remaining = children.iter_mut().filter(|c| matches!(c.try_wait(), Ok(None))).count();
         if code != 0 {
             children.iter_mut().for_each(|c| drop(c.kill()));
         }

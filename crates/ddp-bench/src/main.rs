@@ -14,7 +14,11 @@ mod sweep;
 use clap::{Args, Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "ddp-bench", about = "Benchmarks for ddp-rs collectives", version)]
+#[command(
+    name = "ddp-bench",
+    about = "Benchmarks for ddp-rs collectives",
+    version
+)]
 struct Cli {
     #[command(subcommand)]
     cmd: Cmd,
@@ -70,14 +74,20 @@ fn main() {
         Cmd::Broadcast(a) => (sweep::Op::Broadcast, a),
     };
     if args.backend != "tcp" {
-        eprintln!("ddp-bench: unknown --backend {:?} (available: tcp)", args.backend);
+        eprintln!(
+            "ddp-bench: unknown --backend {:?} (available: tcp)",
+            args.backend
+        );
         std::process::exit(2);
     }
     let code = if launch::is_worker() {
         match sweep::run(op, &args) {
             Ok(()) => 0,
             Err(e) => {
-                eprintln!("ddp-bench: rank {}: {e}", std::env::var("RANK").unwrap_or_default());
+                eprintln!(
+                    "ddp-bench: rank {}: {e}",
+                    std::env::var("RANK").unwrap_or_default()
+                );
                 1
             }
         }

@@ -58,10 +58,19 @@ fn setup(op: Op, pg: &ProcessGroup, elems: usize) -> Bufs {
     let (r, p) = (pg.rank(), pg.size());
     match op {
         // bytes = the per-rank buffer
-        Op::AllReduce | Op::Broadcast => Bufs { a: (0..elems).map(|i| value(r, i)).collect(), b: Vec::new() },
+        Op::AllReduce | Op::Broadcast => Bufs {
+            a: (0..elems).map(|i| value(r, i)).collect(),
+            b: Vec::new(),
+        },
         // bytes = total output (all_gather) / total input (reduce_scatter)
-        Op::AllGather => Bufs { a: (0..elems / p).map(|i| value(r, i)).collect(), b: vec![0.0; elems / p * p] },
-        Op::ReduceScatter => Bufs { a: (0..elems / p * p).map(|i| value(r, i)).collect(), b: vec![0.0; elems / p] },
+        Op::AllGather => Bufs {
+            a: (0..elems / p).map(|i| value(r, i)).collect(),
+            b: vec![0.0; elems / p * p],
+        },
+        Op::ReduceScatter => Bufs {
+            a: (0..elems / p * p).map(|i| value(r, i)).collect(),
+            b: vec![0.0; elems / p],
+        },
     }
 }
 
@@ -78,16 +87,34 @@ fn count_wrong(op: Op, pg: &ProcessGroup, bufs: &Bufs) -> usize {
     let p = pg.size();
     let sum = |i: usize| (0..p).map(|r| value(r, i)).sum::<f32>();
     match op {
-        Op::AllReduce => bufs.a.iter().enumerate().filter(|(i, &v)| v != sum(*i)).count(),
-        Op::Broadcast => bufs.a.iter().enumerate().filter(|(i, &v)| v != value(0, *i)).count(),
+        Op::AllReduce => bufs
+            .a
+            .iter()
+            .enumerate()
+            .filter(|(i, &v)| v != sum(*i))
+            .count(),
+        Op::Broadcast => bufs
+            .a
+            .iter()
+            .enumerate()
+            .filter(|(i, &v)| v != value(0, *i))
+            .count(),
         Op::AllGather => {
             let n = bufs.a.len();
-            bufs.b.iter().enumerate().filter(|(i, &v)| v != value(i / n.max(1), i % n.max(1))).count()
+            bufs.b
+                .iter()
+                .enumerate()
+                .filter(|(i, &v)| v != value(i / n.max(1), i % n.max(1)))
+                .count()
         }
         Op::ReduceScatter => {
             let n = bufs.b.len();
             let off = pg.rank() * n;
-            bufs.b.iter().enumerate().filter(|(i, &v)| v != sum(off + i)).count()
+            bufs.b
+                .iter()
+                .enumerate()
+                .filter(|(i, &v)| v != sum(off + i))
+                .count()
         }
     }
 }
@@ -97,13 +124,21 @@ pub fn run(op: Op, args: &SweepArgs) -> ddp_comm::Result<()> {
     let pg = init_process_group(InitOptions::default())?;
     let (rank, p) = (pg.rank(), pg.size());
     if rank == 0 && !args.json {
-        println!("# ddp-bench {op:?}  world_size {p}  backend {}  dtype f32", args.backend);
-        println!("{:>12} {:>12} {:>10} {:>10} {:>8}", "bytes", "time_us", "algbw_GBs", "busbw_GBs", "wrong");
+        println!(
+            "# ddp-bench {op:?}  world_size {p}  backend {}  dtype f32",
+            args.backend
+        );
+        println!(
+            "{:>12} {:>12} {:>10} {:>10} {:>8}",
+            "bytes", "time_us", "algbw_GBs", "busbw_GBs", "wrong"
+        );
     }
     let mut bytes = args.min_bytes.max(4);
     while bytes <= args.max_bytes {
         let elems = bytes / 4;
-        let iters = args.iters.unwrap_or_else(|| ((256 << 20) / bytes).clamp(5, 500));
+        let iters = args
+            .iters
+            .unwrap_or_else(|| ((256 << 20) / bytes).clamp(5, 500));
         let mut bufs = setup(op, &pg, elems);
         for _ in 0..args.warmup {
             run_once(op, &pg, &mut bufs)?;
@@ -134,7 +169,11 @@ pub fn run(op: Op, args: &SweepArgs) -> ddp_comm::Result<()> {
                     serde_json::json!({"bytes": bytes, "time_us": t * 1e6, "algbw_gbs": algbw, "busbw_gbs": busbw, "wrong": wrong[0]})
                 );
             } else {
-                println!("{bytes:>12} {:>12.2} {algbw:>10.3} {busbw:>10.3} {:>8}", t * 1e6, wrong[0]);
+                println!(
+                    "{bytes:>12} {:>12.2} {algbw:>10.3} {busbw:>10.3} {:>8}",
+                    t * 1e6,
+                    wrong[0]
+                );
             }
         }
         bytes *= 4;

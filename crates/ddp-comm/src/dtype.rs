@@ -134,10 +134,22 @@ macro_rules! reduce_loops {
     ($dst:expr, $src:expr, $op:expr, $add:expr, $mul:expr, $min:expr, $max:expr) => {{
         assert_eq!($dst.len(), $src.len(), "reduce_into: length mismatch");
         match $op {
-            ReduceOp::Sum | ReduceOp::Avg => $dst.iter_mut().zip($src).for_each(|(d, s)| *d = $add(*d, *s)),
-            ReduceOp::Product => $dst.iter_mut().zip($src).for_each(|(d, s)| *d = $mul(*d, *s)),
-            ReduceOp::Min => $dst.iter_mut().zip($src).for_each(|(d, s)| *d = $min(*d, *s)),
-            ReduceOp::Max => $dst.iter_mut().zip($src).for_each(|(d, s)| *d = $max(*d, *s)),
+            ReduceOp::Sum | ReduceOp::Avg => $dst
+                .iter_mut()
+                .zip($src)
+                .for_each(|(d, s)| *d = $add(*d, *s)),
+            ReduceOp::Product => $dst
+                .iter_mut()
+                .zip($src)
+                .for_each(|(d, s)| *d = $mul(*d, *s)),
+            ReduceOp::Min => $dst
+                .iter_mut()
+                .zip($src)
+                .for_each(|(d, s)| *d = $min(*d, *s)),
+            ReduceOp::Max => $dst
+                .iter_mut()
+                .zip($src)
+                .for_each(|(d, s)| *d = $max(*d, *s)),
         }
     }};
 }
@@ -147,7 +159,15 @@ macro_rules! float_element {
         impl Element for $t {
             const DTYPE: DType = $dt;
             fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp) {
-                reduce_loops!(dst, src, op, |a, b| a + b, |a, b| a * b, <$t>::min, <$t>::max)
+                reduce_loops!(
+                    dst,
+                    src,
+                    op,
+                    |a, b| a + b,
+                    |a, b| a * b,
+                    <$t>::min,
+                    <$t>::max
+                )
             }
             fn div_by(buf: &mut [Self], n: usize) {
                 let n = n as $t;
@@ -190,7 +210,9 @@ macro_rules! half_element {
         impl Element for $t {
             const DTYPE: DType = $dt;
             fn reduce_into(dst: &mut [Self], src: &[Self], op: ReduceOp) {
-                let f = |a: $t, b: $t, g: fn(f32, f32) -> f32| <$t>::from_f32(g(a.to_f32(), b.to_f32()));
+                let f = |a: $t, b: $t, g: fn(f32, f32) -> f32| {
+                    <$t>::from_f32(g(a.to_f32(), b.to_f32()))
+                };
                 reduce_loops!(
                     dst,
                     src,
@@ -203,13 +225,16 @@ macro_rules! half_element {
             }
             fn div_by(buf: &mut [Self], n: usize) {
                 let n = n as f32;
-                buf.iter_mut().for_each(|x| *x = <$t>::from_f32(x.to_f32() / n));
+                buf.iter_mut()
+                    .for_each(|x| *x = <$t>::from_f32(x.to_f32() / n));
             }
             fn widen(buf: &[Self]) -> Option<Vec<f32>> {
                 Some(buf.iter().map(|x| x.to_f32()).collect())
             }
             fn narrow(src: &[f32], dst: &mut [Self]) {
-                dst.iter_mut().zip(src).for_each(|(d, s)| *d = <$t>::from_f32(*s));
+                dst.iter_mut()
+                    .zip(src)
+                    .for_each(|(d, s)| *d = <$t>::from_f32(*s));
             }
         }
     };
@@ -239,10 +264,24 @@ mod tests {
 
     #[test]
     fn codes_round_trip() {
-        for d in [DType::F32, DType::F64, DType::F16, DType::BF16, DType::I32, DType::I64, DType::U8] {
+        for d in [
+            DType::F32,
+            DType::F64,
+            DType::F16,
+            DType::BF16,
+            DType::I32,
+            DType::I64,
+            DType::U8,
+        ] {
             assert_eq!(DType::from_code(d.code()), Some(d));
         }
-        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max, ReduceOp::Product] {
+        for op in [
+            ReduceOp::Sum,
+            ReduceOp::Avg,
+            ReduceOp::Min,
+            ReduceOp::Max,
+            ReduceOp::Product,
+        ] {
             assert_eq!(ReduceOp::from_code(op.code()), Some(op));
         }
     }

@@ -60,7 +60,9 @@ impl EnvConfig {
         let port = |default: Option<u16>| -> Result<u16> {
             match get("MASTER_PORT") {
                 Some(v) => v.trim().parse::<u16>().map_err(|_| {
-                    Error::Config(format!("MASTER_PORT={v:?} is not a port number (0..=65535)"))
+                    Error::Config(format!(
+                        "MASTER_PORT={v:?} is not a port number (0..=65535)"
+                    ))
                 }),
                 None => default.ok_or_else(|| Error::Config("MASTER_PORT is not set".into())),
             }
@@ -75,7 +77,15 @@ impl EnvConfig {
                 })?;
                 let local_rank = num("LOCAL_RANK")?.unwrap_or(rank);
                 let local_world = num("LOCAL_WORLD_SIZE")?.unwrap_or(world);
-                (Launcher::Torchrun, rank, world, local_rank, local_world, addr, port(None)?)
+                (
+                    Launcher::Torchrun,
+                    rank,
+                    world,
+                    local_rank,
+                    local_world,
+                    addr,
+                    port(None)?,
+                )
             } else if let (Some(rank), Some(world)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
                 let addr = match get("MASTER_ADDR") {
                     Some(a) => a,
@@ -90,7 +100,15 @@ impl EnvConfig {
                     .and_then(|v| v.split(['(', ',']).next()?.trim().parse().ok())
                     .unwrap_or(world);
                 let p = port(Some(DEFAULT_MASTER_PORT))?;
-                (Launcher::Slurm, rank, world, local_rank, local_world, addr, p)
+                (
+                    Launcher::Slurm,
+                    rank,
+                    world,
+                    local_rank,
+                    local_world,
+                    addr,
+                    p,
+                )
             } else if let (Some(rank), Some(world)) =
                 (num("OMPI_COMM_WORLD_RANK")?, num("OMPI_COMM_WORLD_SIZE")?)
             {
@@ -98,7 +116,15 @@ impl EnvConfig {
                 let local_rank = num("OMPI_COMM_WORLD_LOCAL_RANK")?.unwrap_or(rank);
                 let local_world = num("OMPI_COMM_WORLD_LOCAL_SIZE")?.unwrap_or(world);
                 let p = port(Some(DEFAULT_MASTER_PORT))?;
-                (Launcher::OpenMpi, rank, world, local_rank, local_world, addr, p)
+                (
+                    Launcher::OpenMpi,
+                    rank,
+                    world,
+                    local_rank,
+                    local_world,
+                    addr,
+                    p,
+                )
             } else {
                 return Err(Error::Config(
                     "no launcher environment found: set RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT \
@@ -107,7 +133,9 @@ impl EnvConfig {
                 ));
             };
         if world_size == 0 {
-            return Err(Error::Config("world size is 0; it must be at least 1".into()));
+            return Err(Error::Config(
+                "world size is 0; it must be at least 1".into(),
+            ));
         }
         if rank >= world_size {
             return Err(Error::Config(format!(
@@ -153,8 +181,10 @@ mod tests {
     use std::collections::HashMap;
 
     fn cfg(pairs: &[(&str, &str)]) -> Result<EnvConfig> {
-        let m: HashMap<String, String> =
-            pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect();
+        let m: HashMap<String, String> = pairs
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
         EnvConfig::from_lookup(|k| m.get(k).cloned())
     }
 
@@ -169,7 +199,10 @@ mod tests {
             ("MASTER_PORT", "1234"),
         ])
         .unwrap();
-        assert_eq!((c.rank, c.world_size, c.local_rank, c.local_world_size), (3, 4, 1, 2));
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (3, 4, 1, 2)
+        );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("10.0.0.1", 1234));
         assert_eq!(c.launcher, Launcher::Torchrun);
     }
@@ -178,15 +211,26 @@ mod tests {
     fn invalid_values_are_named() {
         let base = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
         let e = cfg(&[&base[..], &[("RANK", "4"), ("WORLD_SIZE", "4")]].concat()).unwrap_err();
-        assert!(e.to_string().contains("rank 4 is not below world size 4"), "{e}");
+        assert!(
+            e.to_string().contains("rank 4 is not below world size 4"),
+            "{e}"
+        );
         let e = cfg(&[&base[..], &[("RANK", "0"), ("WORLD_SIZE", "0")]].concat()).unwrap_err();
         assert!(e.to_string().contains("world size is 0"), "{e}");
-        let e = cfg(&[("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h"), ("MASTER_PORT", "99999")])
-            .unwrap_err();
+        let e = cfg(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "1"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "99999"),
+        ])
+        .unwrap_err();
         assert!(e.to_string().contains("MASTER_PORT=\"99999\""), "{e}");
         let e = cfg(&[("RANK", "x"), ("WORLD_SIZE", "1")]).unwrap_err();
         assert!(e.to_string().contains("RANK=\"x\""), "{e}");
-        assert!(cfg(&[]).unwrap_err().to_string().contains("no launcher environment"));
+        assert!(cfg(&[])
+            .unwrap_err()
+            .to_string()
+            .contains("no launcher environment"));
     }
 
     #[test]
@@ -199,7 +243,10 @@ mod tests {
             ("SLURM_JOB_NODELIST", "gpu[07-08,11],cpu1"),
         ])
         .unwrap();
-        assert_eq!((c.rank, c.world_size, c.local_rank, c.local_world_size), (5, 8, 1, 4));
+        assert_eq!(
+            (c.rank, c.world_size, c.local_rank, c.local_world_size),
+            (5, 8, 1, 4)
+        );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("gpu07", 29500));
         let c = cfg(&[
             ("OMPI_COMM_WORLD_RANK", "1"),
@@ -208,7 +255,10 @@ mod tests {
             ("OMPI_COMM_WORLD_LOCAL_SIZE", "2"),
         ])
         .unwrap();
-        assert_eq!((c.launcher, c.rank, c.master_addr.as_str()), (Launcher::OpenMpi, 1, "127.0.0.1"));
+        assert_eq!(
+            (c.launcher, c.rank, c.master_addr.as_str()),
+            (Launcher::OpenMpi, 1, "127.0.0.1")
+        );
         assert_eq!(first_slurm_host("a1,b2"), Some("a1".into()));
     }
 }

@@ -42,7 +42,9 @@ pub enum Error {
     },
 
     /// Ranks issued different collectives (op, dtype, element count or root differ).
-    #[error("collective mismatch at #{seq}: rank {rank} issued {local} but rank {peer} issued {remote}")]
+    #[error(
+        "collective mismatch at #{seq}: rank {rank} issued {local} but rank {peer} issued {remote}"
+    )]
     Mismatch {
         seq: u64,
         rank: usize,

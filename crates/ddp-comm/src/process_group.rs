@@ -14,6 +14,7 @@ use crate::algorithms::{direct, recursive_doubling, ring, tree, AllReduceAlgorit
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::env::EnvConfig;
 use crate::store::{PrefixStore, Store, StoreOptions, StoreServer, TcpStore};
+use crate::transport::shm;
 use crate::transport::tcp::TcpTransport;
 use crate::transport::{Fingerprint, OpKind, Transport};
 use crate::work::{self, Work};
@@ -45,6 +46,8 @@ pub struct InitOptions {
     pub secret: Option<String>,
     /// All-reduce algorithm (default: env `DDP_ALLREDUCE_ALGO` = auto|ring|rd, else auto).
     pub allreduce_algorithm: Option<AllReduceAlgorithm>,
+    /// Transport (default: env `DDP_BACKEND` = auto|tcp|shm, else auto).
+    pub backend: Option<Backend>,
 }
 
 impl Default for InitOptions {
@@ -57,6 +60,41 @@ impl Default for InitOptions {
             store: None,
             secret: None,
             allreduce_algorithm: None,
+            backend: None,
+        }
+    }
+}
+
+/// Which transport a group uses.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Backend {
+    /// Shared memory when every rank of the group is on this host, TCP otherwise.
+    #[default]
+    Auto,
+    /// TCP (loopback or network), like torch's gloo.
+    Tcp,
+    /// Shared memory; initialization fails if the ranks are not all on one host.
+    Shm,
+}
+
+impl Backend {
+    /// Parse `auto`, `tcp` (alias `gloo`) or `shm`.
+    pub fn parse(s: &str) -> Option<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "auto" | "" => Some(Backend::Auto),
+            "tcp" | "gloo" => Some(Backend::Tcp),
+            "shm" => Some(Backend::Shm),
+            _ => None,
+        }
+    }
+
+    /// The backend named by env `DDP_BACKEND` (auto when unset).
+    pub fn from_env() -> Result<Self> {
+        match std::env::var("DDP_BACKEND") {
+            Ok(v) => Backend::parse(&v).ok_or_else(|| {
+                Error::Config(format!("DDP_BACKEND={v:?}: expected auto, tcp or shm"))
+            }),
+            Err(_) => Ok(Backend::Auto),
         }
     }
 }
@@ -85,6 +123,9 @@ impl InitOptions {
 
 type Job = Box<dyn FnOnce(&mut Engine) + Send>;
 
+/// A collective's body, run on the group's thread.
+type CollectiveFn<'a, R> = Box<dyn FnOnce(&mut dyn Transport) -> Result<R> + Send + 'a>;
+
 /// State owned by the background thread: the transport and the sequence counters.
 struct Engine {
     transport: Box<dyn Transport>,
@@ -106,12 +147,15 @@ impl Engine {
         }
         if fp.op == OpKind::SendRecv {
             let peer = fp.root as usize;
-            let counters = self
-                .p2p
-                .get_mut(peer)
-                .ok_or_else(|| Error::InvalidArgument(format!("peer rank {peer} is out of range")))?;
+            let counters = self.p2p.get_mut(peer).ok_or_else(|| {
+                Error::InvalidArgument(format!("peer rank {peer} is out of range"))
+            })?;
             // `count` carries the direction: the sender's "sent" must meet the receiver's "received".
-            let c = if fp.reduce.is_some() { &mut counters.0 } else { &mut counters.1 };
+            let c = if fp.reduce.is_some() {
+                &mut counters.0
+            } else {
+                &mut counters.1
+            };
             fp.seq = *c;
             *c += 1;
             fp.reduce = None;
@@ -146,6 +190,9 @@ struct Inner {
     _server: Option<Arc<StoreServer>>,
     subgroups: AtomicU64,
     algorithm: AllReduceAlgorithm,
+    /// Requested backend (subgroups resolve it again) and the one in use.
+    backend: Backend,
+    transport_backend: Backend,
     local_ip: IpAddr,
     default_timeout: Duration,
 }
@@ -183,11 +230,17 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
             .ok()
             .filter(|s| !s.is_empty())
     });
+    let backend = match opts.backend {
+        Some(b) => b,
+        None => Backend::from_env()?,
+    };
     let algorithm = match opts.allreduce_algorithm {
         Some(a) => a,
         None => match std::env::var("DDP_ALLREDUCE_ALGO") {
             Ok(v) => AllReduceAlgorithm::parse(&v).ok_or_else(|| {
-                Error::Config(format!("DDP_ALLREDUCE_ALGO={v:?}: expected auto, ring or rd"))
+                Error::Config(format!(
+                    "DDP_ALLREDUCE_ALGO={v:?}: expected auto, ring or rd"
+                ))
             })?,
             Err(_) => AllReduceAlgorithm::Auto,
         },
@@ -196,9 +249,9 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         std::env::var(name)
             .ok()
             .map(|v| {
-                v.trim()
-                    .parse()
-                    .map_err(|_| Error::Config(format!("{name}={v:?} is not a non-negative integer")))
+                v.trim().parse().map_err(|_| {
+                    Error::Config(format!("{name}={v:?} is not a non-negative integer"))
+                })
             })
             .transpose()
     };
@@ -216,8 +269,16 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
                 if let Some(w) = opts.world_size {
                     env.world_size = w;
                 }
-                let (rank, size) = explicit_rank_world(Some(env.rank), Some(env.world_size), "env://")?;
-                (rank, size, env.master_addr, env.master_port, env.store_hosted, env.restart_count)
+                let (rank, size) =
+                    explicit_rank_world(Some(env.rank), Some(env.world_size), "env://")?;
+                (
+                    rank,
+                    size,
+                    env.master_addr,
+                    env.master_port,
+                    env.store_hosted,
+                    env.restart_count,
+                )
             }
             Some(m) if m.starts_with("tcp://") => {
                 let rest = &m["tcp://".len()..];
@@ -232,7 +293,14 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
                     opts.world_size.or(env_num("WORLD_SIZE")?),
                     m,
                 )?;
-                (rank, size, host.trim_matches(['[', ']']).to_string(), port, false, 0)
+                (
+                    rank,
+                    size,
+                    host.trim_matches(['[', ']']).to_string(),
+                    port,
+                    false,
+                    0,
+                )
             }
             Some(m) => {
                 return Err(Error::Config(format!(
@@ -241,7 +309,11 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
             }
         };
         let server = if rank == 0 && !hosted {
-            let bind_host = if is_loopback(&host) { host.as_str() } else { "0.0.0.0" };
+            let bind_host = if is_loopback(&host) {
+                host.as_str()
+            } else {
+                "0.0.0.0"
+            };
             Some(Arc::new(StoreServer::bind(
                 &format!("{}:{port}", bracket(bind_host)),
                 secret.clone(),
@@ -258,9 +330,17 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
             },
         )?;
         let ip = client.local_addr().ip();
-        (rank, size, Arc::new(client) as Arc<dyn Store>, server, ip, restart)
+        (
+            rank,
+            size,
+            Arc::new(client) as Arc<dyn Store>,
+            server,
+            ip,
+            restart,
+        )
     };
-    let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("attempt{restart}/default"), store));
+    let store: Arc<dyn Store> =
+        Arc::new(PrefixStore::new(format!("attempt{restart}/default"), store));
     ProcessGroup::connect(
         rank,
         size,
@@ -269,18 +349,27 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         server,
         local_ip,
         algorithm,
+        backend,
         opts.timeout,
     )
 }
 
-fn explicit_rank_world(rank: Option<usize>, world: Option<usize>, how: &str) -> Result<(usize, usize)> {
+fn explicit_rank_world(
+    rank: Option<usize>,
+    world: Option<usize>,
+    how: &str,
+) -> Result<(usize, usize)> {
     let world = world.ok_or_else(|| Error::Config(format!("world size is required with {how}")))?;
     let rank = rank.ok_or_else(|| Error::Config(format!("rank is required with {how}")))?;
     if world == 0 {
-        return Err(Error::Config("world size is 0; it must be at least 1".into()));
+        return Err(Error::Config(
+            "world size is 0; it must be at least 1".into(),
+        ));
     }
     if rank >= world {
-        return Err(Error::Config(format!("rank {rank} is not below world size {world}")));
+        return Err(Error::Config(format!(
+            "rank {rank} is not below world size {world}"
+        )));
     }
     Ok((rank, world))
 }
@@ -307,12 +396,30 @@ impl ProcessGroup {
         server: Option<Arc<StoreServer>>,
         local_ip: IpAddr,
         algorithm: AllReduceAlgorithm,
+        backend: Backend,
         timeout: Duration,
     ) -> Result<ProcessGroup> {
-        let transport = TcpTransport::connect_mesh(&*store, rank, size, local_ip, timeout)?;
+        let mut transport: Box<dyn Transport> = match backend {
+            Backend::Tcp => Box::new(TcpTransport::connect_mesh(
+                &*store, rank, size, local_ip, timeout,
+            )?),
+            _ => shm::connect_auto(
+                &*store,
+                rank,
+                size,
+                local_ip,
+                timeout,
+                backend == Backend::Shm,
+            )?,
+        };
+        let transport_backend = if transport.shm().is_some() {
+            Backend::Shm
+        } else {
+            Backend::Tcp
+        };
         let (tx, rx) = mpsc::channel::<Job>();
         let mut engine = Engine {
-            transport: Box::new(transport),
+            transport,
             seq: 0,
             p2p: vec![(0, 0); size],
             broken: None,
@@ -344,6 +451,8 @@ impl ProcessGroup {
                 _server: server,
                 subgroups: AtomicU64::new(0),
                 algorithm,
+                backend,
+                transport_backend,
                 local_ip,
                 default_timeout: timeout,
             }),
@@ -368,12 +477,20 @@ impl ProcessGroup {
 
     /// This group's rank of the default group's rank `global_rank`, if it is a member.
     pub fn group_rank(&self, global_rank: usize) -> Option<usize> {
-        self.inner.global_ranks.iter().position(|&g| g == global_rank)
+        self.inner
+            .global_ranks
+            .iter()
+            .position(|&g| g == global_rank)
     }
 
     /// The store this group uses (namespaced to the group).
     pub fn store(&self) -> &Arc<dyn Store> {
         &self.inner.store
+    }
+
+    /// The transport this group uses: [`Backend::Tcp`] or [`Backend::Shm`] (`auto` resolved).
+    pub fn backend(&self) -> Backend {
+        self.inner.transport_backend
     }
 
     /// The timeout of collectives issued through this handle.
@@ -396,7 +513,9 @@ impl ProcessGroup {
         let mut ranks = ranks.to_vec();
         ranks.sort_unstable();
         if ranks.windows(2).any(|w| w[0] == w[1]) {
-            return Err(Error::InvalidArgument(format!("new_group: duplicate ranks in {ranks:?}")));
+            return Err(Error::InvalidArgument(format!(
+                "new_group: duplicate ranks in {ranks:?}"
+            )));
         }
         if let Some(&bad) = ranks.iter().find(|&&r| r >= self.size()) {
             return Err(Error::InvalidArgument(format!(
@@ -408,7 +527,10 @@ impl ProcessGroup {
         let Some(my) = ranks.iter().position(|&r| r == self.rank()) else {
             return Ok(None);
         };
-        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(format!("group{k}"), self.inner.store.clone()));
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
+            format!("group{k}"),
+            self.inner.store.clone(),
+        ));
         let global = ranks.iter().map(|&r| self.inner.global_ranks[r]).collect();
         ProcessGroup::connect(
             my,
@@ -418,12 +540,20 @@ impl ProcessGroup {
             None,
             self.inner.local_ip,
             self.inner.algorithm,
+            self.inner.backend,
             self.inner.default_timeout,
         )
         .map(Some)
     }
 
-    fn fingerprint(&self, op: OpKind, dtype: DType, reduce: Option<ReduceOp>, count: usize, root: Option<usize>) -> Fingerprint {
+    fn fingerprint(
+        &self,
+        op: OpKind,
+        dtype: DType,
+        reduce: Option<ReduceOp>,
+        count: usize,
+        root: Option<usize>,
+    ) -> Fingerprint {
         Fingerprint {
             seq: 0,
             op,
@@ -452,7 +582,8 @@ impl ProcessGroup {
     ) -> Work<R> {
         let (work, done) = work::pending::<R>(format!("{fp} on rank {}", self.rank()));
         let timeout = self.timeout;
-        let job: Job = Box::new(move |engine: &mut Engine| done.complete(engine.run(fp, timeout, f)));
+        let job: Job =
+            Box::new(move |engine: &mut Engine| done.complete(engine.run(fp, timeout, f)));
         if let Some(tx) = self.inner.jobs.lock().unwrap().as_ref() {
             // A send error drops the job, which completes the work with an error.
             let _ = tx.send(job);
@@ -466,12 +597,11 @@ impl ProcessGroup {
         fp: Fingerprint,
         f: impl FnOnce(&mut dyn Transport) -> Result<R> + std::marker::Send,
     ) -> Result<R> {
-        let boxed: Box<dyn FnOnce(&mut dyn Transport) -> Result<R> + std::marker::Send + '_> = Box::new(f);
+        let boxed: CollectiveFn<'_, R> = Box::new(f);
         // SAFETY: `f` may borrow the caller's buffers. We wait below until the work completes,
         // which happens only after `f` ran or was dropped unrun (its completer fires on drop),
         // so the borrows never outlive this call.
-        let boxed: Box<dyn FnOnce(&mut dyn Transport) -> Result<R> + std::marker::Send + 'static> =
-            unsafe { std::mem::transmute(boxed) };
+        let boxed: CollectiveFn<'static, R> = unsafe { std::mem::transmute(boxed) };
         self.spawn(fp, boxed).wait()
     }
 
@@ -488,7 +618,9 @@ impl ProcessGroup {
     pub fn all_reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         let algo = self.inner.algorithm;
         let fp = self.fingerprint(OpKind::AllReduce, T::DTYPE, Some(op), buf.len(), None);
-        self.spawn(fp, move |t| exec_all_reduce(t, &mut buf, op, algo).map(|()| buf))
+        self.spawn(fp, move |t| {
+            exec_all_reduce(t, &mut buf, op, algo).map(|()| buf)
+        })
     }
 
     // ----- broadcast --------------------------------------------------------------------------
@@ -506,7 +638,9 @@ impl ProcessGroup {
             return Work::ready("broadcast", Err(e));
         }
         let fp = self.fingerprint(OpKind::Broadcast, T::DTYPE, None, buf.len(), Some(root));
-        self.spawn(fp, move |t| tree::broadcast(t, &mut buf, root).map(|()| buf))
+        self.spawn(fp, move |t| {
+            tree::broadcast(t, &mut buf, root).map(|()| buf)
+        })
     }
 
     // ----- reduce -----------------------------------------------------------------------------
@@ -519,12 +653,19 @@ impl ProcessGroup {
     }
 
     /// Async [`ProcessGroup::reduce`].
-    pub fn reduce_async<T: Element>(&self, mut buf: Vec<T>, op: ReduceOp, root: usize) -> Work<Vec<T>> {
+    pub fn reduce_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+        root: usize,
+    ) -> Work<Vec<T>> {
         if let Err(e) = self.check_root(root) {
             return Work::ready("reduce", Err(e));
         }
         let fp = self.fingerprint(OpKind::Reduce, T::DTYPE, Some(op), buf.len(), Some(root));
-        self.spawn(fp, move |t| exec_reduce(t, &mut buf, op, root).map(|()| buf))
+        self.spawn(fp, move |t| {
+            exec_reduce(t, &mut buf, op, root).map(|()| buf)
+        })
     }
 
     // ----- all_gather -------------------------------------------------------------------------
@@ -548,7 +689,12 @@ impl ProcessGroup {
     // ----- reduce_scatter ---------------------------------------------------------------------
 
     /// Reduce `input` (`output.len() * size` elements) across ranks; rank `r` gets block `r`.
-    pub fn reduce_scatter<T: Element>(&self, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+    pub fn reduce_scatter<T: Element>(
+        &self,
+        input: &[T],
+        output: &mut [T],
+        op: ReduceOp,
+    ) -> Result<()> {
         let fp = self.fingerprint(OpKind::ReduceScatter, T::DTYPE, Some(op), input.len(), None);
         self.blocking(fp, move |t| exec_reduce_scatter(t, input, output, op))
     }
@@ -567,13 +713,20 @@ impl ProcessGroup {
 
     /// Gather every rank's `input` into `output` on `root` (`output` is required there and
     /// ignored elsewhere; length `input.len() * size`).
-    pub fn gather<T: Element>(&self, input: &[T], output: Option<&mut [T]>, root: usize) -> Result<()> {
+    pub fn gather<T: Element>(
+        &self,
+        input: &[T],
+        output: Option<&mut [T]>,
+        root: usize,
+    ) -> Result<()> {
         self.check_root(root)?;
         let fp = self.fingerprint(OpKind::Gather, T::DTYPE, None, input.len(), Some(root));
         let rank = self.rank();
         self.blocking(fp, move |t| {
             if rank == root {
-                let out = output.ok_or_else(|| Error::InvalidArgument("gather: the root must pass an output buffer".into()))?;
+                let out = output.ok_or_else(|| {
+                    Error::InvalidArgument("gather: the root must pass an output buffer".into())
+                })?;
                 check_len("gather output", out.len(), input.len() * t.size())?;
                 direct::gather(t, input, Some(out), root)
             } else {
@@ -601,15 +754,27 @@ impl ProcessGroup {
     }
 
     /// Scatter `root`'s `input` (`output.len() * size`; ignored elsewhere): rank `r` gets block `r`.
-    pub fn scatter<T: Element>(&self, input: Option<&[T]>, output: &mut [T], root: usize) -> Result<()> {
+    pub fn scatter<T: Element>(
+        &self,
+        input: Option<&[T]>,
+        output: &mut [T],
+        root: usize,
+    ) -> Result<()> {
         self.check_root(root)?;
         let fp = self.fingerprint(OpKind::Scatter, T::DTYPE, None, output.len(), Some(root));
         let rank = self.rank();
-        self.blocking(fp, move |t| exec_scatter(t, input.filter(|_| rank == root), output, root))
+        self.blocking(fp, move |t| {
+            exec_scatter(t, input.filter(|_| rank == root), output, root)
+        })
     }
 
     /// Async [`ProcessGroup::scatter`] of `count` elements per rank; the work returns this rank's block.
-    pub fn scatter_async<T: Element>(&self, input: Option<Vec<T>>, count: usize, root: usize) -> Work<Vec<T>> {
+    pub fn scatter_async<T: Element>(
+        &self,
+        input: Option<Vec<T>>,
+        count: usize,
+        root: usize,
+    ) -> Work<Vec<T>> {
         if let Err(e) = self.check_root(root) {
             return Work::ready("scatter", Err(e));
         }
@@ -647,7 +812,9 @@ impl ProcessGroup {
     /// Async [`ProcessGroup::barrier`].
     pub fn barrier_async(&self) -> Work<()> {
         let fp = self.fingerprint(OpKind::Barrier, DType::U8, None, 0, None);
-        self.spawn(fp, |t| recursive_doubling::all_reduce::<u8>(t, &mut [], ReduceOp::Sum))
+        self.spawn(fp, |t| {
+            recursive_doubling::all_reduce::<u8>(t, &mut [], ReduceOp::Sum)
+        })
     }
 
     /// Send `buf` to rank `dst` (matched by a [`ProcessGroup::recv`] of the same length there).
@@ -670,7 +837,9 @@ impl ProcessGroup {
             return Work::ready("send", Err(e));
         }
         let fp = self.p2p_fingerprint::<T>(buf.len(), dst, true);
-        self.spawn(fp, move |t| t.send(dst, crate::algorithms::bytes(&buf)).map(|()| buf))
+        self.spawn(fp, move |t| {
+            t.send(dst, crate::algorithms::bytes(&buf)).map(|()| buf)
+        })
     }
 
     /// Async [`ProcessGroup::recv`] of `count` elements.
@@ -681,7 +850,8 @@ impl ProcessGroup {
         let fp = self.p2p_fingerprint::<T>(count, src, false);
         self.spawn(fp, move |t| {
             let mut buf = vec![T::zeroed(); count];
-            t.recv(src, bytemuck::cast_slice_mut(&mut buf)).map(|()| buf)
+            t.recv(src, bytemuck::cast_slice_mut(&mut buf))
+                .map(|()| buf)
         })
     }
 
@@ -741,12 +911,24 @@ impl ProcessGroup {
 
 fn check_len(what: &str, got: usize, want: usize) -> Result<()> {
     if got != want {
-        return Err(Error::InvalidArgument(format!("{what} has {got} elements, expected {want}")));
+        return Err(Error::InvalidArgument(format!(
+            "{what} has {got} elements, expected {want}"
+        )));
     }
     Ok(())
 }
 
-fn exec_all_reduce<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp, algo: AllReduceAlgorithm) -> Result<()> {
+fn exec_all_reduce<T: Element>(
+    t: &mut dyn Transport,
+    buf: &mut [T],
+    op: ReduceOp,
+    algo: AllReduceAlgorithm,
+) -> Result<()> {
+    if algo == AllReduceAlgorithm::Auto {
+        if let Some(shm) = t.shm() {
+            return crate::algorithms::shm_allreduce::all_reduce(shm, buf, op);
+        }
+    }
     if let Some(mut wide) = T::widen(buf) {
         exec_all_reduce::<f32>(t, &mut wide, op, algo)?;
         T::narrow(&wide, buf);
@@ -762,7 +944,12 @@ fn exec_all_reduce<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceO
     Ok(())
 }
 
-fn exec_reduce<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+fn exec_reduce<T: Element>(
+    t: &mut dyn Transport,
+    buf: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
     if let Some(mut wide) = T::widen(buf) {
         exec_reduce::<f32>(t, &mut wide, op, root)?;
         if t.rank() == root {
@@ -784,7 +971,12 @@ fn exec_all_gather<T: Element>(t: &mut dyn Transport, input: &[T], output: &mut 
     ring::all_gather(t, output)
 }
 
-fn exec_reduce_scatter<T: Element>(t: &mut dyn Transport, input: &[T], output: &mut [T], op: ReduceOp) -> Result<()> {
+fn exec_reduce_scatter<T: Element>(
+    t: &mut dyn Transport,
+    input: &[T],
+    output: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
     let (r, n, p) = (t.rank(), output.len(), t.size());
     check_len("reduce_scatter input", input.len(), n * p)?;
     if let Some(mut wide) = T::widen(input) {
@@ -804,9 +996,16 @@ fn exec_reduce_scatter<T: Element>(t: &mut dyn Transport, input: &[T], output: &
     Ok(())
 }
 
-fn exec_scatter<T: Element>(t: &mut dyn Transport, input: Option<&[T]>, output: &mut [T], root: usize) -> Result<()> {
+fn exec_scatter<T: Element>(
+    t: &mut dyn Transport,
+    input: Option<&[T]>,
+    output: &mut [T],
+    root: usize,
+) -> Result<()> {
     if t.rank() == root {
-        let inp = input.ok_or_else(|| Error::InvalidArgument("scatter: the root must pass an input buffer".into()))?;
+        let inp = input.ok_or_else(|| {
+            Error::InvalidArgument("scatter: the root must pass an input buffer".into())
+        })?;
         check_len("scatter input", inp.len(), output.len() * t.size())?;
         direct::scatter(t, Some(inp), output, root)
     } else {
@@ -816,7 +1015,7 @@ fn exec_scatter<T: Element>(t: &mut dyn Transport, input: Option<&[T]>, output: 
 
 fn exec_all_to_all<T: Element>(t: &mut dyn Transport, input: &[T], output: &mut [T]) -> Result<()> {
     let p = t.size();
-    if input.len() % p != 0 {
+    if !input.len().is_multiple_of(p) {
         return Err(Error::InvalidArgument(format!(
             "all_to_all input has {} elements, not a multiple of the group size {p}",
             input.len()

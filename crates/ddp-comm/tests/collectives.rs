@@ -61,7 +61,10 @@ fn world_5_matches_reference() {
 #[test]
 fn forced_algorithms_agree_and_results_are_bit_identical_across_ranks() {
     use ddp_comm::algorithms::AllReduceAlgorithm;
-    for algo in [AllReduceAlgorithm::Ring, AllReduceAlgorithm::RecursiveDoubling] {
+    for algo in [
+        AllReduceAlgorithm::Ring,
+        AllReduceAlgorithm::RecursiveDoubling,
+    ] {
         for world in [3, 4] {
             let out = run_ranks_with(world, Duration::from_secs(30), Some(algo), move |pg| {
                 let mut rng = StdRng::seed_from_u64(pg.rank() as u64);
@@ -70,7 +73,13 @@ fn forced_algorithms_agree_and_results_are_bit_identical_across_ranks() {
                 v
             });
             for r in 1..world {
-                assert!(out[r].iter().zip(&out[0]).all(|(a, b)| a.to_bits() == b.to_bits()), "rank {r} differs");
+                assert!(
+                    out[r]
+                        .iter()
+                        .zip(&out[0])
+                        .all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "rank {r} differs"
+                );
             }
         }
     }
@@ -80,7 +89,9 @@ fn forced_algorithms_agree_and_results_are_bit_identical_across_ranks() {
 fn async_collectives_complete_in_issue_order() {
     run_ranks(3, Duration::from_secs(30), |pg| {
         let works: Vec<_> = (0..20)
-            .map(|i| pg.all_reduce_async(vec![(pg.rank() + i) as i64; 1000 * (i + 1)], ReduceOp::Sum))
+            .map(|i| {
+                pg.all_reduce_async(vec![(pg.rank() + i) as i64; 1000 * (i + 1)], ReduceOp::Sum)
+            })
             .collect();
         let mut last_done = true;
         for (i, w) in works.into_iter().enumerate() {

@@ -14,7 +14,27 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the listed processes when dropped, so a failing test leaves no worker running.
+struct KillOnDrop(Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            // SAFETY: plain kill(2) on a pid we spawned; harmless if it already exited.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
+fn guard(children: &[Child]) -> KillOnDrop {
+    KillOnDrop(children.iter().map(|c| c.id()).collect())
 }
 
 fn spawn_workers(world: usize, mode: &str, extra: &[(&str, String)]) -> Vec<Child> {
@@ -22,14 +42,20 @@ fn spawn_workers(world: usize, mode: &str, extra: &[(&str, String)]) -> Vec<Chil
     (0..world)
         .map(|rank| {
             let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args(["worker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-                .env("RANK", rank.to_string())
-                .env("WORLD_SIZE", world.to_string())
-                .env("MASTER_ADDR", "127.0.0.1")
-                .env("MASTER_PORT", &port)
-                .env("DDP_TEST_MODE", mode)
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped());
+            cmd.args([
+                "worker",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("DDP_TEST_MODE", mode)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
             for (k, v) in extra {
                 cmd.env(k, v);
             }
@@ -61,10 +87,13 @@ fn finish(mut child: Child, deadline: Instant) -> (Option<i32>, String) {
 #[ignore = "entry point of worker processes spawned by the other tests"]
 fn worker() {
     let mode = std::env::var("DDP_TEST_MODE").expect("DDP_TEST_MODE");
-    let timeout = Duration::from_secs(
-        std::env::var("DDP_TEST_TIMEOUT").map_or(30, |v| v.parse().unwrap()),
-    );
-    let pg = init_process_group(InitOptions { timeout, ..Default::default() }).unwrap();
+    let timeout =
+        Duration::from_secs(std::env::var("DDP_TEST_TIMEOUT").map_or(30, |v| v.parse().unwrap()));
+    let pg = init_process_group(InitOptions {
+        timeout,
+        ..Default::default()
+    })
+    .unwrap();
     let rank = pg.rank();
     let fail = |e: ddp_comm::Error| -> ! {
         println!("ERROR: {e}");
@@ -120,7 +149,10 @@ fn worker() {
 fn processes_match_reference_world_2_and_3() {
     for world in [2, 3] {
         let deadline = Instant::now() + Duration::from_secs(90);
-        for (rank, child) in spawn_workers(world, "reference", &[]).into_iter().enumerate() {
+        for (rank, child) in spawn_workers(world, "reference", &[])
+            .into_iter()
+            .enumerate()
+        {
             let (code, out) = finish(child, deadline);
             assert_eq!(code, Some(0), "rank {rank} of {world}: {out}");
             assert!(out.contains("OK"), "rank {rank}: {out}");
@@ -133,12 +165,16 @@ fn killed_peer_is_named_by_every_survivor() {
     let world = 3;
     let victim = 1;
     let mut children = spawn_workers(world, "loop", &[]);
+    let _guard = guard(&children);
     // Wait until every worker has finished one all_reduce, then kill the victim mid-loop.
     let mut readers = Vec::new();
     for c in children.iter_mut() {
         let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
-        let line = lines.next().unwrap().unwrap();
-        assert_eq!(line, "READY");
+        // Skip the test harness's own lines ("running 1 test", ...).
+        assert!(
+            lines.by_ref().take(10).any(|l| l.is_ok_and(|l| l.ends_with("READY"))),
+            "a worker never became ready"
+        );
         readers.push(lines);
     }
     let killed_at = Instant::now();
@@ -154,26 +190,44 @@ fn killed_peer_is_named_by_every_survivor() {
             if let Some(s) = child.try_wait().unwrap() {
                 break s.code();
             }
-            assert!(Instant::now() < deadline, "rank {rank} hangs after its peer died");
+            assert!(
+                Instant::now() < deadline,
+                "rank {rank} hangs after its peer died"
+            );
             std::thread::sleep(Duration::from_millis(20));
         };
         let out: Vec<String> = lines.map_while(|l| l.ok()).collect();
         let out = out.join("\n");
         assert_eq!(code, Some(3), "rank {rank}: {out}");
-        assert!(out.contains(&format!("rank {victim}")), "rank {rank} does not name rank {victim}: {out}");
-        assert!(out.contains("all_reduce"), "rank {rank} does not name the collective: {out}");
+        assert!(
+            out.contains(&format!("rank {victim}")),
+            "rank {rank} does not name rank {victim}: {out}"
+        );
+        assert!(
+            out.contains("all_reduce"),
+            "rank {rank} does not name the collective: {out}"
+        );
     }
-    assert!(killed_at.elapsed() < Duration::from_secs(10), "detection took {:?}", killed_at.elapsed());
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "detection took {:?}",
+        killed_at.elapsed()
+    );
 }
 
 #[test]
 fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
     let deadline = Instant::now() + Duration::from_secs(30);
-    for (rank, child) in spawn_workers(3, "mismatch", &[]).into_iter().enumerate() {
+    let children = spawn_workers(3, "mismatch", &[]);
+    let _guard = guard(&children);
+    for (rank, child) in children.into_iter().enumerate() {
         let (code, out) = finish(child, deadline);
         assert_eq!(code, Some(3), "rank {rank}: {out}");
         assert!(out.contains("mismatch"), "rank {rank}: {out}");
-        assert!(out.contains("f32 x 10") && out.contains("f32 x 11"), "rank {rank} must name both sides: {out}");
+        assert!(
+            out.contains("f32 x 10") && out.contains("f32 x 11"),
+            "rank {rank} must name both sides: {out}"
+        );
     }
 }
 
@@ -182,13 +236,21 @@ fn stalled_peer_times_out_naming_it() {
     let start = Instant::now();
     let deadline = start + Duration::from_secs(40);
     let children = spawn_workers(3, "stall", &[("DDP_TEST_TIMEOUT", "3".to_string())]);
+    let _guard = guard(&children);
     for (rank, child) in children.into_iter().enumerate() {
         let (code, out) = finish(child, if rank == 1 { Instant::now() } else { deadline });
         if rank == 1 {
             continue; // still asleep: killed
         }
         assert_eq!(code, Some(3), "rank {rank}: {out}");
-        assert!(out.contains("rank 1"), "rank {rank} must name the stalled rank 1: {out}");
-        assert!(start.elapsed() < Duration::from_secs(15), "took {:?}", start.elapsed());
+        assert!(
+            out.contains("rank 1"),
+            "rank {rank} must name the stalled rank 1: {out}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "took {:?}",
+            start.elapsed()
+        );
     }
 }

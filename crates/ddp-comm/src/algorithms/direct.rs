@@ -8,7 +8,12 @@ use crate::transport::{Recv, Send, Transport};
 use crate::Result;
 
 /// Gather every rank's `input` into `output` (length `input.len() * p`) on `root`, in rank order.
-pub fn gather<T: Element>(t: &mut dyn Transport, input: &[T], output: Option<&mut [T]>, root: usize) -> Result<()> {
+pub fn gather<T: Element>(
+    t: &mut dyn Transport,
+    input: &[T],
+    output: Option<&mut [T]>,
+    root: usize,
+) -> Result<()> {
     let (r, p) = (t.rank(), t.size());
     match output {
         Some(out) if r == root => {
@@ -21,7 +26,10 @@ pub fn gather<T: Element>(t: &mut dyn Transport, input: &[T], output: Option<&mu
                 if i == r {
                     block.copy_from_slice(input);
                 } else {
-                    recvs.push(Recv { from: i, buf: bytes_mut(block) });
+                    recvs.push(Recv {
+                        from: i,
+                        buf: bytes_mut(block),
+                    });
                 }
             }
             t.exchange(&mut [], &mut recvs)
@@ -31,14 +39,22 @@ pub fn gather<T: Element>(t: &mut dyn Transport, input: &[T], output: Option<&mu
 }
 
 /// Scatter `input` (length `output.len() * p`, only read on `root`) so rank `i` gets block `i`.
-pub fn scatter<T: Element>(t: &mut dyn Transport, input: Option<&[T]>, output: &mut [T], root: usize) -> Result<()> {
+pub fn scatter<T: Element>(
+    t: &mut dyn Transport,
+    input: Option<&[T]>,
+    output: &mut [T],
+    root: usize,
+) -> Result<()> {
     let (r, p) = (t.rank(), t.size());
     match input {
         Some(inp) if r == root => {
             let n = output.len();
             let mut sends: Vec<Send<'_>> = (0..p)
                 .filter(|&i| i != r)
-                .map(|i| Send { to: i, data: bytes(&inp[i * n..(i + 1) * n]) })
+                .map(|i| Send {
+                    to: i,
+                    data: bytes(&inp[i * n..(i + 1) * n]),
+                })
                 .collect();
             output.copy_from_slice(&inp[r * n..(r + 1) * n]);
             t.exchange(&mut sends, &mut [])
@@ -54,7 +70,10 @@ pub fn all_to_all<T: Element>(t: &mut dyn Transport, input: &[T], output: &mut [
     let n = input.len() / p;
     let mut sends: Vec<Send<'_>> = (0..p)
         .filter(|&j| j != r)
-        .map(|j| Send { to: j, data: bytes(&input[j * n..(j + 1) * n]) })
+        .map(|j| Send {
+            to: j,
+            data: bytes(&input[j * n..(j + 1) * n]),
+        })
         .collect();
     let mut recvs: Vec<Recv<'_>> = Vec::with_capacity(p - 1);
     let mut rest = output;
@@ -64,7 +83,10 @@ pub fn all_to_all<T: Element>(t: &mut dyn Transport, input: &[T], output: &mut [
         if i == r {
             block.copy_from_slice(&input[r * n..(r + 1) * n]);
         } else {
-            recvs.push(Recv { from: i, buf: bytes_mut(block) });
+            recvs.push(Recv {
+                from: i,
+                buf: bytes_mut(block),
+            });
         }
     }
     t.exchange(&mut sends, &mut recvs)

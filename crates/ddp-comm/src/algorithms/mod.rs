@@ -6,6 +6,8 @@
 //!   of two fold the extra ranks in first); for small messages, and the barrier.
 //! - [`tree`]: binomial-tree broadcast and reduce.
 //! - [`direct`]: one-step exchanges: gather, scatter, all-to-all.
+//! - [`shm_allreduce`]: all-reduce straight through a shared-memory segment (one-shot for small
+//!   messages, pipelined reduce-scatter + all-gather by owners for large ones).
 //!
 //! Every algorithm is correct for any world size (1 included) and any length (0 included), and
 //! leaves bit-identical results on all ranks (float `op` is applied to the same operand pairs on
@@ -14,6 +16,7 @@
 pub mod direct;
 pub mod recursive_doubling;
 pub mod ring;
+pub mod shm_allreduce;
 pub mod tree;
 
 use crate::dtype::Element;
@@ -70,12 +73,19 @@ pub(crate) fn segment(n: usize, parts: usize, i: usize) -> Range<usize> {
 }
 
 /// Borrow `send` immutably and `recv` mutably from one buffer; the ranges must be disjoint.
-pub(crate) fn split_disjoint<T>(buf: &mut [T], send: Range<usize>, recv: Range<usize>) -> (&[T], &mut [T]) {
+pub(crate) fn split_disjoint<T>(
+    buf: &mut [T],
+    send: Range<usize>,
+    recv: Range<usize>,
+) -> (&[T], &mut [T]) {
     if send.end <= recv.start {
         let (a, b) = buf.split_at_mut(recv.start);
         (&a[send], &mut b[..recv.len()])
     } else {
-        assert!(recv.end <= send.start, "overlapping send {send:?} and recv {recv:?}");
+        assert!(
+            recv.end <= send.start,
+            "overlapping send {send:?} and recv {recv:?}"
+        );
         let (a, b) = buf.split_at_mut(send.start);
         (&b[..send.len()], &mut a[recv])
     }

@@ -15,7 +15,11 @@ pub const CHUNK_BYTES: usize = 256 * 1024;
 
 /// Ring reduce-scatter in place over `buf` split into `p` segments ([`segment`]): afterwards
 /// segment `r` of rank `r` holds the reduction over all ranks (other segments hold partials).
-pub fn reduce_scatter<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp) -> Result<()> {
+pub fn reduce_scatter<T: Element>(
+    t: &mut dyn Transport,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
     let (r, p) = (t.rank(), t.size());
     if p == 1 {
         return Ok(());

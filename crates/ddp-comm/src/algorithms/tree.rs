@@ -37,7 +37,12 @@ pub fn broadcast<T: Element>(t: &mut dyn Transport, buf: &mut [T], root: usize) 
 }
 
 /// Reduce every rank's `buf` into `root`'s `buf`; other ranks' buffers are left unchanged.
-pub fn reduce<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp, root: usize) -> Result<()> {
+pub fn reduce<T: Element>(
+    t: &mut dyn Transport,
+    buf: &mut [T],
+    op: ReduceOp,
+    root: usize,
+) -> Result<()> {
     let (r, p) = (t.rank(), t.size());
     let v = (r + p - root) % p;
     let real = |v: usize| (v + root) % p;

@@ -5,6 +5,11 @@
 //! until the server is up or `connect_timeout` passes, like PyTorch's `TCPStore`. Blocking
 //! operations send their timeout to the server, which answers "timed out" itself; the client's
 //! socket timeout is a little longer so that a dead or unreachable server is detected as well.
+//!
+//! A blocking `get`/`wait` occupies the connection until it returns: other threads' requests on
+//! the same `TcpStore` queue behind it. Give each user that blocks concurrently its own
+//! connection ([`TcpStore::try_clone`]).
+//!
 //! After any I/O failure the connection is considered broken and every later call fails with an
 //! error naming the store address (use [`TcpStore::try_clone`] to open a fresh connection).
 
@@ -118,18 +123,12 @@ impl TcpStore {
                 .unwrap_or_default(),
         };
         let reply_within = store.opts.connect_timeout.max(Duration::from_secs(1));
-        match store.request(&hello, reply_within) {
-            Ok(Response::Ok) => Ok(store),
-            Ok(Response::Refused) => Err(store_err(
+        match store.request(&hello, reply_within)? {
+            Response::Ok => Ok(store),
+            Response::Refused => Err(store_err(
                 "refused this client: wrong or missing shared secret (DDP_STORE_SECRET)".into(),
             )),
-            Ok(other) => Err(unexpected(&store.addr, "handshake", &other)),
-            Err(Error::Store { message, .. }) if message.contains("closed the connection") => {
-                Err(store_err(format!(
-                    "{message}; is {addr} really a ddp-rs store (MASTER_PORT pointing at another service?)"
-                )))
-            }
-            Err(e) => Err(e),
+            other => Err(unexpected(&store.addr, "handshake", &other)),
         }
     }
 
@@ -167,7 +166,10 @@ impl TcpStore {
         if let Some(why) = &conn.broken {
             return Err(Error::Store {
                 addr: self.addr.clone(),
-                message: format!("cannot {what}: the connection was lost earlier ({why})"),
+                message: format!(
+                    "{what} failed: the connection was lost earlier ({why}); \
+                     open a new one with TcpStore::try_clone or connect"
+                ),
             });
         }
         let limit = Some(reply_within.max(Duration::from_millis(1)));
@@ -215,8 +217,12 @@ impl TcpStore {
             Err(why) => {
                 let _ = conn.stream.shutdown(std::net::Shutdown::Both);
                 conn.broken = Some(why.clone());
-                let message = if why.starts_with("the store closed") && matches!(req, Request::Hello { .. }) {
-                    "the store closed the connection during the handshake".to_string()
+                let message = if matches!(req, Request::Hello { .. }) {
+                    format!(
+                        "handshake failed ({why}): is {} really a ddp-rs store \
+                         (MASTER_PORT pointing at another service?)",
+                        self.addr
+                    )
                 } else {
                     format!("{what}: {why}")
                 };
@@ -285,7 +291,10 @@ fn timeout_error(keys: Vec<String>, timeout: Duration) -> Error {
 
 /// Connect to `addr`, retrying with backoff while nothing listens there, until `timeout`.
 fn connect_with_retry(addr: &str, timeout: Duration) -> Result<TcpStream> {
-    if addr.rsplit_once(':').is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err()) {
+    if addr
+        .rsplit_once(':')
+        .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
+    {
         return Err(Error::Config(format!(
             "invalid store address {addr:?}: expected HOST:PORT (MASTER_ADDR:MASTER_PORT)"
         )));
@@ -495,11 +504,20 @@ mod tests {
         let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
         let store = TcpStore::connect(&server.local_addr().to_string(), opts()).unwrap();
         let long = "k".repeat(MAX_KEY_LEN + 1);
-        assert!(matches!(store.set(&long, b"v"), Err(Error::InvalidArgument(_))));
-        assert!(matches!(store.wait(&[&long], Duration::ZERO), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            store.set(&long, b"v"),
+            Err(Error::InvalidArgument(_))
+        ));
+        assert!(matches!(
+            store.wait(&[&long], Duration::ZERO),
+            Err(Error::InvalidArgument(_))
+        ));
         let huge = vec![0u8; MAX_VALUE_LEN + 1];
         let err = store.set("big", &huge).unwrap_err();
-        assert!(matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("\"big\""), "{err}");
+        assert!(
+            matches!(err, Error::InvalidArgument(_)) && err.to_string().contains("\"big\""),
+            "{err}"
+        );
         // The connection is still usable: nothing was sent.
         store.set("ok", b"1").unwrap();
         assert_eq!(store.get("ok").unwrap(), b"1");
@@ -513,7 +531,10 @@ mod tests {
         store.set("a", b"1").unwrap();
         drop(server);
         let first = store.check("a").unwrap_err();
-        assert!(matches!(&first, Error::Store { addr: a, .. } if *a == addr), "{first}");
+        assert!(
+            matches!(&first, Error::Store { addr: a, .. } if *a == addr),
+            "{first}"
+        );
         let second = store.check("a").unwrap_err();
         assert!(second.to_string().contains("lost earlier"), "{second}");
     }

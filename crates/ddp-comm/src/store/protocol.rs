@@ -84,15 +84,38 @@ mod op {
 /// A client → server message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Request {
-    Hello { version: u16, secret: Vec<u8> },
-    Set { key: String, value: Vec<u8> },
-    Get { key: String, timeout_ms: u64 },
-    Add { key: String, delta: i64 },
-    CompareSet { key: String, expected: Vec<u8>, desired: Vec<u8> },
-    Wait { keys: Vec<String>, timeout_ms: u64 },
-    Delete { key: String },
+    Hello {
+        version: u16,
+        secret: Vec<u8>,
+    },
+    Set {
+        key: String,
+        value: Vec<u8>,
+    },
+    Get {
+        key: String,
+        timeout_ms: u64,
+    },
+    Add {
+        key: String,
+        delta: i64,
+    },
+    CompareSet {
+        key: String,
+        expected: Vec<u8>,
+        desired: Vec<u8>,
+    },
+    Wait {
+        keys: Vec<String>,
+        timeout_ms: u64,
+    },
+    Delete {
+        key: String,
+    },
     NumKeys,
-    Check { key: String },
+    Check {
+        key: String,
+    },
 }
 
 /// Category of an `ERROR` reply; the client maps it to an [`crate::Error`] variant.
@@ -161,8 +184,7 @@ impl std::fmt::Display for FrameError {
 }
 
 /// Read one frame body (without its length prefix), refusing bodies over `max` bytes before
-/// allocating anything for them. The buffer grows as bytes arrive, so a peer announcing a large
-/// frame and sending nothing costs nothing.
+/// allocating anything for them.
 pub(crate) fn read_frame(r: &mut impl Read, max: usize) -> Result<Vec<u8>, FrameError> {
     let mut header = [0u8; 4];
     let mut got = 0;
@@ -183,12 +205,29 @@ pub(crate) fn read_frame(r: &mut impl Read, max: usize) -> Result<Vec<u8>, Frame
         return Err(FrameError::TooLarge { len, max });
     }
     let len = len as usize;
-    let mut body = Vec::with_capacity(len.min(64 << 10));
-    match r.take(len as u64).read_to_end(&mut body) {
-        Ok(n) if n == len => Ok(body),
-        Ok(n) => Err(FrameError::Truncated { expected: len, got: n }),
-        Err(e) => Err(FrameError::Io(e)),
+    // Grow the buffer as bytes arrive (doubling), so a peer announcing a large frame and then
+    // sending nothing costs little memory.
+    let mut body = Vec::new();
+    while body.len() < len {
+        let start = body.len();
+        let end = len.min((start * 2).max(64 << 10));
+        body.resize(end, 0);
+        let mut filled = start;
+        while filled < end {
+            match r.read(&mut body[filled..end]) {
+                Ok(0) => {
+                    return Err(FrameError::Truncated {
+                        expected: len,
+                        got: filled,
+                    })
+                }
+                Ok(n) => filled += n,
+                Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+                Err(e) => return Err(FrameError::Io(e)),
+            }
+        }
     }
+    Ok(body)
 }
 
 /// Write one already-encoded frame (as produced by `encode`).
@@ -513,7 +552,7 @@ impl Response {
 
 /// A timeout as sent on the wire: milliseconds, rounded up, [`NO_TIMEOUT`] for "forever".
 pub(crate) fn timeout_to_ms(timeout: Duration) -> u64 {
-    let ms = timeout.as_millis() + u128::from(timeout.subsec_nanos() % 1_000_000 != 0);
+    let ms = timeout.as_nanos().div_ceil(1_000_000);
     u64::try_from(ms).unwrap_or(NO_TIMEOUT)
 }
 

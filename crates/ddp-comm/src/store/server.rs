@@ -73,11 +73,15 @@ impl StoreServer {
             },
             IoKind::PermissionDenied => Error::Io {
                 context: context.clone(),
-                message: format!("{e} (ports below 1024 need privileges; pick another --master-port)"),
+                message: format!(
+                    "{e} (ports below 1024 need privileges; pick another --master-port)"
+                ),
             },
             _ => Error::io(context.clone(), e),
         })?;
-        let local_addr = listener.local_addr().map_err(|e| Error::io(context.clone(), e))?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| Error::io(context.clone(), e))?;
         let wake = listener.try_clone().map_err(|e| Error::io(context, e))?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
@@ -420,7 +424,8 @@ fn wait_for<'a>(
     keys: &[&str],
     timeout_ms: u64,
 ) -> (Option<MutexGuard<'a, State>>, Vec<String>) {
-    let deadline = protocol::timeout_from_ms(timeout_ms).and_then(|t| Instant::now().checked_add(t));
+    let deadline =
+        protocol::timeout_from_ms(timeout_ms).and_then(|t| Instant::now().checked_add(t));
     loop {
         if st.shutdown {
             return (None, Vec::new());
@@ -485,9 +490,16 @@ mod tests {
         std::thread::sleep(Duration::from_millis(50));
         let start = Instant::now();
         drop(server);
-        assert!(start.elapsed() < Duration::from_secs(2), "drop took {:?}", start.elapsed());
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "drop took {:?}",
+            start.elapsed()
+        );
         let mut buf = [0u8; 1];
-        assert!(matches!(idle.read(&mut buf), Ok(0) | Err(_)), "connection must be closed");
+        assert!(
+            matches!(idle.read(&mut buf), Ok(0) | Err(_)),
+            "connection must be closed"
+        );
         // The port is free again.
         let again = StoreServer::bind(&addr.to_string(), None).unwrap();
         assert_eq!(again.local_addr(), addr);

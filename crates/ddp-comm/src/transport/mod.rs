@@ -7,7 +7,10 @@
 //! tells the other ranks (an abort frame, or closing its connections) so no survivor hangs.
 //!
 //! - [`tcp`]: a full mesh of TCP connections, one per pair of ranks (works across hosts).
+//! - [`shm`]: per-pair rings in one shared-memory segment (ranks on one host), plus the hooks of
+//!   the shared-memory all-reduce fast path.
 
+pub mod shm;
 pub mod tcp;
 
 use crate::dtype::{DType, ReduceOp};
@@ -132,6 +135,12 @@ pub trait Transport: std::marker::Send {
     fn exchange(&mut self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()>;
     /// Tell every peer this group is broken (best effort) and fail all later operations with `cause`.
     fn abort(&mut self, cause: &crate::Error);
+
+    /// The shared-memory transport behind this one, if it is one (enables the algorithms of
+    /// [`crate::algorithms::shm_allreduce`]).
+    fn shm(&mut self) -> Option<&mut shm::ShmTransport> {
+        None
+    }
 
     /// Send `data` to `to`.
     fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {

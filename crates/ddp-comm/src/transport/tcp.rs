@@ -137,12 +137,18 @@ impl TcpTransport {
             0,
         ))
         .map_err(|e| Error::io("cannot open a listening socket for peer connections", e))?;
-        let port = listener.local_addr().map_err(|e| Error::io("listener address", e))?.port();
-        store.set(&format!("addr/{rank}"), format!("{local_ip}:{port}").as_bytes())?;
+        let port = listener
+            .local_addr()
+            .map_err(|e| Error::io("listener address", e))?
+            .port();
+        store.set(
+            &format!("addr/{rank}"),
+            format!("{local_ip}:{port}").as_bytes(),
+        )?;
 
         let mut peers: Vec<Option<Peer>> = (0..size).map(|_| None).collect();
         // Connect to every lower rank.
-        for peer in 0..rank {
+        for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
             let key = format!("addr/{peer}");
             let remaining = deadline.saturating_duration_since(Instant::now());
             let addr = store.get_timeout(&key, remaining).map_err(|e| match e {
@@ -157,7 +163,11 @@ impl TcpTransport {
                 .map_err(|e| Error::io(format!("cannot connect to rank {peer} at {addr}"), e))?;
             let mut stream = stream;
             stream
-                .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now()).max(Duration::from_millis(1))))
+                .set_read_timeout(Some(
+                    deadline
+                        .saturating_duration_since(Instant::now())
+                        .max(Duration::from_millis(1)),
+                ))
                 .ok();
             let mut hello = Vec::with_capacity(12);
             hello.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
@@ -168,7 +178,10 @@ impl TcpTransport {
                 .map_err(|e| Error::io(format!("handshake with rank {peer} at {addr}"), e))?;
             let mut len = [0u8; 4];
             stream.read_exact(&mut len).map_err(|e| {
-                Error::io(format!("handshake with rank {peer} at {addr} (no answer)"), e)
+                Error::io(
+                    format!("handshake with rank {peer} at {addr} (no answer)"),
+                    e,
+                )
             })?;
             let len = u32::from_le_bytes(len) as usize;
             if len > 0 {
@@ -179,7 +192,7 @@ impl TcpTransport {
                     String::from_utf8_lossy(&msg)
                 )));
             }
-            peers[peer] = Some(Peer::new(stream)?);
+            *slot = Some(Peer::new(stream)?);
         }
         // Accept every higher rank.
         listener
@@ -254,10 +267,12 @@ impl TcpTransport {
     }
 
     fn peer(&self, r: usize) -> Result<&Peer> {
-        self.peers
-            .get(r)
-            .and_then(|p| p.as_ref())
-            .ok_or_else(|| Error::InvalidArgument(format!("rank {r} is not a peer of rank {} (world size {})", self.rank, self.size)))
+        self.peers.get(r).and_then(|p| p.as_ref()).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "rank {r} is not a peer of rank {} (world size {})",
+                self.rank, self.size
+            ))
+        })
     }
 
     fn fail(&self, peer: usize, reason: impl Into<String>) -> Error {
@@ -272,9 +287,10 @@ impl TcpTransport {
     fn io_fail(&self, peer: usize, e: &std::io::Error) -> Error {
         use std::io::ErrorKind::*;
         match e.kind() {
-            ConnectionReset | BrokenPipe | ConnectionAborted | UnexpectedEof => {
-                self.fail(peer, "closed its connection (process died or left the group)")
-            }
+            ConnectionReset | BrokenPipe | ConnectionAborted | UnexpectedEof => self.fail(
+                peer,
+                "closed its connection (process died or left the group)",
+            ),
             _ => self.fail(peer, format!("connection failed: {e}")),
         }
     }
@@ -308,9 +324,8 @@ impl TcpTransport {
             let reason = self.read_abort_reason(from, &buf[..got], h.len as usize);
             return Err(self.fail(from, format!("aborted the group: {reason}")));
         }
-        let remote = h
-            .fp
-            .ok_or_else(|| self.fail(from, "sent a frame with an unknown operation code"))?;
+        let remote =
+            h.fp.ok_or_else(|| self.fail(from, "sent a frame with an unknown operation code"))?;
         if remote != self.fp || h.len != buf.len() as u64 {
             let describe = |fp: &Fingerprint, len: u64| {
                 if fp.seq == self.fp.seq {
@@ -333,7 +348,9 @@ impl TcpTransport {
 
 impl Peer {
     fn new(stream: TcpStream) -> Result<Peer> {
-        stream.set_nodelay(true).map_err(|e| Error::io("TCP_NODELAY", e))?;
+        stream
+            .set_nodelay(true)
+            .map_err(|e| Error::io("TCP_NODELAY", e))?;
         stream.set_read_timeout(None).ok();
         stream
             .set_nonblocking(true)

@@ -1,8 +1,10 @@
 //! Shared test harness: run a closure on `world` ranks, one thread each, every rank with its own
-//! process group over real TCP sockets on loopback.
+//! process group over real TCP sockets on loopback ([`run_ranks`], [`run_ranks_with`]) or over
+//! another backend ([`run_ranks_on`]).
 #![allow(dead_code)]
 
 use ddp_comm::algorithms::AllReduceAlgorithm;
+use ddp_comm::process_group::Backend;
 use ddp_comm::store::{StoreOptions, StoreServer, TcpStore};
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
 use ddp_comm::{Element, ReduceOp};
@@ -28,6 +30,17 @@ pub fn run_ranks_with<R: Send + 'static>(
     algorithm: Option<AllReduceAlgorithm>,
     f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
+    run_ranks_on(world, timeout, algorithm, Backend::Tcp, f)
+}
+
+/// [`run_ranks_with`] over `backend`.
+pub fn run_ranks_on<R: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    algorithm: Option<AllReduceAlgorithm>,
+    backend: Backend,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let server = StoreServer::bind("127.0.0.1:0", None).expect("store server");
     let addr = server.local_addr().to_string();
     let f = Arc::new(f);
@@ -38,25 +51,39 @@ pub fn run_ranks_with<R: Send + 'static>(
             std::thread::spawn(move || {
                 let store = TcpStore::connect(
                     &addr,
-                    StoreOptions { secret: None, timeout, connect_timeout: timeout },
+                    StoreOptions {
+                        secret: None,
+                        timeout,
+                        connect_timeout: timeout,
+                    },
                 )
                 .expect("store client");
                 let mut opts = InitOptions::with_store(Arc::new(store), rank, world);
                 opts.timeout = timeout;
                 opts.allreduce_algorithm = algorithm;
+                opts.backend = Some(backend);
                 let pg = init_process_group(opts).expect("init_process_group");
                 f(pg)
             })
         })
         .collect();
-    let out = handles.into_iter().map(|h| h.join().expect("rank thread panicked")).collect();
+    let out = handles
+        .into_iter()
+        .map(|h| h.join().expect("rank thread panicked"))
+        .collect();
     drop(server);
     out
 }
 
 // ----- sequential reference for every collective -------------------------------------------
 
-pub const OPS: [ReduceOp; 5] = [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Min, ReduceOp::Max, ReduceOp::Product];
+pub const OPS: [ReduceOp; 5] = [
+    ReduceOp::Sum,
+    ReduceOp::Avg,
+    ReduceOp::Min,
+    ReduceOp::Max,
+    ReduceOp::Product,
+];
 
 /// Conversions the reference needs.
 pub trait Num: Element + Copy {
@@ -187,54 +214,87 @@ pub fn check_all<T: Num>(pg: &ProcessGroup, seed: u64, sizes: &[usize]) {
             // all_reduce, blocking and async
             let mut buf = input::<T>(case, rank, n, op);
             pg.all_reduce(&mut buf, op).unwrap();
-            assert_same(&format!("all_reduce {dt} {op} n={n} world={world}"), &buf, &reference(case, world, n, op));
-            let got = pg.all_reduce_async(input::<T>(case, rank, n, op), op).wait().unwrap();
+            assert_same(
+                &format!("all_reduce {dt} {op} n={n} world={world}"),
+                &buf,
+                &reference(case, world, n, op),
+            );
+            let got = pg
+                .all_reduce_async(input::<T>(case, rank, n, op), op)
+                .wait()
+                .unwrap();
             assert_same("all_reduce_async", &got, &reference(case, world, n, op));
             // reduce to a random root
             let root = rng.gen_range(0..world);
             let mut buf = input::<T>(case, rank, n, op);
             pg.reduce(&mut buf, op, root).unwrap();
             if rank == root {
-                assert_same(&format!("reduce {dt} {op} n={n} root={root}"), &buf, &reference(case, world, n, op));
+                assert_same(
+                    &format!("reduce {dt} {op} n={n} root={root}"),
+                    &buf,
+                    &reference(case, world, n, op),
+                );
             } else {
-                assert_same("reduce leaves non-root input unchanged", &buf, &input::<T>(case, rank, n, op));
+                assert_same(
+                    "reduce leaves non-root input unchanged",
+                    &buf,
+                    &input::<T>(case, rank, n, op),
+                );
             }
             // reduce_scatter: rank r gets block r of the reduction
             let full: Vec<T> = input(case, rank, blk * world, op);
             let mut out = vec![T::from_i(0); blk];
             pg.reduce_scatter(&full, &mut out, op).unwrap();
             let want = reference::<T>(case, world, blk * world, op);
-            assert_same(&format!("reduce_scatter {dt} {op} n={blk}"), &out, &want[rank * blk..(rank + 1) * blk]);
+            assert_same(
+                &format!("reduce_scatter {dt} {op} n={blk}"),
+                &out,
+                &want[rank * blk..(rank + 1) * blk],
+            );
         }
         let op = ReduceOp::Sum;
         // broadcast
         let root = rng.gen_range(0..world);
         let mut buf = input::<T>(case, rank, n, op);
         pg.broadcast(&mut buf, root).unwrap();
-        assert_same(&format!("broadcast {dt} n={n} root={root}"), &buf, &input::<T>(case, root, n, op));
+        assert_same(
+            &format!("broadcast {dt} n={n} root={root}"),
+            &buf,
+            &input::<T>(case, root, n, op),
+        );
         // all_gather
         let mine = input::<T>(case, rank, blk, op);
         let mut out = vec![T::from_i(0); blk * world];
         pg.all_gather(&mine, &mut out).unwrap();
-        let want: Vec<T> = (0..world).flat_map(|r| input::<T>(case, r, blk, op)).collect();
+        let want: Vec<T> = (0..world)
+            .flat_map(|r| input::<T>(case, r, blk, op))
+            .collect();
         assert_same(&format!("all_gather {dt} n={blk}"), &out, &want);
         // gather
         let mut out = vec![T::from_i(0); blk * world];
-        pg.gather(&mine, (rank == root).then_some(&mut out[..]), root).unwrap();
+        pg.gather(&mine, (rank == root).then_some(&mut out[..]), root)
+            .unwrap();
         if rank == root {
             assert_same(&format!("gather {dt} n={blk}"), &out, &want);
         }
         // scatter: root's input is everyone's blocks
         let mut out = vec![T::from_i(0); blk];
         let all_in: Vec<T> = input(case + 7, root, blk * world, op);
-        pg.scatter((rank == root).then_some(&all_in[..]), &mut out, root).unwrap();
-        assert_same(&format!("scatter {dt} n={blk}"), &out, &input::<T>(case + 7, root, blk * world, op)[rank * blk..(rank + 1) * blk]);
+        pg.scatter((rank == root).then_some(&all_in[..]), &mut out, root)
+            .unwrap();
+        assert_same(
+            &format!("scatter {dt} n={blk}"),
+            &out,
+            &input::<T>(case + 7, root, blk * world, op)[rank * blk..(rank + 1) * blk],
+        );
         // all_to_all: block j of rank i goes to rank j's block i
         let send: Vec<T> = input(case + 9, rank, blk * world, op);
         let mut recv = vec![T::from_i(0); blk * world];
         pg.all_to_all(&send, &mut recv).unwrap();
         let want: Vec<T> = (0..world)
-            .flat_map(|i| input::<T>(case + 9, i, blk * world, op)[rank * blk..(rank + 1) * blk].to_vec())
+            .flat_map(|i| {
+                input::<T>(case + 9, i, blk * world, op)[rank * blk..(rank + 1) * blk].to_vec()
+            })
             .collect();
         assert_same(&format!("all_to_all {dt} n={blk}"), &recv, &want);
         // send / recv around the ring (even ranks send first, odd ranks receive first)
@@ -249,7 +309,11 @@ pub fn check_all<T: Num>(pg: &ProcessGroup, seed: u64, sizes: &[usize]) {
                 pg.recv(&mut got, prev).unwrap();
                 pg.send(&mine, next).unwrap();
             }
-            assert_same(&format!("send/recv {dt} n={n}"), &got, &input::<T>(case, prev, n, op));
+            assert_same(
+                &format!("send/recv {dt} n={n}"),
+                &got,
+                &input::<T>(case, prev, n, op),
+            );
         }
         pg.barrier().unwrap();
     }
@@ -257,10 +321,15 @@ pub fn check_all<T: Num>(pg: &ProcessGroup, seed: u64, sizes: &[usize]) {
 
 pub fn sizes(seed: u64, large: bool) -> Vec<usize> {
     let mut rng = StdRng::seed_from_u64(seed);
-    let mut s = vec![0, 1, 7, rng.gen_range(2..200) * 2 + 1, rng.gen_range(1000..70_000)];
+    let mut s = vec![
+        0,
+        1,
+        7,
+        rng.gen_range(2..200) * 2 + 1,
+        rng.gen_range(1000..70_000),
+    ];
     if large {
         s.push((4 << 20) / 4 + 3); // ≥ 4 MiB of f32, odd
     }
     s
 }
-

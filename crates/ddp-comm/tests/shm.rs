@@ -1,0 +1,507 @@
+//! The shared-memory backend: every collective against the sequential reference among threads
+//! (world sizes 1..=5) and processes, bit-identical results across ranks for both all-reduce
+//! variants, a peer killed with SIGKILL (survivors name it, nothing is left in /dev/shm), a peer
+//! that left, mismatched collectives (same path and across the message and fast paths), and a
+//! stalled peer. No test may hang: every wait is bounded.
+//!
+//! Worker processes are this test binary, re-executed on the ignored `worker` test with the
+//! torchrun environment and `DDP_BACKEND=shm`.
+
+mod common;
+
+use common::{check_all, run_ranks_on, sizes};
+use ddp_comm::algorithms::AllReduceAlgorithm;
+use ddp_comm::process_group::Backend;
+use ddp_comm::transport::shm::NAME_PREFIX;
+use ddp_comm::{init_process_group, InitOptions, ReduceOp};
+use half::{bf16, f16};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::io::{BufRead, BufReader, Read};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn check_world(world: usize) {
+    run_ranks_on(
+        world,
+        Duration::from_secs(60),
+        None,
+        Backend::Shm,
+        move |pg| {
+            assert_eq!(pg.backend(), Backend::Shm);
+            let seed = 31 + world as u64;
+            check_all::<f32>(&pg, seed, &sizes(seed, true));
+            check_all::<f64>(&pg, seed + 1, &sizes(seed + 1, false));
+            check_all::<f16>(&pg, seed + 2, &sizes(seed + 2, false));
+            check_all::<bf16>(&pg, seed + 3, &sizes(seed + 3, false));
+            check_all::<i32>(&pg, seed + 4, &sizes(seed + 4, false));
+            check_all::<i64>(&pg, seed + 5, &sizes(seed + 5, false));
+            check_all::<u8>(&pg, seed + 6, &sizes(seed + 6, false));
+            let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 7);
+            let mine: Vec<u8> = (0..rng.gen_range(0..3000)).map(|_| rng.gen()).collect();
+            let all = pg.all_gather_bytes(&mine).unwrap();
+            assert_eq!(all[pg.rank()], mine);
+            assert_eq!(pg.broadcast_bytes(&mine, 0).unwrap(), all[0]);
+        },
+    );
+}
+
+#[test]
+fn shm_world_1_matches_reference() {
+    check_world(1);
+}
+
+#[test]
+fn shm_world_2_matches_reference() {
+    check_world(2);
+}
+
+#[test]
+fn shm_world_3_matches_reference() {
+    check_world(3);
+}
+
+#[test]
+fn shm_world_4_matches_reference() {
+    check_world(4);
+}
+
+#[test]
+fn shm_world_5_matches_reference() {
+    check_world(5);
+}
+
+#[test]
+fn auto_picks_shm_on_one_host_and_tcp_stays_available() {
+    let got = run_ranks_on(3, Duration::from_secs(30), None, Backend::Auto, |pg| {
+        pg.backend()
+    });
+    assert_eq!(got, [Backend::Shm; 3]);
+    let got = run_ranks_on(2, Duration::from_secs(30), None, Backend::Tcp, |pg| {
+        pg.backend()
+    });
+    assert_eq!(got, [Backend::Tcp; 2]);
+    assert_eq!(Backend::parse("SHM"), Some(Backend::Shm));
+    assert_eq!(Backend::parse("gloo"), Some(Backend::Tcp));
+    assert_eq!(Backend::parse("nccl"), None);
+}
+
+/// Random (inexact) floats: every rank must end with the same bits, for the one-shot and the
+/// pipelined fast path and for the message-ring algorithms, with every float type.
+#[test]
+fn results_are_bit_identical_across_ranks() {
+    for algo in [
+        None,
+        Some(AllReduceAlgorithm::Ring),
+        Some(AllReduceAlgorithm::RecursiveDoubling),
+    ] {
+        for world in [3, 4] {
+            let out = run_ranks_on(
+                world,
+                Duration::from_secs(60),
+                algo,
+                Backend::Shm,
+                move |pg| {
+                    let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 1);
+                    let mut res = Vec::new();
+                    for n in [1000, 300_003] {
+                        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product] {
+                            let mut v: Vec<f32> =
+                                (0..n).map(|_| rng.gen::<f32>() * 10.0 - 5.0).collect();
+                            pg.all_reduce(&mut v, op).unwrap();
+                            res.push(v.iter().map(|x| x.to_bits() as u64).collect::<Vec<_>>());
+                            let mut h: Vec<bf16> = (0..n)
+                                .map(|_| bf16::from_f32(rng.gen::<f32>() * 3.0))
+                                .collect();
+                            pg.all_reduce(&mut h, op).unwrap();
+                            res.push(h.iter().map(|x| x.to_bits() as u64).collect());
+                            let mut g: Vec<f16> =
+                                (0..n).map(|_| f16::from_f32(rng.gen::<f32>())).collect();
+                            pg.all_reduce(&mut g, op).unwrap();
+                            res.push(g.iter().map(|x| x.to_bits() as u64).collect());
+                            let mut d: Vec<f64> = (0..n).map(|_| rng.gen::<f64>()).collect();
+                            pg.all_reduce(&mut d, op).unwrap();
+                            res.push(d.iter().map(|x| x.to_bits()).collect());
+                        }
+                    }
+                    res
+                },
+            );
+            for r in 1..world {
+                for (k, (a, b)) in out[r].iter().zip(&out[0]).enumerate() {
+                    assert!(a == b, "algorithm {algo:?}, world {world}: rank {r} differs from rank 0 in case {k}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn subgroups_get_their_own_segment() {
+    run_ranks_on(4, Duration::from_secs(30), None, Backend::Shm, |pg| {
+        let low = pg.new_group(&[0, 1]).unwrap();
+        let high = pg.new_group(&[2, 3]).unwrap();
+        let g = low.or(high).expect("every rank is in one subgroup");
+        assert_eq!(g.backend(), Backend::Shm);
+        let mut v = vec![pg.rank() as i64; 100_000];
+        g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+        let want = if pg.rank() < 2 { 1 } else { 5 };
+        assert!(v.iter().all(|&x| x == want));
+        let mut w = vec![1.0f32; 10];
+        pg.all_reduce(&mut w, ReduceOp::Sum).unwrap();
+        assert_eq!(w, [4.0; 10]);
+    });
+}
+
+#[test]
+fn a_peer_that_left_is_named_without_waiting_for_the_timeout() {
+    let start = Instant::now();
+    let out = run_ranks_on(2, Duration::from_secs(60), None, Backend::Shm, |pg| {
+        if pg.rank() == 1 {
+            return None; // drops its group: its transport marks it as gone
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        let mut v = vec![1.0f32; 1 << 16];
+        Some(
+            pg.all_reduce(&mut v, ReduceOp::Sum)
+                .unwrap_err()
+                .to_string(),
+        )
+    });
+    let e = out[0].as_deref().unwrap();
+    assert!(
+        e.contains("rank 1") && e.contains("left the group") && e.contains("all_reduce"),
+        "{e}"
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(20),
+        "took {:?}",
+        start.elapsed()
+    );
+}
+
+// ----- processes ----------------------------------------------------------------------------
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn spawn_workers(
+    world: usize,
+    ranks: std::ops::Range<usize>,
+    mode: &str,
+    extra: &[(&str, String)],
+) -> Vec<Child> {
+    let port = free_port().to_string();
+    ranks
+        .map(|rank| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args([
+                "worker",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("DDP_BACKEND", "shm")
+            .env("DDP_TEST_MODE", mode)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+            for (k, v) in extra {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect()
+}
+
+/// Wait for `child` at most until `deadline`; kill it if it is still running then.
+fn finish(mut child: Child, deadline: Instant) -> (Option<i32>, String) {
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut out = String::new();
+            child.stdout.take().unwrap().read_to_string(&mut out).ok();
+            child.stderr.take().unwrap().read_to_string(&mut out).ok();
+            return (status.code(), out);
+        }
+        if Instant::now() > deadline {
+            child.kill().ok();
+            child.wait().ok();
+            return (None, "<killed: still running at the deadline>".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Our segments in /dev/shm created by any of `pids`.
+fn segments_of(pids: &[u32]) -> Vec<String> {
+    std::fs::read_dir("/dev/shm")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().into_string().ok())
+                .filter(|n| {
+                    pids.iter()
+                        .any(|p| n.starts_with(&format!("{NAME_PREFIX}{p}-")))
+                })
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// The worker side, run only when re-executed by the tests above.
+#[test]
+#[ignore = "entry point of worker processes spawned by the other tests"]
+fn worker() {
+    let mode = std::env::var("DDP_TEST_MODE").expect("DDP_TEST_MODE");
+    let timeout =
+        Duration::from_secs(std::env::var("DDP_TEST_TIMEOUT").map_or(30, |v| v.parse().unwrap()));
+    let pg = init_process_group(InitOptions {
+        timeout,
+        ..Default::default()
+    })
+    .unwrap();
+    assert_eq!(pg.backend(), Backend::Shm);
+    let rank = pg.rank();
+    let fail = |e: ddp_comm::Error| -> ! {
+        println!("ERROR: {e}");
+        std::process::exit(3)
+    };
+    let expect_error = |r: ddp_comm::Result<()>| match r {
+        Err(e) => fail(e),
+        Ok(()) => println!("NO ERROR"),
+    };
+    match mode.as_str() {
+        "reference" => {
+            let seed = 700 + pg.size() as u64;
+            check_all::<f32>(&pg, seed, &sizes(seed, true));
+            check_all::<bf16>(&pg, seed + 1, &sizes(seed + 1, false));
+            check_all::<i64>(&pg, seed + 2, &sizes(seed + 2, false));
+            check_all::<u8>(&pg, seed + 3, &sizes(seed + 3, false));
+            println!("OK");
+        }
+        "loop" => {
+            // Alternate the pipelined and the one-shot fast paths.
+            let mut big = vec![1.0f32; 1 << 20];
+            let mut small = vec![1.0f32; 100];
+            let mut i = 0u64;
+            loop {
+                let r = if i % 2 == 0 {
+                    pg.all_reduce(&mut big, ReduceOp::Avg)
+                } else {
+                    pg.all_reduce(&mut small, ReduceOp::Avg)
+                };
+                if let Err(e) = r {
+                    fail(e)
+                }
+                if i == 1 {
+                    println!("READY");
+                }
+                i += 1;
+            }
+        }
+        "mismatch" | "mismatch_large" => {
+            let mut ok = vec![0.0f32; 8];
+            pg.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+            let base = if mode == "mismatch" { 10 } else { 300_000 };
+            let mut buf = vec![1.0f32; base + usize::from(rank != 1)];
+            expect_error(pg.all_reduce(&mut buf, ReduceOp::Sum));
+        }
+        "mismatch_mixed" => {
+            // Rank 1 takes the all-reduce fast path while the others use the message rings.
+            let mut ok = vec![0.0f32; 8];
+            pg.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+            let mut buf = vec![1.0f32; 12];
+            if rank == 1 {
+                expect_error(pg.all_reduce(&mut buf, ReduceOp::Sum));
+            } else {
+                let mut out = vec![0.0f32; 12 * pg.size()];
+                expect_error(pg.all_gather(&buf, &mut out));
+            }
+        }
+        "stall" => {
+            if rank == 1 {
+                std::thread::sleep(Duration::from_secs(20));
+            }
+            let mut buf = vec![1i64; 100];
+            expect_error(pg.all_reduce(&mut buf, ReduceOp::Sum));
+        }
+        other => panic!("unknown mode {other}"),
+    }
+}
+
+#[test]
+fn processes_match_reference_over_shm() {
+    for world in [2, 3] {
+        let deadline = Instant::now() + Duration::from_secs(120);
+        let children = spawn_workers(world, 0..world, "reference", &[]);
+        let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
+        for (rank, child) in children.into_iter().enumerate() {
+            let (code, out) = finish(child, deadline);
+            assert_eq!(code, Some(0), "rank {rank} of {world}: {out}");
+            assert!(out.contains("OK"), "rank {rank}: {out}");
+        }
+        assert_eq!(
+            segments_of(&pids),
+            Vec::<String>::new(),
+            "segments left in /dev/shm"
+        );
+    }
+}
+
+/// Kill `victim` mid-loop; every survivor must fail naming it, quickly, and no segment of
+/// these processes may remain in /dev/shm.
+fn kill_one(victim: usize) {
+    let world = 3;
+    let mut children = spawn_workers(world, 0..world, "loop", &[]);
+    let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
+    let mut readers = Vec::new();
+    for c in children.iter_mut() {
+        let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
+        let line = lines.next().unwrap().unwrap();
+        assert_eq!(line, "READY");
+        readers.push(lines);
+    }
+    let killed_at = Instant::now();
+    children[victim].kill().unwrap();
+    children[victim].wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for (rank, (mut child, lines)) in children.into_iter().zip(readers).enumerate() {
+        if rank == victim {
+            continue;
+        }
+        let code = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s.code();
+            }
+            if Instant::now() > deadline {
+                child.kill().ok();
+                panic!("rank {rank} hangs after its peer {victim} died");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let out: Vec<String> = lines.map_while(|l| l.ok()).collect();
+        let out = out.join("\n");
+        assert_eq!(code, Some(3), "rank {rank}: {out}");
+        assert!(
+            out.contains(&format!("rank {victim}")),
+            "rank {rank} does not name rank {victim}: {out}"
+        );
+        assert!(
+            out.contains("all_reduce"),
+            "rank {rank} does not name the collective: {out}"
+        );
+    }
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "detection took {:?}",
+        killed_at.elapsed()
+    );
+    assert_eq!(
+        segments_of(&pids),
+        Vec::<String>::new(),
+        "segments left in /dev/shm"
+    );
+}
+
+#[test]
+fn killed_peer_is_named_by_every_survivor_and_nothing_leaks() {
+    kill_one(1);
+}
+
+#[test]
+fn killed_creator_rank_0_is_named_and_nothing_leaks() {
+    kill_one(0);
+}
+
+/// A creator killed before every rank attached leaves its segment's name behind (the others
+/// still need it); the next segment created on the host sweeps names whose creator is gone.
+#[test]
+fn segment_of_a_dead_creator_is_swept_by_the_next_group() {
+    let mut gone = Command::new("true").spawn().unwrap();
+    let pid = gone.id();
+    gone.wait().unwrap();
+    let path = format!("/dev/shm/{NAME_PREFIX}{pid}-00000000deadbeef");
+    std::fs::write(&path, b"stale").unwrap();
+    let mut alive = Command::new("sleep").arg("30").spawn().unwrap();
+    let alive_path = format!("/dev/shm/{NAME_PREFIX}{}-00000000cafef00d", alive.id());
+    std::fs::write(&alive_path, b"in use").unwrap();
+    run_ranks_on(2, Duration::from_secs(30), None, Backend::Shm, |pg| {
+        let mut v = [1u8];
+        pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+    });
+    let swept = !std::path::Path::new(&path).exists();
+    let kept = std::path::Path::new(&alive_path).exists();
+    std::fs::remove_file(&alive_path).ok();
+    alive.kill().ok();
+    alive.wait().ok();
+    assert!(swept, "{path} of dead pid {pid} was not swept");
+    assert!(kept, "{alive_path} of a live process was removed");
+
+}
+
+fn expect_all_fail(mode: &str, world: usize, must_contain: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(40);
+    for (rank, child) in spawn_workers(world, 0..world, mode, &[])
+        .into_iter()
+        .enumerate()
+    {
+        let (code, out) = finish(child, deadline);
+        assert_eq!(code, Some(3), "{mode}: rank {rank}: {out}");
+        for s in must_contain {
+            assert!(
+                out.contains(s),
+                "{mode}: rank {rank} must mention {s:?}: {out}"
+            );
+        }
+    }
+}
+
+#[test]
+fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
+    expect_all_fail("mismatch", 3, &["mismatch", "f32 x 10", "f32 x 11"]);
+    expect_all_fail(
+        "mismatch_large",
+        3,
+        &["mismatch", "f32 x 300000", "f32 x 300001"],
+    );
+    expect_all_fail(
+        "mismatch_mixed",
+        3,
+        &[
+            "mismatch",
+            "all_reduce(sum, f32 x 12)",
+            "all_gather(f32 x 12)",
+        ],
+    );
+}
+
+#[test]
+fn stalled_peer_times_out_naming_it() {
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(40);
+    let children = spawn_workers(3, 0..3, "stall", &[("DDP_TEST_TIMEOUT", "3".to_string())]);
+    for (rank, child) in children.into_iter().enumerate() {
+        let (code, out) = finish(child, if rank == 1 { Instant::now() } else { deadline });
+        if rank == 1 {
+            continue; // still asleep: killed
+        }
+        assert_eq!(code, Some(3), "rank {rank}: {out}");
+        assert!(
+            out.contains("rank 1"),
+            "rank {rank} must name the stalled rank 1: {out}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "took {:?}",
+            start.elapsed()
+        );
+    }
+}

@@ -1,0 +1,444 @@
+//! The launcher's control loop (torchrun's "agent"): rendezvous, spawn this node's workers,
+//! supervise them until they all succeed, one fails, a signal arrives or another node reports a
+//! failure; stop them (the signal, or SIGTERM, then SIGKILL after the grace period); print the
+//! root-cause summary; restart the whole group while `--max-restarts` allows.
+
+use crate::cli::{available_cores, Config};
+use crate::output::{rank_log_dir, Console, Sink, Tail};
+use crate::process::{self, ExitEvent, Worker};
+use crate::rendezvous::{RemoteFailure, Rendezvous, Round, Stop};
+use crate::signals::{self, signal_group, signal_name};
+use crate::summary::{format_summary, Failure, SummaryContext};
+use crate::worker_env::{worker_env, JobInfo, Placement};
+use std::fs::File;
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// How long to wait for SIGKILLed workers to be reaped before giving up on them.
+const KILL_WAIT: Duration = Duration::from_secs(10);
+/// How long to let output threads drain the pipes after the workers are gone.
+const DRAIN_WAIT: Duration = Duration::from_secs(2);
+/// Poll period while waiting for other nodes in a rendezvous round.
+const RDZV_POLL: Duration = Duration::from_millis(50);
+
+/// Launcher exit status for a signal.
+fn signal_exit(sig: i32) -> i32 {
+    128 + sig
+}
+
+/// Name of this host, for summaries and the rendezvous entry.
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates on success (we
+    // also stop at the end of the buffer).
+    let rc = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) };
+    if rc != 0 {
+        return "unknown-host".into();
+    }
+    let end = buf.iter().position(|&b| b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+/// How one attempt of this node's workers ended.
+enum Outcome {
+    Success,
+    /// Workers that failed on their own, root cause first.
+    Failed(Vec<Failure>),
+    Stopped(Stop),
+    /// A worker could not be started (or its log file created): restarting would not help.
+    SpawnFailed(String),
+}
+
+/// What the control loop does after a round.
+enum Next {
+    Restart,
+    Exit(i32),
+}
+
+/// Run the job described by `cfg`; returns the launcher's exit status.
+pub fn run(cfg: &Config) -> i32 {
+    signals::install();
+    let host = hostname();
+    let rdzv = match Rendezvous::start(cfg, &host, &mut signals::take_pending) {
+        Ok(r) => r,
+        Err(Stop::Signal(sig)) => {
+            eprintln!(
+                "ddprun: received {} while connecting to the store; exiting",
+                signal_name(sig)
+            );
+            return signal_exit(sig);
+        }
+        Err(Stop::Error(e)) => {
+            eprintln!("ddprun: error: {e}");
+            return 1;
+        }
+        Err(Stop::Remote(f)) => {
+            eprintln!("ddprun: error: node {} failed: {}", f.node_rank, f.what);
+            return 1;
+        }
+    };
+    let mut attempt = 0;
+    let code = loop {
+        match run_round(cfg, &rdzv, &host, attempt) {
+            Next::Restart => attempt += 1,
+            Next::Exit(code) => break code,
+        }
+    };
+    rdzv.finish(cfg.stop_grace_period + Duration::from_secs(30));
+    code
+}
+
+fn run_round(cfg: &Config, rdzv: &Rendezvous, host: &str, attempt: u32) -> Next {
+    let round = match rdzv.join(
+        attempt,
+        cfg.nproc_per_node,
+        cfg.rdzv_timeout,
+        RDZV_POLL,
+        &mut signals::take_pending,
+    ) {
+        Ok(r) => r,
+        Err(stop) => return after_stop(cfg, rdzv, attempt, stop),
+    };
+    let last = round.rank_offset + cfg.nproc_per_node - 1;
+    eprintln!(
+        "ddprun: node {} of {} ({host}): ranks {}..={last} of world size {}, store {}, run id {}, \
+         attempt {attempt}{}",
+        cfg.node_rank,
+        cfg.nnodes,
+        round.rank_offset,
+        round.world_size,
+        rdzv.endpoint,
+        cfg.run_id,
+        cfg.log_dir
+            .as_ref()
+            .map(|d| format!(", logs in {}", d.join(&cfg.run_id).display()))
+            .unwrap_or_default()
+    );
+    match supervise(cfg, rdzv, &round, host) {
+        Outcome::Success => {
+            if cfg.nnodes == 1 {
+                return Next::Exit(0);
+            }
+            if let Err(stop) = rdzv.report_done(attempt) {
+                return after_stop(cfg, rdzv, attempt, stop);
+            }
+            match wait_for_other_nodes(cfg, rdzv, attempt) {
+                Ok(()) => Next::Exit(0),
+                Err(stop) => after_stop(cfg, rdzv, attempt, stop),
+            }
+        }
+        Outcome::Failed(failures) => {
+            let restart = attempt < cfg.max_restarts;
+            let next = if restart {
+                format!(
+                    "ddprun: restarting the worker group (restart {} of at most {})",
+                    attempt + 1,
+                    cfg.max_restarts
+                )
+            } else if cfg.max_restarts == 0 {
+                "ddprun: exiting with status 1 (use --max-restarts K to restart the group)".into()
+            } else {
+                format!(
+                    "ddprun: no restarts left (--max-restarts {}); exiting with status 1",
+                    cfg.max_restarts
+                )
+            };
+            let ctx = SummaryContext {
+                run_id: &cfg.run_id,
+                attempt,
+                max_restarts: cfg.max_restarts,
+                next: &next,
+            };
+            eprintln!("{}", format_summary(&ctx, &failures));
+            rdzv.report_failure(attempt, restart, &failures[0].one_line());
+            if restart {
+                Next::Restart
+            } else {
+                Next::Exit(1)
+            }
+        }
+        Outcome::Stopped(stop) => after_stop(cfg, rdzv, attempt, stop),
+        Outcome::SpawnFailed(e) => {
+            eprintln!("ddprun: error: {e}");
+            rdzv.report_failure(attempt, false, &format!("node {}: {e}", cfg.node_rank));
+            Next::Exit(1)
+        }
+    }
+}
+
+/// Decide what to do after a round was cut short (workers already stopped).
+fn after_stop(cfg: &Config, rdzv: &Rendezvous, attempt: u32, stop: Stop) -> Next {
+    match stop {
+        Stop::Signal(sig) => {
+            let what = format!(
+                "node {} ({}) stopped by {}",
+                cfg.node_rank,
+                hostname(),
+                signal_name(sig)
+            );
+            eprintln!("ddprun: {what}; exiting with status {}", signal_exit(sig));
+            rdzv.report_failure(attempt, false, &what);
+            Next::Exit(signal_exit(sig))
+        }
+        Stop::Error(e) => {
+            eprintln!("ddprun: error: {e}");
+            rdzv.report_failure(attempt, false, &format!("node {}: {e}", cfg.node_rank));
+            Next::Exit(1)
+        }
+        Stop::Remote(RemoteFailure {
+            node_rank,
+            restart,
+            what,
+        }) => {
+            if restart && attempt < cfg.max_restarts {
+                eprintln!(
+                    "ddprun: node {node_rank} reported a failure ({what}); restarting the worker \
+                     group (restart {} of at most {})",
+                    attempt + 1,
+                    cfg.max_restarts
+                );
+                Next::Restart
+            } else {
+                eprintln!(
+                    "ddprun: node {node_rank} reported a failure ({what}); stopped this node's \
+                     workers; exiting with status 1"
+                );
+                Next::Exit(1)
+            }
+        }
+    }
+}
+
+/// After this node's workers all succeeded: wait until every node has (or one fails).
+fn wait_for_other_nodes(cfg: &Config, rdzv: &Rendezvous, attempt: u32) -> Result<(), Stop> {
+    let mut announced = false;
+    loop {
+        let missing = rdzv.not_done(attempt)?;
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if let Some(f) = rdzv.failure(attempt)? {
+            return Err(Stop::Remote(f));
+        }
+        if let Some(sig) = signals::take_pending() {
+            return Err(Stop::Signal(sig));
+        }
+        if !announced {
+            let m: Vec<String> = missing.iter().map(|r| r.to_string()).collect();
+            eprintln!(
+                "ddprun: this node's workers finished; waiting for node(s) {}",
+                m.join(", ")
+            );
+            announced = true;
+        }
+        std::thread::sleep(cfg.monitor_interval);
+    }
+}
+
+/// The sinks of one worker's stdout and stderr, per --redirects/--tee/--log-dir/--local-ranks-filter.
+fn sinks(
+    cfg: &Config,
+    p: &Placement,
+    attempt: u32,
+    tail: &Arc<Mutex<Tail>>,
+) -> Result<(Sink, Sink), String> {
+    let redirect = cfg.redirects.for_local_rank(p.local_rank);
+    let tee = cfg.tee.for_local_rank(p.local_rank);
+    let shown = cfg
+        .local_ranks_filter
+        .as_ref()
+        .is_none_or(|f| f.contains(&p.local_rank));
+    let prefix = format!("[rank{}]: ", p.rank);
+    let file = |name: &str, wanted: bool| -> Result<Option<File>, String> {
+        let (Some(dir), true) = (&cfg.log_dir, wanted) else {
+            return Ok(None);
+        };
+        let dir = rank_log_dir(dir, &cfg.run_id, attempt, p.rank);
+        std::fs::create_dir_all(&dir)
+            .map_err(|e| format!("cannot create log directory {}: {e}", dir.display()))?;
+        let path = dir.join(name);
+        File::create(&path)
+            .map(Some)
+            .map_err(|e| format!("cannot create log file {}: {e}", path.display()))
+    };
+    let out = Sink {
+        console: (shown && !redirect.stdout).then(|| (Console::Stdout, prefix.clone())),
+        file: file("stdout.log", redirect.stdout || tee.stdout)?,
+        tail: None,
+    };
+    let err = Sink {
+        console: (shown && !redirect.stderr).then_some((Console::Stderr, prefix)),
+        file: file("stderr.log", redirect.stderr || tee.stderr)?,
+        tail: Some(tail.clone()),
+    };
+    Ok((out, err))
+}
+
+/// Start this node's workers for `round` and watch them until the attempt ends.
+fn supervise(cfg: &Config, rdzv: &Rendezvous, round: &Round, host: &str) -> Outcome {
+    let (tx, rx) = mpsc::channel::<ExitEvent>();
+    let job = JobInfo {
+        master_addr: rdzv.master_addr.clone(),
+        master_port: rdzv.master_port,
+        restart_count: round.attempt,
+        max_restarts: cfg.max_restarts,
+        run_id: cfg.run_id.clone(),
+        cores: available_cores(),
+    };
+    let mut workers: Vec<Worker> = Vec::with_capacity(cfg.nproc_per_node);
+    for local_rank in 0..cfg.nproc_per_node {
+        let p = Placement {
+            rank: round.rank_offset + local_rank,
+            local_rank,
+            world_size: round.world_size,
+            local_world_size: cfg.nproc_per_node,
+            node_rank: cfg.node_rank,
+            nnodes: cfg.nnodes,
+        };
+        let env = worker_env(&p, &job, |k| std::env::var(k).ok());
+        let tail = Arc::new(Mutex::new(Tail::default()));
+        let started = sinks(cfg, &p, round.attempt, &tail).and_then(|(out, err)| {
+            process::spawn(&cfg.program, &env, p, out, err, tail, tx.clone())
+        });
+        match started {
+            Ok(w) => workers.push(w),
+            Err(e) => {
+                stop_workers(&mut workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+                return Outcome::SpawnFailed(e);
+            }
+        }
+    }
+    let mut failed: Vec<usize> = Vec::new();
+    loop {
+        match rx.recv_timeout(cfg.monitor_interval) {
+            Ok(ev) => record_exit(&mut workers, ev, Some(&mut failed)),
+            Err(RecvTimeoutError::Timeout) => {}
+            Err(RecvTimeoutError::Disconnected) => unreachable!("the launcher holds a sender"),
+        }
+        while let Ok(ev) = rx.try_recv() {
+            record_exit(&mut workers, ev, Some(&mut failed));
+        }
+        if !failed.is_empty() {
+            stop_workers(&mut workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+            let failures = failed
+                .iter()
+                .map(|&i| failure_of(&workers[i], host))
+                .collect();
+            return Outcome::Failed(failures);
+        }
+        if workers.iter().all(|w| w.exit.is_some()) {
+            // No orphans: whatever a worker left running in its process group goes too.
+            stop_workers(&mut workers, &rx, libc::SIGKILL, Duration::ZERO);
+            return Outcome::Success;
+        }
+        if let Some(sig) = signals::take_pending() {
+            eprintln!(
+                "ddprun: received {}; forwarding it to the workers (SIGKILL after {:?})",
+                signal_name(sig),
+                cfg.stop_grace_period
+            );
+            stop_workers(&mut workers, &rx, sig, cfg.stop_grace_period);
+            return Outcome::Stopped(Stop::Signal(sig));
+        }
+        match rdzv.failure(round.attempt) {
+            Ok(None) => {}
+            Ok(Some(f)) => {
+                stop_workers(&mut workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+                return Outcome::Stopped(Stop::Remote(f));
+            }
+            Err(stop) => {
+                stop_workers(&mut workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+                return Outcome::Stopped(stop);
+            }
+        }
+    }
+}
+
+fn record_exit(workers: &mut [Worker], ev: ExitEvent, failed: Option<&mut Vec<usize>>) {
+    if let Some(i) = workers
+        .iter()
+        .position(|w| w.placement.local_rank == ev.local_rank)
+    {
+        workers[i].exit = Some((ev.status, ev.at));
+        if let Some(failed) = failed {
+            if !ev.status.success() {
+                failed.push(i);
+            }
+        }
+    }
+}
+
+fn failure_of(w: &Worker, host: &str) -> Failure {
+    let (status, at) = w.exit.expect("failed workers have exited");
+    Failure {
+        rank: w.placement.rank,
+        local_rank: w.placement.local_rank,
+        node_rank: w.placement.node_rank,
+        host: host.to_string(),
+        pid: w.pid,
+        status,
+        at,
+        started: w.started,
+        stderr_tail: w.tail_lines(),
+    }
+}
+
+/// Stop every worker: `sig` to each process group, SIGKILL to what is left after `grace` (or
+/// at once when another signal reaches the launcher meanwhile), reap them all, and let the
+/// output threads drain.
+fn stop_workers(workers: &mut [Worker], rx: &Receiver<ExitEvent>, sig: i32, grace: Duration) {
+    // Groups of already exited workers are signalled too: that reaches their leftovers.
+    for w in workers.iter() {
+        signal_group(w.pid, sig);
+    }
+    let alive = |ws: &[Worker]| ws.iter().filter(|w| w.exit.is_none()).count();
+    let deadline = Instant::now() + grace;
+    while alive(workers) > 0 {
+        let now = Instant::now();
+        if now >= deadline {
+            break;
+        }
+        if let Ok(ev) = rx.recv_timeout((deadline - now).min(Duration::from_millis(50))) {
+            record_exit(workers, ev, None);
+        }
+        if let Some(s) = signals::take_pending() {
+            eprintln!(
+                "ddprun: received {} again; killing the workers now",
+                signal_name(s)
+            );
+            break;
+        }
+    }
+    if alive(workers) > 0 && sig != libc::SIGKILL {
+        let ranks: Vec<String> = workers
+            .iter()
+            .filter(|w| w.exit.is_none())
+            .map(|w| w.placement.rank.to_string())
+            .collect();
+        eprintln!(
+            "ddprun: rank(s) {} still running {grace:?} after {}; sending SIGKILL",
+            ranks.join(", "),
+            signal_name(sig)
+        );
+    }
+    for w in workers.iter() {
+        signal_group(w.pid, libc::SIGKILL);
+    }
+    let deadline = Instant::now() + KILL_WAIT;
+    while alive(workers) > 0 && Instant::now() < deadline {
+        if let Ok(ev) = rx.recv_timeout(Duration::from_millis(50)) {
+            record_exit(workers, ev, None);
+        }
+    }
+    for w in workers.iter().filter(|w| w.exit.is_none()) {
+        eprintln!(
+            "ddprun: warning: rank {} (pid {}) did not exit after SIGKILL (stuck in the kernel?)",
+            w.placement.rank, w.pid
+        );
+    }
+    let drain = Instant::now() + DRAIN_WAIT;
+    for w in workers.iter_mut() {
+        w.join_readers(drain);
+    }
+}

@@ -1,0 +1,574 @@
+//! Command-line interface: torchrun's flag names (both `--dash-case` and `--snake_case`
+//! spellings, and the `PET_*` environment variables torchrun reads) parsed by clap, then checked
+//! and resolved into a [`Config`] the launcher runs from.
+
+use clap::Parser;
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// Default rendezvous port, as in torchrun.
+pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+const AFTER_HELP: &str = "\
+Examples:
+  ddprun --nproc-per-node 4 ./target/release/train --epochs 10
+  ddprun --standalone --nproc-per-node auto -- ./train
+  # two nodes (run one on each host):
+  ddprun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
+  ddprun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
+
+Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
+MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID and
+DDP_STORE_HOSTED=1 (the launcher on node 0 hosts the rendezvous store), plus OMP_NUM_THREADS and
+RAYON_NUM_THREADS = max(1, cores / local workers) unless already set. DDP_STORE_SECRET, when set,
+is the shared secret of the store (set it to the same value on every node).
+
+Exit status: 0 when every worker of every node succeeded; 1 when a worker failed (after the
+restarts allowed by --max-restarts) or the rendezvous failed; 128+N when the launcher was stopped
+by signal N (it is forwarded to the workers first); 2 for command-line errors.";
+
+/// `ddprun`: launch and supervise the worker processes of a ddp-rs job (torchrun's contract).
+#[derive(Parser, Debug, Clone)]
+#[command(name = "ddprun", version, after_long_help = AFTER_HELP, args_override_self = true)]
+pub struct Args {
+    /// Worker processes on this node: a number, `auto` or `cpu` (both: the number of CPU cores
+    /// available to this process).
+    #[arg(long = "nproc-per-node", alias = "nproc_per_node", env = "PET_NPROC_PER_NODE",
+          default_value = "1", value_name = "N|auto|cpu", value_parser = parse_nproc)]
+    pub nproc_per_node: Nproc,
+
+    /// Number of nodes (one `ddprun` per node). `N:N` is accepted; elastic `MIN:MAX` ranges are not.
+    #[arg(long, env = "PET_NNODES", default_value = "1", value_name = "N", value_parser = parse_nnodes)]
+    pub nnodes: usize,
+
+    /// Rank of this node, in `0..nnodes`. Node 0 hosts the rendezvous store.
+    #[arg(
+        long = "node-rank",
+        alias = "node_rank",
+        env = "PET_NODE_RANK",
+        default_value_t = 0,
+        value_name = "R"
+    )]
+    pub node_rank: usize,
+
+    /// Address of node 0, where the rendezvous store listens (workers get it as MASTER_ADDR).
+    #[arg(
+        long = "master-addr",
+        alias = "master_addr",
+        env = "PET_MASTER_ADDR",
+        default_value = "127.0.0.1",
+        value_name = "ADDR"
+    )]
+    pub master_addr: String,
+
+    /// Port of the rendezvous store on node 0 (MASTER_PORT); 0 picks a free port (single node only).
+    #[arg(long = "master-port", alias = "master_port", env = "PET_MASTER_PORT",
+          default_value_t = DEFAULT_MASTER_PORT, value_name = "PORT")]
+    pub master_port: u16,
+
+    /// `HOST:PORT` of the rendezvous store: the same as --master-addr and --master-port together.
+    #[arg(
+        long = "rdzv-endpoint",
+        alias = "rdzv_endpoint",
+        env = "PET_RDZV_ENDPOINT",
+        value_name = "HOST:PORT"
+    )]
+    pub rdzv_endpoint: Option<String>,
+
+    /// Accepted for torchrun compatibility; ddprun always uses its static TCP-store rendezvous.
+    #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND",
+          value_parser = ["static", "c10d"], value_name = "static|c10d")]
+    pub rdzv_backend: Option<String>,
+
+    /// Seconds to wait for the store and for every node to join a rendezvous round before giving up
+    /// with an error that names what is missing.
+    #[arg(long = "rdzv-timeout", alias = "rdzv_timeout", env = "PET_RDZV_TIMEOUT",
+          default_value_t = 900.0, value_name = "SECS", value_parser = parse_secs)]
+    pub rdzv_timeout: f64,
+
+    /// Job id, the same on every node (TORCHELASTIC_RUN_ID; names the log directory).
+    /// Default `none`, as in torchrun; with --standalone a random id.
+    #[arg(
+        long = "run-id",
+        alias = "run_id",
+        visible_alias = "rdzv-id",
+        alias = "rdzv_id",
+        env = "PET_RDZV_ID",
+        value_name = "ID"
+    )]
+    pub run_id: Option<String>,
+
+    /// Single-node job on a free local port: no --master-addr/--master-port/--nnodes needed.
+    #[arg(long, env = "PET_STANDALONE")]
+    pub standalone: bool,
+
+    /// Restart the whole worker group (on every node) up to K times after a failure; each
+    /// restart is a fresh rendezvous round with TORCHELASTIC_RESTART_COUNT incremented.
+    #[arg(
+        long = "max-restarts",
+        alias = "max_restarts",
+        env = "PET_MAX_RESTARTS",
+        default_value_t = 0,
+        value_name = "K"
+    )]
+    pub max_restarts: u32,
+
+    /// Seconds between checks of the workers, signals and the other nodes.
+    #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL",
+          default_value_t = 0.1, value_name = "SECS", value_parser = parse_secs)]
+    pub monitor_interval: f64,
+
+    /// Seconds between SIGTERM and SIGKILL when stopping workers.
+    #[arg(long = "stop-grace-period", alias = "stop_grace_period", default_value_t = 5.0,
+          value_name = "SECS", value_parser = parse_secs)]
+    pub stop_grace_period: f64,
+
+    /// Send worker output to log files only: 0 none, 1 stdout, 2 stderr, 3 both; or per local
+    /// rank, e.g. `0:1,1:2`. Implies a log directory (a temporary one without --log-dir).
+    #[arg(short = 'r', long, env = "PET_REDIRECTS", value_name = "0-3|LR:V,..",
+          value_parser = parse_std_spec)]
+    pub redirects: Option<StdSpec>,
+
+    /// Copy worker output to log files and also show it: same values as --redirects.
+    /// Default 3 when --log-dir is given, else 0.
+    #[arg(short = 't', long, env = "PET_TEE", value_name = "0-3|LR:V,..",
+          value_parser = parse_std_spec)]
+    pub tee: Option<StdSpec>,
+
+    /// Directory for per-rank logs: DIR/RUN_ID/attempt_K/RANK/{stdout,stderr}.log.
+    #[arg(
+        long = "log-dir",
+        alias = "log_dir",
+        env = "PET_LOG_DIR",
+        value_name = "DIR"
+    )]
+    pub log_dir: Option<PathBuf>,
+
+    /// Only show the console output of these local ranks (e.g. `0` or `0,2`); logs keep everything.
+    #[arg(long = "local-ranks-filter", alias = "local_ranks_filter",
+          env = "PET_LOCAL_RANKS_FILTER", value_name = "LR,..", value_parser = parse_rank_set)]
+    pub local_ranks_filter: Option<BTreeSet<usize>>,
+
+    /// The worker program and its arguments (after `--`, or directly).
+    #[arg(required = true, num_args = 1.., trailing_var_arg = true, allow_hyphen_values = true,
+          value_name = "PROGRAM [ARGS]...")]
+    pub program: Vec<String>,
+}
+
+/// `--nproc-per-node`: a count or `auto`/`cpu`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Nproc {
+    Count(usize),
+    /// Number of CPU cores available to this process.
+    Cpu,
+}
+
+impl Nproc {
+    /// The number of workers this resolves to on this host.
+    pub fn resolve(self) -> usize {
+        match self {
+            Nproc::Count(n) => n,
+            Nproc::Cpu => available_cores(),
+        }
+    }
+}
+
+/// CPU cores this process may run on (affinity and cgroup limits respected).
+pub fn available_cores() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| n.get())
+}
+
+/// Which standard streams a redirect/tee value covers (torchrun's `Std`: 1 stdout, 2 stderr, 3 both).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Streams {
+    pub stdout: bool,
+    pub stderr: bool,
+}
+
+impl Streams {
+    pub const NONE: Streams = Streams {
+        stdout: false,
+        stderr: false,
+    };
+    pub const ALL: Streams = Streams {
+        stdout: true,
+        stderr: true,
+    };
+
+    fn from_digit(s: &str) -> Result<Streams, String> {
+        match s.trim() {
+            "0" => Ok(Streams::NONE),
+            "1" => Ok(Streams {
+                stdout: true,
+                stderr: false,
+            }),
+            "2" => Ok(Streams {
+                stdout: false,
+                stderr: true,
+            }),
+            "3" => Ok(Streams::ALL),
+            other => Err(format!(
+                "`{other}` is not a stream selector: use 0 (none), 1 (stdout), 2 (stderr) or 3 (both)"
+            )),
+        }
+    }
+
+    /// Whether any stream is selected.
+    pub fn any(self) -> bool {
+        self.stdout || self.stderr
+    }
+}
+
+/// A `--redirects`/`--tee` value: one selector for all local ranks, or per local rank.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct StdSpec {
+    pub all: Streams,
+    pub per_local_rank: BTreeMap<usize, Streams>,
+}
+
+impl StdSpec {
+    /// Streams selected for `local_rank`.
+    pub fn for_local_rank(&self, local_rank: usize) -> Streams {
+        self.per_local_rank
+            .get(&local_rank)
+            .copied()
+            .unwrap_or(self.all)
+    }
+
+    /// Whether any local rank has any stream selected.
+    pub fn any(&self) -> bool {
+        self.all.any() || self.per_local_rank.values().any(|s| s.any())
+    }
+}
+
+fn parse_std_spec(s: &str) -> Result<StdSpec, String> {
+    if !s.contains(':') {
+        return Ok(StdSpec {
+            all: Streams::from_digit(s)?,
+            per_local_rank: BTreeMap::new(),
+        });
+    }
+    let mut per_local_rank = BTreeMap::new();
+    for part in s.split(',') {
+        let (lr, v) = part
+            .split_once(':')
+            .ok_or_else(|| format!("`{part}` is not LOCAL_RANK:VALUE (e.g. `0:3,1:1`)"))?;
+        let lr = lr
+            .trim()
+            .parse::<usize>()
+            .map_err(|_| format!("`{lr}` is not a local rank in `{part}`"))?;
+        per_local_rank.insert(lr, Streams::from_digit(v)?);
+    }
+    Ok(StdSpec {
+        all: Streams::NONE,
+        per_local_rank,
+    })
+}
+
+fn parse_nproc(s: &str) -> Result<Nproc, String> {
+    match s.trim() {
+        "auto" | "cpu" => Ok(Nproc::Cpu),
+        "gpu" => Err(
+            "`gpu` is not supported: ddprun workers run on CPU; use a number, `auto` or `cpu`"
+                .into(),
+        ),
+        n => match n.parse::<usize>() {
+            Ok(0) => Err("must be at least 1".into()),
+            Ok(n) => Ok(Nproc::Count(n)),
+            Err(_) => Err(format!("`{n}` is not a number, `auto` or `cpu`")),
+        },
+    }
+}
+
+fn parse_nnodes(s: &str) -> Result<usize, String> {
+    let parse = |v: &str| {
+        v.trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&n| n >= 1)
+            .ok_or_else(|| format!("`{v}` is not a node count (a number >= 1)"))
+    };
+    match s.split_once(':') {
+        None => parse(s),
+        Some((lo, hi)) => {
+            let (lo, hi) = (parse(lo)?, parse(hi)?);
+            if lo == hi {
+                Ok(lo)
+            } else {
+                Err(format!(
+                    "elastic node ranges ({lo}:{hi}) are not supported: ddprun uses a static \
+                     rendezvous, give one count (e.g. --nnodes {hi})"
+                ))
+            }
+        }
+    }
+}
+
+fn parse_secs(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
+        _ => Err(format!("`{s}` is not a positive number of seconds")),
+    }
+}
+
+fn parse_rank_set(s: &str) -> Result<BTreeSet<usize>, String> {
+    s.split(',')
+        .map(|p| {
+            p.trim()
+                .parse::<usize>()
+                .map_err(|_| format!("`{p}` is not a local rank"))
+        })
+        .collect()
+}
+
+/// Everything the launcher needs, checked and resolved.
+#[derive(Debug, Clone)]
+pub struct Config {
+    /// Workers on this node.
+    pub nproc_per_node: usize,
+    pub nnodes: usize,
+    pub node_rank: usize,
+    /// Address workers and other nodes use to reach the store.
+    pub master_addr: String,
+    /// Requested store port; 0 = let the OS pick (single node).
+    pub master_port: u16,
+    pub run_id: String,
+    pub max_restarts: u32,
+    pub monitor_interval: Duration,
+    pub rdzv_timeout: Duration,
+    pub stop_grace_period: Duration,
+    pub redirects: StdSpec,
+    pub tee: StdSpec,
+    /// Where per-rank logs go; `Some` whenever any stream is redirected or teed.
+    pub log_dir: Option<PathBuf>,
+    pub local_ranks_filter: Option<BTreeSet<usize>>,
+    /// Program and arguments.
+    pub program: Vec<String>,
+}
+
+impl Args {
+    /// Check the flags against each other and resolve defaults into a [`Config`].
+    pub fn into_config(self) -> Result<Config, String> {
+        let mut master_addr = self.master_addr;
+        let mut master_port = self.master_port;
+        if let Some(ep) = &self.rdzv_endpoint {
+            let (host, port) = split_endpoint(ep)?;
+            master_addr = host;
+            master_port = port.unwrap_or(DEFAULT_MASTER_PORT);
+        }
+        let mut nnodes = self.nnodes;
+        let mut run_id = self.run_id;
+        if self.standalone {
+            if nnodes != 1 {
+                return Err(format!(
+                    "--standalone runs a single node, but --nnodes is {nnodes}"
+                ));
+            }
+            nnodes = 1;
+            master_addr = "127.0.0.1".into();
+            master_port = 0;
+            if run_id.is_none() {
+                run_id = Some(random_run_id());
+            }
+        }
+        if self.node_rank >= nnodes {
+            return Err(format!(
+                "--node-rank {} is out of range for --nnodes {nnodes} (valid: 0..={})",
+                self.node_rank,
+                nnodes - 1
+            ));
+        }
+        if master_port == 0 && nnodes > 1 {
+            return Err(format!(
+                "--master-port 0 (pick a free port) only works for a single node; with --nnodes \
+                 {nnodes} every node must be given the same fixed --master-port"
+            ));
+        }
+        if master_addr.trim().is_empty() {
+            return Err("--master-addr is empty".into());
+        }
+        let run_id = run_id.unwrap_or_else(|| "none".into());
+        if run_id.is_empty() || run_id.contains(['/', '\0']) || run_id == "." || run_id == ".." {
+            return Err(format!(
+                "--run-id `{run_id}` must be non-empty and contain no `/` (it names a log directory)"
+            ));
+        }
+        let redirects = self.redirects.unwrap_or_default();
+        let tee = match (self.tee, &self.log_dir) {
+            (Some(t), _) => t,
+            // Asking for a log directory means asking for logs: tee everything by default.
+            (None, Some(_)) if !redirects.any() => StdSpec {
+                all: Streams::ALL,
+                per_local_rank: BTreeMap::new(),
+            },
+            (None, _) => StdSpec::default(),
+        };
+        let log_dir = match self.log_dir {
+            Some(d) => Some(d),
+            None if redirects.any() || tee.any() => {
+                let d = std::env::temp_dir().join(format!("ddprun-{}", std::process::id()));
+                eprintln!(
+                    "ddprun: --redirects/--tee without --log-dir: writing worker logs under {}",
+                    d.display()
+                );
+                Some(d)
+            }
+            None => None,
+        };
+        Ok(Config {
+            nproc_per_node: self.nproc_per_node.resolve(),
+            nnodes,
+            node_rank: self.node_rank,
+            master_addr,
+            master_port,
+            run_id,
+            max_restarts: self.max_restarts,
+            monitor_interval: Duration::from_secs_f64(self.monitor_interval),
+            rdzv_timeout: Duration::from_secs_f64(self.rdzv_timeout),
+            stop_grace_period: Duration::from_secs_f64(self.stop_grace_period),
+            redirects,
+            tee,
+            log_dir,
+            local_ranks_filter: self.local_ranks_filter,
+            program: self.program,
+        })
+    }
+}
+
+/// `host:port`, `[v6]:port` or a bare host → (host, port).
+fn split_endpoint(ep: &str) -> Result<(String, Option<u16>), String> {
+    let bad = || format!("--rdzv-endpoint `{ep}` is not HOST or HOST:PORT");
+    if let Some(rest) = ep.strip_prefix('[') {
+        let (host, tail) = rest.split_once(']').ok_or_else(bad)?;
+        let port = match tail.strip_prefix(':') {
+            Some(p) => Some(p.parse().map_err(|_| bad())?),
+            None if tail.is_empty() => None,
+            None => return Err(bad()),
+        };
+        return Ok((host.to_string(), port));
+    }
+    match ep.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') => {
+            Ok((h.to_string(), Some(p.parse().map_err(|_| bad())?)))
+        }
+        _ if !ep.is_empty() => Ok((ep.to_string(), None)),
+        _ => Err(bad()),
+    }
+}
+
+/// A run id unlikely to collide: time and pid based (no RNG dependency needed).
+fn random_run_id() -> String {
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    format!(
+        "standalone-{:x}-{:x}",
+        std::process::id(),
+        nanos & 0xffff_ffff_ffff
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(a: &[&str]) -> Result<Args, clap::Error> {
+        Args::try_parse_from(std::iter::once("ddprun").chain(a.iter().copied()))
+    }
+
+    #[test]
+    fn torchrun_spellings_and_program_forms() {
+        let a = args(&[
+            "--nproc_per_node=3",
+            "--master_port",
+            "1234",
+            "--",
+            "./w",
+            "-x",
+            "--y",
+        ])
+        .unwrap();
+        assert_eq!(a.nproc_per_node, Nproc::Count(3));
+        assert_eq!(a.master_port, 1234);
+        assert_eq!(a.program, ["./w", "-x", "--y"]);
+        let a = args(&["--nproc-per-node", "auto", "./w", "--nnodes", "2"]).unwrap();
+        assert_eq!(a.nproc_per_node, Nproc::Cpu);
+        // Flags after the program belong to the program.
+        assert_eq!(a.program, ["./w", "--nnodes", "2"]);
+        assert_eq!(a.nnodes, 1);
+        assert!(args(&["--nproc-per-node", "0", "./w"]).is_err());
+        assert!(args(&["--nnodes", "1:4", "./w"])
+            .unwrap_err()
+            .to_string()
+            .contains("elastic"));
+        assert_eq!(args(&["--nnodes", "2:2", "./w"]).unwrap().nnodes, 2);
+        assert!(args(&[]).is_err(), "a program is required");
+    }
+
+    #[test]
+    fn std_specs() {
+        let a = args(&["--redirects", "3", "--tee", "0:1,2:2", "w"]).unwrap();
+        assert_eq!(a.redirects.unwrap().for_local_rank(5), Streams::ALL);
+        let t = a.tee.unwrap();
+        assert_eq!(
+            t.for_local_rank(0),
+            Streams {
+                stdout: true,
+                stderr: false
+            }
+        );
+        assert_eq!(t.for_local_rank(1), Streams::NONE);
+        assert_eq!(
+            t.for_local_rank(2),
+            Streams {
+                stdout: false,
+                stderr: true
+            }
+        );
+        assert!(args(&["--redirects", "4", "w"]).is_err());
+    }
+
+    #[test]
+    fn config_resolution_and_errors() {
+        let c = args(&["--standalone", "w"]).unwrap().into_config().unwrap();
+        assert_eq!(
+            (c.master_port, c.nnodes, c.master_addr.as_str()),
+            (0, 1, "127.0.0.1")
+        );
+        assert!(c.run_id.starts_with("standalone-"));
+        let e = args(&["--nnodes", "2", "--node-rank", "2", "w"])
+            .unwrap()
+            .into_config();
+        assert!(e.unwrap_err().contains("--node-rank 2 is out of range"));
+        let e = args(&["--nnodes", "2", "--master-port", "0", "w"])
+            .unwrap()
+            .into_config();
+        assert!(e.unwrap_err().contains("only works for a single node"));
+        let c = args(&["--rdzv-endpoint", "10.1.2.3:4567", "w"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("10.1.2.3", 4567));
+        let c = args(&["--rdzv-endpoint", "[::1]:5", "w"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        assert_eq!((c.master_addr.as_str(), c.master_port), ("::1", 5));
+        // --log-dir alone tees everything; --redirects wins over the default tee.
+        let c = args(&["--log-dir", "/tmp/x", "w"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        assert_eq!(c.tee.all, Streams::ALL);
+        let c = args(&["--log-dir", "/tmp/x", "-r", "1", "w"])
+            .unwrap()
+            .into_config()
+            .unwrap();
+        assert_eq!((c.tee.all, c.redirects.all.stdout), (Streams::NONE, true));
+        assert!(args(&["--run-id", "a/b", "w"])
+            .unwrap()
+            .into_config()
+            .is_err());
+    }
+}

@@ -1,0 +1,306 @@
+//! Real collectives under real launchers, with the `ddp-allreduce-check` worker (each rank
+//! all-reduces `rank + 1` and checks the sum): under `ddprun` on one node (also across a
+//! restart, which must not mix up the rendezvous keys of the two attempts), under OpenMPI's
+//! `mpirun` (no `ddprun` involved), and across two "hosts" made of network namespaces joined by a
+//! veth pair, with one `ddprun` in each.
+//!
+//! The mpirun test skips (with a message) when `mpirun` is not installed; the namespace test
+//! skips when not running as root or when `ip` is missing. CI installs openmpi-bin and
+//! iproute2 and runs as root, so both run there.
+
+mod common;
+
+use common::*;
+use std::process::{Command, Stdio};
+use std::time::Duration;
+
+const CHECK: &str = env!("CARGO_BIN_EXE_ddp-allreduce-check");
+const LIMIT: Duration = Duration::from_secs(50);
+
+fn ok_lines(stdout: &str) -> Vec<&str> {
+    stdout
+        .lines()
+        .filter(|l| l.contains("all_reduce ok"))
+        .collect()
+}
+
+#[test]
+fn allreduce_under_ddprun() {
+    let r = run(
+        &["--nproc-per-node", "3", "--master-port", "0", CHECK],
+        LIMIT,
+    );
+    assert_eq!(r.code(), Some(0), "{r}");
+    let ok = ok_lines(&r.stdout);
+    assert_eq!(ok.len(), 3, "{r}");
+    for rank in 0..3 {
+        let want = format!("[rank{rank}]: rank {rank}/3: all_reduce ok (sum 6,");
+        assert!(ok.iter().any(|l| l.starts_with(&want)), "{want} in {r}");
+    }
+}
+
+#[test]
+fn allreduce_after_restart() {
+    // Rank 1 fails after a successful all-reduce on attempt 0; attempt 1 rendezvous through the
+    // same hosted store must start clean.
+    let r = run(
+        &[
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            "0",
+            "--max-restarts",
+            "1",
+            CHECK,
+            "--fail-rank",
+            "1",
+            "--fail-attempt",
+            "0",
+            "--timeout",
+            "20",
+        ],
+        LIMIT,
+    );
+    assert_eq!(r.code(), Some(0), "{r}");
+    assert!(r.stderr.contains("failing on purpose on attempt 0"), "{r}");
+    let attempt1: Vec<_> = ok_lines(&r.stdout)
+        .into_iter()
+        .filter(|l| l.contains(" attempt 1 "))
+        .collect();
+    assert_eq!(attempt1.len(), 3, "all ranks succeed on attempt 1: {r}");
+}
+
+fn have(program: &str) -> bool {
+    Command::new("sh")
+        .args(["-c", &format!("command -v {program}")])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success())
+}
+
+#[test]
+fn allreduce_under_mpirun() {
+    if !have("mpirun") {
+        eprintln!("SKIPPED allreduce_under_mpirun: `mpirun` not found (install openmpi-bin)");
+        return;
+    }
+    let port = free_port().to_string();
+    let mut cmd = Command::new("mpirun");
+    cmd.args([
+        "--allow-run-as-root",
+        "--oversubscribe",
+        "-np",
+        "2",
+        CHECK,
+        "--timeout",
+        "20",
+    ])
+    .env("MASTER_ADDR", "127.0.0.1")
+    .env("MASTER_PORT", &port)
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    let r = Running::start(cmd).finish(LIMIT);
+    assert_eq!(r.code(), Some(0), "{r}");
+    let ok = ok_lines(&r.stdout);
+    assert_eq!(ok.len(), 2, "{r}");
+    for rank in 0..2 {
+        let want = format!("rank {rank}/2: all_reduce ok (sum 3,");
+        assert!(
+            ok.iter()
+                .any(|l| l.starts_with(&want) && l.contains("launcher OpenMpi")),
+            "{r}"
+        );
+    }
+}
+
+/// Two network namespaces joined by a veth pair (10.77.0.1/24 and 10.77.0.2/24); deleted on
+/// drop, so also when the test fails.
+struct TwoHosts {
+    ns: [String; 2],
+}
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| format!("ip {args:?}: {e}"))?;
+    if out.status.success() {
+        Ok(())
+    } else {
+        Err(format!(
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr).trim()
+        ))
+    }
+}
+
+impl TwoHosts {
+    const ADDRS: [&'static str; 2] = ["10.77.0.1", "10.77.0.2"];
+
+    fn new() -> Result<TwoHosts, String> {
+        let id = std::process::id();
+        let hosts = TwoHosts {
+            ns: [format!("ddprun-{id}-0"), format!("ddprun-{id}-1")],
+        };
+        let [a, b] = &hosts.ns;
+        ip(&["netns", "add", a])?;
+        ip(&["netns", "add", b])?;
+        ip(&[
+            "link", "add", "veth0", "netns", a, "type", "veth", "peer", "name", "veth1", "netns", b,
+        ])?;
+        for (i, ns) in hosts.ns.iter().enumerate() {
+            let dev = format!("veth{i}");
+            ip(&[
+                "-n",
+                ns,
+                "addr",
+                "add",
+                &format!("{}/24", Self::ADDRS[i]),
+                "dev",
+                &dev,
+            ])?;
+            ip(&["-n", ns, "link", "set", &dev, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+
+    /// `ddprun ARGS` as a launcher on host `i`.
+    fn ddprun(&self, i: usize, args: &[&str]) -> Running {
+        let mut cmd = Command::new("ip");
+        cmd.args(["netns", "exec", &self.ns[i], DDPRUN])
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        Running::start(cmd)
+    }
+}
+
+impl Drop for TwoHosts {
+    fn drop(&mut self) {
+        for ns in &self.ns {
+            // Deleting a namespace also deletes its end of the veth pair.
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
+
+#[test]
+fn two_hosts_in_network_namespaces() {
+    // SAFETY: plain syscall.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIPPED two_hosts_in_network_namespaces: needs root (ip netns)");
+        return;
+    }
+    if !have("ip") {
+        eprintln!("SKIPPED two_hosts_in_network_namespaces: `ip` not found (install iproute2)");
+        return;
+    }
+    let hosts = TwoHosts::new().expect("set up two network namespaces");
+    let launch = |i: usize, extra: &[&str]| {
+        let rank = i.to_string();
+        let mut args = vec![
+            "--nnodes",
+            "2",
+            "--node-rank",
+            &rank,
+            "--master-addr",
+            TwoHosts::ADDRS[0],
+            "--master-port",
+            "29500",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-timeout",
+            "20",
+            CHECK,
+            "--timeout",
+            "20",
+        ];
+        args.extend_from_slice(extra);
+        hosts.ddprun(i, &args)
+    };
+
+    // A collective across the two hosts: node 1 starts first and waits for node 0's store.
+    let n1 = launch(1, &[]);
+    std::thread::sleep(Duration::from_millis(200));
+    let n0 = launch(0, &[]);
+    let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
+    assert_eq!(r0.code(), Some(0), "{r0}");
+    assert_eq!(r1.code(), Some(0), "{r1}");
+    for (r, ranks) in [(&r0, [0, 1]), (&r1, [2, 3])] {
+        for rank in ranks {
+            let want = format!("[rank{rank}]: rank {rank}/4: all_reduce ok (sum 10,");
+            assert!(r.stdout.contains(&want), "{want} in {r}");
+            assert!(r.stdout.contains("master 10.77.0.1:29500"), "{r}");
+        }
+    }
+
+    // A rank on host 1 fails on attempt 0: both hosts restart their workers and finish.
+    let extra = ["--fail-rank", "3", "--fail-attempt", "0"];
+    let restart = |i: usize| {
+        let rank = i.to_string();
+        let mut args = vec![
+            "--nnodes",
+            "2",
+            "--node-rank",
+            &rank,
+            "--master-addr",
+            TwoHosts::ADDRS[0],
+            "--master-port",
+            "29500",
+            "--nproc-per-node",
+            "2",
+            "--rdzv-timeout",
+            "20",
+            "--max-restarts",
+            "1",
+            CHECK,
+            "--timeout",
+            "20",
+        ];
+        args.extend_from_slice(&extra);
+        hosts.ddprun(i, &args)
+    };
+    let (n0, n1) = (restart(0), restart(1));
+    let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
+    assert_eq!(r0.code(), Some(0), "{r0}");
+    assert_eq!(r1.code(), Some(0), "{r1}");
+    assert!(
+        r1.stderr.contains("failing on purpose on attempt 0"),
+        "{r1}"
+    );
+    let attempt1 = |r: &Run| {
+        ok_lines(&r.stdout)
+            .iter()
+            .filter(|l| l.contains(" attempt 1 "))
+            .count()
+    };
+    assert_eq!((attempt1(&r0), attempt1(&r1)), (2, 2), "{r0}\n{r1}");
+
+    // A master address nobody has: a clear error within the rendezvous timeout.
+    let r = hosts
+        .ddprun(
+            1,
+            &[
+                "--nnodes",
+                "2",
+                "--node-rank",
+                "1",
+                "--master-addr",
+                "10.77.0.3",
+                "--rdzv-timeout",
+                "2",
+                CHECK,
+            ],
+        )
+        .finish(LIMIT);
+    assert_eq!(r.code(), Some(1), "{r}");
+    assert!(
+        r.stderr
+            .contains("cannot reach the rendezvous store at 10.77.0.3:29500"),
+        "{r}"
+    );
+    assert!(r.elapsed < Duration::from_secs(15), "{r}");
+}

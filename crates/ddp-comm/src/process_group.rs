@@ -354,6 +354,73 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
     )
 }
 
+/// First rendezvous step: every rank announces itself with its world size and waits for all
+/// others, so that a missing rank or a world-size disagreement is reported (on every rank that
+/// sees it, naming the ranks) before any transport is built.
+/// `hosting`: this process serves the store, so on a mismatch it lingers (up to 2 s) until the
+/// other arrived ranks have read the verdict.
+fn check_membership(
+    store: &dyn Store,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+    hosting: bool,
+) -> Result<()> {
+    const MISMATCH: &str = "members/mismatch";
+    const SEEN: &str = "members/mismatch_seen";
+    store.set(&format!("members/{rank}"), size.to_string().as_bytes())?;
+    let deadline = Instant::now() + timeout;
+    let mut missing: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
+    let fail = |msg: String| -> Result<()> {
+        store.add(SEEN, 1)?;
+        if hosting {
+            let until = Instant::now() + Duration::from_secs(2);
+            let arrived = (0..size)
+                .filter(|r| store.check(&format!("members/{r}")).unwrap_or(false))
+                .count() as i64;
+            while store.add(SEEN, 0)? < arrived && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(10));
+            }
+        }
+        Err(Error::Config(msg))
+    };
+    loop {
+        if store.check(MISMATCH)? {
+            let msg = store.get(MISMATCH)?;
+            return fail(String::from_utf8_lossy(&msg).into_owned());
+        }
+        let mut still = Vec::new();
+        for &r in &missing {
+            let key = format!("members/{r}");
+            if !store.check(&key)? {
+                still.push(r);
+                continue;
+            }
+            let theirs = String::from_utf8_lossy(&store.get(&key)?).into_owned();
+            if theirs != size.to_string() {
+                let msg = format!(
+                    "world size mismatch: rank {r} was started with world size {theirs}, rank {rank} with {size}"
+                );
+                store.set(MISMATCH, msg.as_bytes())?;
+                return fail(msg);
+            }
+        }
+        missing = still;
+        if missing.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() >= deadline {
+            return Err(Error::Timeout {
+                what: format!(
+                    "rank(s) {missing:?} to join the rendezvous (world size {size}; this is rank {rank})"
+                ),
+                timeout,
+            });
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 fn explicit_rank_world(
     rank: Option<usize>,
     world: Option<usize>,
@@ -399,6 +466,7 @@ impl ProcessGroup {
         backend: Backend,
         timeout: Duration,
     ) -> Result<ProcessGroup> {
+        check_membership(&*store, rank, size, timeout, server.is_some())?;
         let mut transport: Box<dyn Transport> = match backend {
             Backend::Tcp => Box::new(TcpTransport::connect_mesh(
                 &*store, rank, size, local_ip, timeout,

@@ -34,6 +34,10 @@ const HEADER_LEN: usize = 40;
 const KIND_DATA: u8 = 0;
 const KIND_ABORT: u8 = 1;
 const NO_REDUCE: u8 = 0xFF;
+/// Largest single `writev`/`readv`: moving a big message in slices of this size, alternating
+/// between sending and receiving, keeps the data cache-resident between the two copies of the
+/// loopback path (measured: 1–4 MiB all-reduce 2.0 → 3.5 GB/s busbw with 2 ranks).
+const IO_CAP: usize = 256 * 1024;
 /// Busy-poll iterations (each yields the CPU) before sleeping in `poll(2)`: keeps
 /// small-message latency low without starving other ranks when cores are oversubscribed.
 const SPIN_ITERS: u32 = 2000;
@@ -469,6 +473,7 @@ impl Transport for TcpTransport {
                 } else {
                     (&st.header[..0], &s.data[st.done - HEADER_LEN..])
                 };
+                let d = &d[..d.len().min(IO_CAP)];
                 match writev2(fd, h, d) {
                     Ok(n) => {
                         if n > 0 {
@@ -493,9 +498,12 @@ impl Transport for TcpTransport {
                 }
                 let fd = self.peer(r.from)?.fd;
                 let res = if st.done < HEADER_LEN {
-                    readv2(fd, &mut st.header[st.done..], r.buf)
+                    let cap = r.buf.len().min(IO_CAP);
+                    readv2(fd, &mut st.header[st.done..], &mut r.buf[..cap])
                 } else {
-                    readv2(fd, &mut [], &mut r.buf[st.done - HEADER_LEN..])
+                    let rest = &mut r.buf[st.done - HEADER_LEN..];
+                    let cap = rest.len().min(IO_CAP);
+                    readv2(fd, &mut [], &mut rest[..cap])
                 };
                 match res {
                     Ok(0) => {

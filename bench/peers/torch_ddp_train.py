@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""PyTorch DDP (gloo, CPU) training throughput: the peer baseline for ddp-rs's training benchmark.
+
+Model: MLP 784 -> 1024 x4 -> 10, i.e.
+    Linear(784,1024), ReLU, 3 x [Linear(1024,1024), ReLU], Linear(1024,10)
+(4 hidden layers of width 1024; 3,962,890 parameters, ~15.9 MB of fp32 gradients).
+Synthetic data (a fixed pool of random batches per rank), batch --batch (64) per
+rank, SGD lr 0.01, cross-entropy, torch.set_num_threads(1) per rank.
+
+--mode ddp   (default) every rank, including --nproc 1, joins a gloo process group
+             and wraps the model in DistributedDataParallel (default bucket_cap_mb=25).
+             With --nproc 1 this is the fair per-step comparison: same DDP hooks and
+             bucketing, but the allreduce is a world-1 no-op.
+--mode plain no process group, no DDP: a plain single-process training loop
+             (only valid with --nproc 1).
+
+After --warmup (10) untimed steps, all ranks barrier and --steps (100) steps are
+timed as one wall-clock span (ending with a barrier). Rank 0 prints global
+samples/s (= nproc * batch * steps / elapsed) and ms/step, and with --json a
+last line {"world_size", "mode", "samples_per_s", "step_ms"}.
+
+Usage:
+    python3 bench/peers/torch_ddp_train.py --nproc 2 [--mode ddp] [--steps 100] [--json]
+"""
+
+import argparse
+import datetime
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(args):
+    """Parent: spawn --nproc ranks of this script (gloo rendezvous on 127.0.0.1), bounded by --timeout."""
+    # `timeout`/Ctrl-C on the launcher must not orphan the ranks: exit through the `finally` below.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    port = free_port()
+    procs = []
+    for rank in range(args.nproc):
+        env = dict(os.environ)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + sys.argv[1:], env=env))
+    deadline = time.monotonic() + args.timeout
+    rc = 0
+    try:
+        for rank, p in enumerate(procs):
+            try:
+                r = p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                print(f"torch_ddp_train: rank {rank} still running after --timeout {args.timeout}s; killing all ranks",
+                      file=sys.stderr)
+                rc = 124
+                break
+            if r != 0:
+                print(f"torch_ddp_train: rank {rank} exited with status {r}", file=sys.stderr)
+                rc = rc or r
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    return rc
+
+
+def build_model(torch):
+    nn = torch.nn
+    layers = [nn.Linear(784, 1024), nn.ReLU()]
+    for _ in range(3):
+        layers += [nn.Linear(1024, 1024), nn.ReLU()]
+    layers.append(nn.Linear(1024, 10))
+    return nn.Sequential(*layers)
+
+
+def train(args):
+    import torch
+
+    torch.set_num_threads(1)
+    ddp = args.mode == "ddp"
+    rank, world = 0, 1
+    if ddp:
+        import torch.distributed as dist
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        rank, world = dist.get_rank(), dist.get_world_size()
+
+    torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts them from rank 0)
+    model = build_model(torch)
+    if ddp:
+        model = DDP(model)
+    opt = torch.optim.SGD(model.parameters(), lr=args.lr)
+    loss_fn = torch.nn.CrossEntropyLoss()
+
+    g = torch.Generator().manual_seed(1000 + rank)
+    pool = [(torch.randn(args.batch, 784, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+            for _ in range(8)]
+
+    def step(i):
+        x, y = pool[i % len(pool)]
+        opt.zero_grad(set_to_none=True)
+        loss = loss_fn(model(x), y)
+        loss.backward()
+        opt.step()
+        return loss
+
+    def sync():
+        if ddp:
+            dist.barrier()
+
+    for i in range(args.warmup):
+        step(i)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(args.steps):
+        loss = step(i)
+    sync()
+    elapsed = time.perf_counter() - t0
+
+    nparams = sum(p.numel() for p in model.parameters())
+    samples_per_s = world * args.batch * args.steps / elapsed
+    step_ms = elapsed / args.steps * 1e3
+    if rank == 0:
+        print(f"# torch_ddp_train: torch {torch.__version__} mode={args.mode} world_size={world} "
+              f"params={nparams} batch/rank={args.batch} warmup={args.warmup} steps={args.steps} "
+              f"final_loss={loss.item():.4f}", flush=True)
+        print(f"samples/s {samples_per_s:.1f}  ms/step {step_ms:.3f}", flush=True)
+        if args.json:
+            print(json.dumps(dict(world_size=world, mode=args.mode, samples_per_s=round(samples_per_s, 3),
+                                  step_ms=round(step_ms, 4))), flush=True)
+    if ddp:
+        dist.destroy_process_group()
+    return 0
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--nproc", type=int, default=1, choices=[1, 2, 3, 4], help="local ranks (1 or 2 on this machine)")
+    p.add_argument("--mode", choices=["ddp", "plain"], default="ddp",
+                   help="ddp: gloo group + DDP even at world 1; plain: no process group (nproc 1 only)")
+    p.add_argument("--steps", type=int, default=100, help="timed steps (after --warmup)")
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--batch", type=int, default=64, help="batch size per rank")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--timeout", type=float, default=600, help="seconds before everything is killed")
+    p.add_argument("--json", action="store_true", help="end with a JSON summary line")
+    args = p.parse_args()
+    if args.mode == "plain" and args.nproc != 1:
+        p.error("--mode plain needs --nproc 1")
+    if args.steps < 1:
+        p.error("--steps must be >= 1")
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        return train(args)  # launched by us (or by torchrun)
+    return launch(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

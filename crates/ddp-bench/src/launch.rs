@@ -31,6 +31,10 @@ pub fn run_local(nproc: usize) -> i32 {
             .env("LOCAL_WORLD_SIZE", nproc.to_string())
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", port.to_string());
+        // One compute thread per rank unless the user says otherwise (candle reads this).
+        if std::env::var_os("RAYON_NUM_THREADS").is_none() {
+            cmd.env("RAYON_NUM_THREADS", "1");
+        }
         if rank != 0 {
             cmd.stdout(std::process::Stdio::null());
         }

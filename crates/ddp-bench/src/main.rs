@@ -6,10 +6,12 @@
 //! per size with `--json`. Run under `ddprun` (RANK/WORLD_SIZE set), it is one worker.
 //!
 //! - [`sweep`]: the collective sweeps and their busbw factors.
+//! - [`train`]: DDP training throughput of an MLP (`ddp-bench train`).
 //! - [`launch`]: spawning and supervising the local worker processes.
 
 mod launch;
 mod sweep;
+mod train;
 
 use clap::{Args, Parser, Subcommand};
 
@@ -37,13 +39,48 @@ enum Cmd {
     ReduceScatter(SweepArgs),
     /// broadcast sweep from rank 0; busbw = algbw
     Broadcast(SweepArgs),
+    /// DDP training throughput: MLP 784-HxL-10 on synthetic data, one thread per rank
+    Train(TrainArgs),
+}
+
+/// Options of `ddp-bench train`.
+#[derive(Args, Clone, Debug)]
+pub struct TrainArgs {
+    /// Transport: tcp, shm or auto.
+    #[arg(long, default_value = "auto")]
+    pub backend: String,
+    /// Number of local processes (world size).
+    #[arg(long, default_value_t = 2)]
+    pub nproc: usize,
+    /// Hidden width H.
+    #[arg(long, default_value_t = 1024)]
+    pub hidden: usize,
+    /// Number of hidden layers L.
+    #[arg(long, default_value_t = 4)]
+    pub layers: usize,
+    /// Batch size per rank.
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
+    /// Timed steps.
+    #[arg(long, default_value_t = 50)]
+    pub steps: usize,
+    /// Untimed warm-up steps.
+    #[arg(long, default_value_t = 5)]
+    pub warmup: usize,
+    /// Use the plain backward (loss.backward() then bucketed all-reduce) instead of the staged one.
+    #[arg(long)]
+    pub plain: bool,
+    /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Options shared by every sweep.
 #[derive(Args, Clone, Debug)]
 pub struct SweepArgs {
-    /// Transport: tcp (loopback or network).
-    #[arg(long, default_value = "tcp")]
+    /// Transport: tcp (loopback or network), shm (shared memory, all ranks on this host) or
+    /// auto (shm when every rank is on this host, else tcp). Sets `DDP_BACKEND` for the workers.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto"])]
     pub backend: String,
     /// Number of local processes to start (ignored under a launcher that sets RANK/WORLD_SIZE).
     #[arg(long, default_value_t = 2)]
@@ -67,32 +104,27 @@ pub struct SweepArgs {
 
 fn main() {
     let cli = Cli::parse();
-    let (op, args) = match cli.cmd {
-        Cmd::Allreduce(a) => (sweep::Op::AllReduce, a),
-        Cmd::AllGather(a) => (sweep::Op::AllGather, a),
-        Cmd::ReduceScatter(a) => (sweep::Op::ReduceScatter, a),
-        Cmd::Broadcast(a) => (sweep::Op::Broadcast, a),
-    };
-    if args.backend != "tcp" {
-        eprintln!(
-            "ddp-bench: unknown --backend {:?} (available: tcp)",
-            args.backend
-        );
-        std::process::exit(2);
-    }
-    let code = if launch::is_worker() {
-        match sweep::run(op, &args) {
-            Ok(()) => 0,
-            Err(e) => {
-                eprintln!(
-                    "ddp-bench: rank {}: {e}",
-                    std::env::var("RANK").unwrap_or_default()
-                );
-                1
-            }
+    let (backend, nproc) = match &cli.cmd {
+        Cmd::Train(a) => (a.backend.clone(), a.nproc),
+        Cmd::Allreduce(a) | Cmd::AllGather(a) | Cmd::ReduceScatter(a) | Cmd::Broadcast(a) => {
+            (a.backend.clone(), a.nproc)
         }
-    } else {
-        launch::run_local(args.nproc)
     };
-    std::process::exit(code);
+    // Workers (this process under a launcher, or its children) read the backend from the env.
+    std::env::set_var("DDP_BACKEND", &backend);
+    if !launch::is_worker() {
+        std::process::exit(launch::run_local(nproc));
+    }
+    let result = match cli.cmd {
+        Cmd::Train(a) => train::run(&a),
+        Cmd::Allreduce(a) => sweep::run(sweep::Op::AllReduce, &a),
+        Cmd::AllGather(a) => sweep::run(sweep::Op::AllGather, &a),
+        Cmd::ReduceScatter(a) => sweep::run(sweep::Op::ReduceScatter, &a),
+        Cmd::Broadcast(a) => sweep::run(sweep::Op::Broadcast, &a),
+    };
+    if let Err(e) = result {
+        let rank = std::env::var("RANK").unwrap_or_default();
+        eprintln!("ddp-bench: rank {rank}: {e}");
+        std::process::exit(1);
+    }
 }

@@ -120,7 +120,7 @@ fn count_wrong(op: Op, pg: &ProcessGroup, bufs: &Bufs) -> usize {
 }
 
 /// Run the sweep as one worker; rank 0 prints.
-pub fn run(op: Op, args: &SweepArgs) -> ddp_comm::Result<()> {
+pub fn run(op: Op, args: &SweepArgs) -> Result<(), Box<dyn std::error::Error>> {
     let pg = init_process_group(InitOptions::default())?;
     let (rank, p) = (pg.rank(), pg.size());
     if rank == 0 && !args.json {

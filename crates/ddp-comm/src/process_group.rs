@@ -191,8 +191,8 @@ struct Inner {
     subgroups: AtomicU64,
     algorithm: AllReduceAlgorithm,
     /// Requested backend (subgroups resolve it again) and the one in use.
+    requested_backend: Backend,
     backend: Backend,
-    transport_backend: Backend,
     local_ip: IpAddr,
     default_timeout: Duration,
 }
@@ -519,8 +519,8 @@ impl ProcessGroup {
                 _server: server,
                 subgroups: AtomicU64::new(0),
                 algorithm,
-                backend,
-                transport_backend,
+                requested_backend: backend,
+                backend: transport_backend,
                 local_ip,
                 default_timeout: timeout,
             }),
@@ -558,7 +558,7 @@ impl ProcessGroup {
 
     /// The transport this group uses: [`Backend::Tcp`] or [`Backend::Shm`] (`auto` resolved).
     pub fn backend(&self) -> Backend {
-        self.inner.transport_backend
+        self.inner.backend
     }
 
     /// The timeout of collectives issued through this handle.
@@ -608,7 +608,7 @@ impl ProcessGroup {
             None,
             self.inner.local_ip,
             self.inner.algorithm,
-            self.inner.backend,
+            self.inner.requested_backend,
             self.inner.default_timeout,
         )
         .map(Some)

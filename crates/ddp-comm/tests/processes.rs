@@ -172,7 +172,10 @@ fn killed_peer_is_named_by_every_survivor() {
         let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
         // Skip the test harness's own lines ("running 1 test", ...).
         assert!(
-            lines.by_ref().take(10).any(|l| l.is_ok_and(|l| l.ends_with("READY"))),
+            lines
+                .by_ref()
+                .take(10)
+                .any(|l| l.is_ok_and(|l| l.ends_with("READY"))),
             "a worker never became ready"
         );
         readers.push(lines);

@@ -180,6 +180,90 @@ fn a_peer_that_left_is_named_without_waiting_for_the_timeout() {
     );
 }
 
+/// The transport itself: per-pair order of several messages in one exchange, messages larger
+/// than the ring (wrap-around, odd lengths), and a length mismatch naming both sides.
+#[test]
+fn raw_transport_orders_messages_and_checks_lengths() {
+    use ddp_comm::store::{Store, StoreOptions, StoreServer, TcpStore};
+    use ddp_comm::transport::shm::ShmTransport;
+    use ddp_comm::transport::{Fingerprint, OpKind, Recv, Send, Transport};
+    use ddp_comm::DType;
+    let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
+    let addr = server.local_addr().to_string();
+    let results: Vec<String> = std::thread::scope(|sc| {
+        let hs: Vec<_> = (0..2)
+            .map(|rank| {
+                let addr = addr.clone();
+                sc.spawn(move || {
+                    let opts = StoreOptions {
+                        secret: None,
+                        timeout: Duration::from_secs(20),
+                        connect_timeout: Duration::from_secs(20),
+                    };
+                    let store = TcpStore::connect(&addr, opts).unwrap();
+                    let mut t = ShmTransport::connect(
+                        &store as &dyn Store,
+                        rank,
+                        2,
+                        Duration::from_secs(20),
+                    )
+                    .unwrap();
+                    let ring = t.geometry().unwrap().ring_cap;
+                    let fp = |seq| Fingerprint {
+                        seq,
+                        op: OpKind::Broadcast,
+                        dtype: DType::U8,
+                        reduce: None,
+                        count: 0,
+                        root: 0,
+                    };
+                    let deadline = Instant::now() + Duration::from_secs(20);
+                    let msg = |k: usize, n: usize| -> Vec<u8> {
+                        (0..n).map(|i| (i * 7 + k) as u8).collect()
+                    };
+                    let sizes = [3 * ring + 17, 0, 5, ring - 1];
+                    t.begin(fp(0), deadline);
+                    if rank == 0 {
+                        let data: Vec<Vec<u8>> =
+                            sizes.iter().enumerate().map(|(k, &n)| msg(k, n)).collect();
+                        let mut sends: Vec<Send<'_>> =
+                            data.iter().map(|d| Send { to: 1, data: d }).collect();
+                        t.exchange(&mut sends, &mut []).unwrap();
+                    } else {
+                        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xAA; n]).collect();
+                        let mut recvs: Vec<Recv<'_>> =
+                            bufs.iter_mut().map(|b| Recv { from: 0, buf: b }).collect();
+                        t.exchange(&mut [], &mut recvs).unwrap();
+                        for (k, b) in bufs.iter().enumerate() {
+                            assert!(
+                                *b == msg(k, sizes[k]),
+                                "message {k} corrupted or out of order"
+                            );
+                        }
+                    }
+                    // Rank 1 expects 10 bytes, rank 0 sends 12.
+                    t.begin(fp(1), deadline);
+                    if rank == 0 {
+                        t.send(1, &[1; 12]).unwrap();
+                        String::new()
+                    } else {
+                        t.recv(0, &mut [0; 10]).unwrap_err().to_string()
+                    }
+                })
+            })
+            .collect();
+        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    });
+    let e = &results[1];
+    assert!(
+        e.contains("mismatch")
+            && e.contains("[10 bytes]")
+            && e.contains("[12 bytes]")
+            && e.contains("rank 0"),
+        "{e}"
+    );
+}
+
 // ----- processes ----------------------------------------------------------------------------
 
 fn free_port() -> u16 {
@@ -263,12 +347,19 @@ fn worker() {
     let mode = std::env::var("DDP_TEST_MODE").expect("DDP_TEST_MODE");
     let timeout =
         Duration::from_secs(std::env::var("DDP_TEST_TIMEOUT").map_or(30, |v| v.parse().unwrap()));
-    let pg = init_process_group(InitOptions {
+    let pg = match init_process_group(InitOptions {
         timeout,
         ..Default::default()
-    })
-    .unwrap();
-    assert_eq!(pg.backend(), Backend::Shm);
+    }) {
+        Ok(pg) => pg,
+        Err(e) => {
+            println!("INIT ERROR: {e}");
+            std::process::exit(5)
+        }
+    };
+    if std::env::var("DDP_BACKEND").as_deref() == Ok("shm") {
+        assert_eq!(pg.backend(), Backend::Shm);
+    }
     let rank = pg.rank();
     let fail = |e: ddp_comm::Error| -> ! {
         println!("ERROR: {e}");
@@ -288,12 +379,14 @@ fn worker() {
             println!("OK");
         }
         "loop" => {
-            // Alternate the pipelined and the one-shot fast paths.
+            // Alternate the pipelined and the one-shot fast paths; give up after 30 s so that
+            // a failed test never leaves workers spinning.
             let mut big = vec![1.0f32; 1 << 20];
             let mut small = vec![1.0f32; 100];
             let mut i = 0u64;
-            loop {
-                let r = if i % 2 == 0 {
+            let start = Instant::now();
+            while start.elapsed() < Duration::from_secs(30) {
+                let r = if i.is_multiple_of(2) {
                     pg.all_reduce(&mut big, ReduceOp::Avg)
                 } else {
                     pg.all_reduce(&mut small, ReduceOp::Avg)
@@ -306,6 +399,7 @@ fn worker() {
                 }
                 i += 1;
             }
+            std::process::exit(4);
         }
         "mismatch" | "mismatch_large" => {
             let mut ok = vec![0.0f32; 8];
@@ -325,6 +419,12 @@ fn worker() {
                 let mut out = vec![0.0f32; 12 * pg.size()];
                 expect_error(pg.all_gather(&buf, &mut out));
             }
+        }
+        "fallback" => {
+            let mut v = vec![pg.rank() as i64 + 1; 100_000];
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            assert!(v.iter().all(|&x| x == 3));
+            println!("BACKEND {:?}", pg.backend());
         }
         "stall" => {
             if rank == 1 {
@@ -365,8 +465,14 @@ fn kill_one(victim: usize) {
     let mut readers = Vec::new();
     for c in children.iter_mut() {
         let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
-        let line = lines.next().unwrap().unwrap();
-        assert_eq!(line, "READY");
+        // Skip the test harness's own lines ("running 1 test", ...).
+        assert!(
+            lines
+                .by_ref()
+                .take(10)
+                .any(|l| l.is_ok_and(|l| l.ends_with("READY"))),
+            "a worker never became ready"
+        );
         readers.push(lines);
     }
     let killed_at = Instant::now();
@@ -444,7 +550,6 @@ fn segment_of_a_dead_creator_is_swept_by_the_next_group() {
     alive.wait().ok();
     assert!(swept, "{path} of dead pid {pid} was not swept");
     assert!(kept, "{alive_path} of a live process was removed");
-
 }
 
 fn expect_all_fail(mode: &str, world: usize, must_contain: &[&str]) {
@@ -481,6 +586,35 @@ fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
             "all_gather(f32 x 12)",
         ],
     );
+}
+
+/// Rank 0 cannot create the segment (here: larger than /dev/shm): with `auto` every rank falls
+/// back to TCP together; with `shm` initialization fails naming the cause.
+#[test]
+fn no_room_in_dev_shm_falls_back_to_tcp_or_fails_clearly() {
+    let huge = ("DDP_SHM_RING_KB", (1usize << 30).to_string());
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let auto = [huge.clone(), ("DDP_BACKEND", "auto".to_string())];
+    for (rank, child) in spawn_workers(2, 0..2, "fallback", &auto)
+        .into_iter()
+        .enumerate()
+    {
+        let (code, out) = finish(child, deadline);
+        assert_eq!(code, Some(0), "auto: rank {rank}: {out}");
+        assert!(out.contains("BACKEND Tcp"), "auto: rank {rank}: {out}");
+    }
+    for (rank, child) in spawn_workers(2, 0..2, "fallback", std::slice::from_ref(&huge))
+        .into_iter()
+        .enumerate()
+    {
+        let (code, out) = finish(child, deadline);
+        assert_eq!(code, Some(5), "shm: rank {rank}: {out}");
+        // Rank 1 may instead see rank 0, which hosts the store, exit before it got the news.
+        assert!(
+            out.contains("not enough space in /dev/shm") || (rank == 1 && out.contains("store")),
+            "shm: rank {rank}: {out}"
+        );
+    }
 }
 
 #[test]

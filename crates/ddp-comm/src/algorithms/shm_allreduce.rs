@@ -355,8 +355,8 @@ mod tests {
                 3,
             )
         };
-        for i in 0..n {
-            assert_eq!(a[i], (3 * i + 1) as f32 / 3.0);
+        for (i, x) in a.iter().enumerate() {
+            assert_eq!(*x, (3 * i + 1) as f32 / 3.0);
         }
         assert_eq!(a, copy);
         let x: Vec<bf16> = (0..n).map(|i| bf16::from_f32((i % 100) as f32)).collect();

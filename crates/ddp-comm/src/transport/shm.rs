@@ -13,7 +13,7 @@
 //!  page 0       header: magic, version, world, geometry, abort word (0 or 1 + first aborter)
 //!  ctrl[r]      per rank, 128-byte lines: bell + sleeping | state + pid | fingerprint (seqlock)
 //!               | fast-path counters in / reduced / out | abort reason text
-//!  ring[i][j]   per ordered pair: head (consumer) | tail (producer) | ring_cap bytes of data
+//!  ring[i][j]   per ordered pair i != j: head (consumer) | tail (producer) | ring_cap bytes
 //!  fast[r]      per rank: `window` slots of `world` sub-chunks (the all-reduce fast path)
 //! ```
 //!
@@ -38,10 +38,12 @@
 //!
 //! Each rank has a *bell*, a 32-bit futex word that every peer increments after changing
 //! something the rank may wait for (data, space, progress counters, abort). A waiter reads its
-//! bell, re-checks its condition, spins for a few microseconds ([`DEFAULT_SPIN`], env
-//! `DDP_SHM_SPIN_US`) watching the bell, then sets `sleeping` and `futex_wait`s on the bell
-//! value it saw, in slices of at most [`SLEEP_SLICE`]. Ringers call `futex_wake` only when
-//! `sleeping` is set, so the fast path has no system call. Between slices the waiter checks:
+//! bell, re-checks its condition, spins watching the bell ([`PURE_SPIN`], env
+//! `DDP_SHM_PURE_SPIN_US`), keeps watching while yielding the CPU between checks (up to
+//! [`DEFAULT_SPIN`] in all, env `DDP_SHM_SPIN_US`; a peer sharing this core gets to run), then
+//! sets `sleeping` and `futex_wait`s on the bell value it saw, in slices of at most
+//! [`SLEEP_SLICE`]. Ringers call `futex_wake` only when `sleeping` is set, so the fast path has
+//! no system call. Once the spin is over, before each sleep, the waiter checks:
 //! the abort word (a peer's failure reaches every rank, naming it and its reason), the state and
 //! pid of the peers it waits for (`kill(pid, 0)` and zombie state: "died (pid N)"; a dropped
 //! group: "left the group"), their published fingerprints (a peer in a different collective is
@@ -53,8 +55,11 @@
 //! fast area and reduce from each other's areas directly (see that module's diagram). It uses
 //! the progress counters of the control blocks and the same waiting machinery.
 //!
-//! Geometry is chosen by rank 0 and stored in the header; env overrides (all ranks then agree):
-//! `DDP_SHM_RING_KB`, `DDP_SHM_CHUNK_KB`, `DDP_SHM_WINDOW`, `DDP_SHM_ONE_SHOT_KB`.
+//! Geometry is chosen by rank 0 and stored in the header ([`default_geometry`]); env overrides
+//! read by rank 0 (all ranks then agree): `DDP_SHM_RING_KB`, `DDP_SHM_CHUNK_KB`,
+//! `DDP_SHM_WINDOW`, `DDP_SHM_ONE_SHOT_KB`.
+//!
+//! Not done: groups spanning hosts use TCP for everything (no hierarchical shm + TCP yet).
 
 mod segment;
 
@@ -66,6 +71,7 @@ use crate::dtype::{DType, ReduceOp};
 use crate::store::Store;
 use crate::{Error, Result};
 use segment::{Segment, STATE_ABORTED, STATE_ATTACHED, STATE_EMPTY, STATE_LEFT};
+use std::cell::Cell;
 use std::net::IpAddr;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
@@ -77,8 +83,13 @@ const NO_REDUCE: u8 = 0xFF;
 /// Largest piece copied into or out of a ring before publishing it, so that the peer starts
 /// copying while the rest is still being written.
 pub const PIECE: usize = 64 * 1024;
-/// Default spin before sleeping in `futex_wait`.
-pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+/// Default spin before sleeping in `futex_wait`: busy for [`PURE_SPIN`], then yielding the CPU
+/// between checks (when cores are oversubscribed the peer may be waiting for this one).
+/// Measured on 2 vCPUs: waking a sleeping vCPU costs 10-50 us, so shorter spins lose latency.
+pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
+/// Initial busy spin without yielding (a 5 us spin doubled the median 4 KiB latency on 2
+/// loaded vCPUs: the first `sched_yield` gives the core away for ~15 us).
+pub const PURE_SPIN: Duration = Duration::from_micros(50);
 /// Longest single `futex_wait`; the group's health is checked between slices.
 pub const SLEEP_SLICE: Duration = Duration::from_millis(5);
 /// How often a waiting rank checks that the processes it waits for are alive.
@@ -119,7 +130,7 @@ fn env_usize(name: &str) -> Result<Option<usize>> {
 /// The default geometry for `world` ranks, with env overrides.
 pub fn default_geometry(world: usize) -> Result<Geometry> {
     let ring_cap = match env_usize("DDP_SHM_RING_KB")? {
-        Some(kb) => (kb.max(4) * 1024).next_power_of_two(),
+        Some(kb) => (kb.clamp(4, 1 << 30) * 1024).next_power_of_two(),
         None if world <= 4 => 1 << 20,
         None if world <= 8 => 512 << 10,
         None => 256 << 10,
@@ -131,7 +142,8 @@ pub fn default_geometry(world: usize) -> Result<Geometry> {
     let window = env_usize("DDP_SHM_WINDOW")?.unwrap_or(8).clamp(4, 1024);
     let one_shot_max = match env_usize("DDP_SHM_ONE_SHOT_KB")? {
         Some(kb) => kb * 1024,
-        None => 32 << 10,
+        // One-shot reads every peer's whole input: worth it while that stays small.
+        None => (256 << 10) / world,
     }
     .min(world * sub_bytes);
     Ok(Geometry {
@@ -221,7 +233,14 @@ pub fn connect_auto(
     require_shm: bool,
 ) -> Result<Box<dyn Transport>> {
     match host_mismatch(store, rank, size, &host_id(), timeout)? {
-        None => Ok(Box::new(ShmTransport::connect(store, rank, size, timeout)?)),
+        None => match ShmTransport::connect_inner(store, rank, size, timeout) {
+            Ok(t) => Ok(Box::new(t)),
+            Err(ConnectError::NoSegment(e)) if !require_shm => {
+                tracing::warn!("{e}; using TCP");
+                Ok(Box::new(TcpTransport::connect_mesh(store, rank, size, local_ip, timeout)?))
+            }
+            Err(ConnectError::NoSegment(e) | ConnectError::Other(e)) => Err(e),
+        },
         Some(why) if require_shm => Err(Error::Config(format!(
             "backend shm needs every rank of the group on one host, but {why} (use backend auto or tcp)"
         ))),
@@ -324,6 +343,19 @@ fn describe(fp: &Fingerprint, mine: &Fingerprint, len: Option<u64>) -> String {
     s
 }
 
+/// Why connecting failed. `NoSegment`: rank 0 could not create the segment (e.g. /dev/shm is
+/// full or missing); every rank learns it through the store, so `auto` falls back to TCP on all.
+enum ConnectError {
+    NoSegment(Error),
+    Other(Error),
+}
+
+impl From<Error> for ConnectError {
+    fn from(e: Error) -> Self {
+        ConnectError::Other(e)
+    }
+}
+
 /// State of one wait: spin budget, liveness schedule, and a peer found gone (reported only if
 /// a re-poll after noticing it still makes no progress, so its last data is never lost).
 #[derive(Default)]
@@ -349,6 +381,11 @@ pub struct ShmTransport {
     /// Fast-path blocks used so far (the progress counters are global across collectives).
     blocks: u64,
     spin: Duration,
+    pure_spin: Duration,
+    /// The next wait is this collective's first wait for its peers (see [`ShmTransport::idle`]).
+    entry_pending: Cell<bool>,
+    /// Moving average of how long those first waits lasted, in nanoseconds.
+    entry_wait_ns: Cell<u64>,
     aborted: bool,
 }
 
@@ -371,10 +408,25 @@ impl ShmTransport {
         size: usize,
         timeout: Duration,
     ) -> Result<ShmTransport> {
+        Self::connect_inner(store, rank, size, timeout).map_err(|e| match e {
+            ConnectError::NoSegment(e) | ConnectError::Other(e) => e,
+        })
+    }
+
+    fn connect_inner(
+        store: &dyn Store,
+        rank: usize,
+        size: usize,
+        timeout: Duration,
+    ) -> std::result::Result<ShmTransport, ConnectError> {
         let deadline = Instant::now() + timeout;
         let spin = match env_usize("DDP_SHM_SPIN_US")? {
             Some(us) => Duration::from_micros(us as u64),
             None => DEFAULT_SPIN,
+        };
+        let pure_spin = match env_usize("DDP_SHM_PURE_SPIN_US")? {
+            Some(us) => Duration::from_micros(us as u64),
+            None => PURE_SPIN,
         };
         let pid = std::process::id();
         let seg = if size == 1 {
@@ -401,6 +453,9 @@ impl ShmTransport {
             heads: vec![0; size],
             blocks: 0,
             spin,
+            pure_spin,
+            entry_pending: Cell::new(false),
+            entry_wait_ns: Cell::new(0),
             aborted: false,
         })
     }
@@ -412,13 +467,20 @@ impl ShmTransport {
         deadline: Instant,
         timeout: Duration,
         pid: u32,
-    ) -> Result<Segment> {
+    ) -> std::result::Result<Segment, ConnectError> {
         let remaining = || deadline.saturating_duration_since(Instant::now());
         let seg = if rank == 0 {
-            let seg = Segment::create(size, default_geometry(size)?)?;
+            let seg = match Segment::create(size, default_geometry(size)?) {
+                Ok(seg) => seg,
+                Err(e) => {
+                    // Tell the other ranks, so that they fail (or fall back) the same way.
+                    let _ = store.set("shm/name", format!("!{e}").as_bytes());
+                    return Err(ConnectError::NoSegment(e));
+                }
+            };
             if let Err(e) = store.set("shm/name", seg.name().as_bytes()) {
                 segment::unlink(seg.name());
-                return Err(e);
+                return Err(e.into());
             }
             seg
         } else {
@@ -429,6 +491,12 @@ impl ShmTransport {
                 },
                 e => e,
             })?;
+            if let Some(why) = name.strip_prefix(b"!") {
+                return Err(ConnectError::NoSegment(Error::Config(format!(
+                    "rank 0 could not create the shared-memory segment: {}",
+                    String::from_utf8_lossy(why)
+                ))));
+            }
             Segment::open(&String::from_utf8_lossy(&name), size)?
         };
         seg.pid(rank).store(pid, Ordering::Relaxed);
@@ -445,7 +513,8 @@ impl ShmTransport {
             let other = seg.pid(rank).load(Ordering::Relaxed);
             return Err(Error::Config(format!(
                 "rank {rank} attached twice to the shared-memory segment (pids {other} and {pid}): two processes were given the same rank?"
-            )));
+            ))
+            .into());
         }
         store.set(&format!("shm/attached/{rank}"), b"1")?;
         let keys: Vec<String> = (0..size).map(|r| format!("shm/attached/{r}")).collect();
@@ -463,7 +532,8 @@ impl ShmTransport {
                     timeout,
                 },
                 e => e,
-            });
+            }
+            .into());
         }
         Ok(seg)
     }
@@ -616,12 +686,32 @@ impl ShmTransport {
 
     /// Nothing changed since the bell read `seen`: spin, then (after health checks) sleep on
     /// the bell. Returns to let the caller re-poll.
-    fn idle(&self, st: &mut Idle, seen: u32, waiting: &dyn Fn() -> Vec<usize>) -> Result<()> {
+    ///
+    /// `entry`: this is the collective's first wait for its peers. When those waits have lately
+    /// been long (peers arrive much later, e.g. still computing gradients), spinning would only
+    /// take the CPU from them, so it sleeps at once.
+    fn idle(
+        &self,
+        st: &mut Idle,
+        seen: u32,
+        waiting: &dyn Fn() -> Vec<usize>,
+        entry: bool,
+    ) -> Result<()> {
         let seg = self.seg();
         let bell = seg.bell(self.rank);
         let now = Instant::now();
         let since = *st.since.get_or_insert(now);
-        if now.duration_since(since) < self.spin {
+        let waited = now.duration_since(since);
+        let spin = if entry && self.entry_wait_ns.get() > self.spin.as_nanos() as u64 {
+            Duration::ZERO
+        } else {
+            self.spin
+        };
+        if waited < spin {
+            if waited >= self.pure_spin {
+                // Cores may be oversubscribed: let the peer we wait for run on this one.
+                std::thread::yield_now();
+            }
             for _ in 0..64 {
                 if bell.load(Ordering::Relaxed) != seen {
                     return Ok(());
@@ -647,6 +737,15 @@ impl ShmTransport {
         }
         sleeping.store(0, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// The collective's first wait is over: fold its length into the moving average.
+    fn record_entry_wait(&self, st: &Idle) {
+        if self.entry_pending.replace(false) {
+            let waited = st.since.map_or(0, |t| t.elapsed().as_nanos() as u64);
+            self.entry_wait_ns
+                .set((self.entry_wait_ns.get() * 7 + waited) / 8);
+        }
     }
 
     fn check_peer_index(&self, peer: usize, what: &str) -> Result<()> {
@@ -700,15 +799,19 @@ impl ShmTransport {
                 .collect()
         };
         let mut st = Idle::default();
+        let entry = which == Counter::In && self.entry_pending.get();
         loop {
             let seen = seg.bell(self.rank).load(Ordering::SeqCst);
             let ready = (0..self.size).all(|p| {
                 p == self.rank || seg.counter(p, which.offset()).load(Ordering::Acquire) >= value
             });
             if ready {
+                if entry {
+                    self.record_entry_wait(&st);
+                }
                 return Ok(());
             }
-            self.idle(&mut st, seen, &lagging)?;
+            self.idle(&mut st, seen, &lagging, entry)?;
         }
     }
 
@@ -748,6 +851,7 @@ impl Transport for ShmTransport {
         self.fp = fp;
         self.deadline = deadline;
         self.op_timeout = deadline.saturating_duration_since(Instant::now());
+        self.entry_pending.set(true);
         self.publish_fp();
     }
 
@@ -777,13 +881,20 @@ impl Transport for ShmTransport {
             })
             .collect();
         let mut st = Idle::default();
+        let mut busy = vec![false; self.size];
         let seg = self.seg.as_ref().expect("a group with peers has a segment");
         loop {
             let seen = seg.bell(self.rank).load(Ordering::SeqCst);
             let mut progress = false;
             let mut pending = false;
+            // Several messages to (from) one peer in one exchange go in posting order.
+            busy.fill(false);
             for (s, ss) in sends.iter().zip(sst.iter_mut()) {
                 if ss.header_done && ss.done == s.data.len() {
+                    continue;
+                }
+                if std::mem::replace(&mut busy[s.to], true) {
+                    pending = true;
                     continue;
                 }
                 let ring = seg.ring(self.rank, s.to);
@@ -812,8 +923,13 @@ impl Transport for ShmTransport {
                     pending = true;
                 }
             }
+            busy.fill(false);
             for (r, rs) in recvs.iter_mut().zip(rst.iter_mut()) {
                 if rs.header_done && rs.done == r.buf.len() {
+                    continue;
+                }
+                if std::mem::replace(&mut busy[r.from], true) {
+                    pending = true;
                     continue;
                 }
                 let ring = seg.ring(r.from, self.rank);
@@ -868,9 +984,13 @@ impl Transport for ShmTransport {
                 }
             }
             if !pending {
+                self.record_entry_wait(&st);
                 return Ok(());
             }
             if progress {
+                if st.since.is_some() {
+                    self.record_entry_wait(&st);
+                }
                 st = Idle::default();
                 continue;
             }
@@ -891,7 +1011,7 @@ impl Transport for ShmTransport {
                 w.dedup();
                 w
             };
-            self.idle(&mut st, seen, &waiting)?;
+            self.idle(&mut st, seen, &waiting, self.entry_pending.get())?;
         }
     }
 

@@ -93,7 +93,7 @@ impl Layout {
         let ctrl = PAGE;
         let rings = align(ctrl + world * CTRL_BYTES, PAGE);
         let ring_stride = PAGE + geo.ring_cap;
-        let fast = rings + world * world * ring_stride;
+        let fast = rings + world * world.saturating_sub(1) * ring_stride;
         let fast_stride = align(geo.window * world * geo.sub_bytes, PAGE);
         let total = fast + world * fast_stride;
         Layout {
@@ -213,6 +213,17 @@ impl Segment {
     pub(crate) fn create(world: usize, geo: Geometry) -> Result<Segment> {
         sweep_stale_segments();
         let layout = Layout::new(world, geo);
+        let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
+        // SAFETY: statvfs fills `st` for a NUL-terminated path.
+        if unsafe { libc::statvfs(c"/dev/shm".as_ptr(), &mut st) } == 0 {
+            let free = st.f_bavail as u128 * st.f_frsize as u128;
+            if layout.total as u128 > free {
+                return Err(Error::Config(format!(
+                    "not enough space in {SHM_DIR} for the shared-memory segment: {} bytes needed, {free} free (enlarge it, e.g. docker --shm-size, or use backend tcp)",
+                    layout.total
+                )));
+            }
+        }
         let name = format!("{NAME_PREFIX}{}-{:016x}", std::process::id(), random_u64());
         let path = path_of(&name);
         let file = OpenOptions::new()
@@ -232,8 +243,21 @@ impl Segment {
                 e,
             )
         };
-        file.set_len(layout.total as u64)
-            .map_err(|e| fail("cannot size", e))?;
+        // Reserve every page now: a too small /dev/shm (containers default to 64 MiB) then fails
+        // here with a clear error instead of SIGBUS on first touch.
+        // SAFETY: plain syscall on an open file descriptor.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, layout.total as libc::off_t) };
+        if rc != 0 {
+            let e = std::io::Error::from_raw_os_error(rc);
+            return Err(fail(
+                if rc == libc::ENOSPC {
+                    "not enough space in /dev/shm (enlarge it, e.g. docker --shm-size, or use backend tcp) for"
+                } else {
+                    "cannot allocate"
+                },
+                e,
+            ));
+        }
         let base = map(file.as_raw_fd(), layout.total).map_err(|e| fail("cannot map", e))?;
         let seg = Segment { base, layout, name };
         // A fresh file is zero-filled: every counter, state and ring index starts at 0.
@@ -340,13 +364,13 @@ impl Segment {
     }
 
     fn u32(&self, off: usize) -> &AtomicU32 {
-        debug_assert!(off % 4 == 0 && off + 4 <= self.layout.total);
+        debug_assert!(off.is_multiple_of(4) && off + 4 <= self.layout.total);
         // SAFETY: in bounds, aligned (the mapping is page aligned), and only accessed atomically.
         unsafe { &*(self.base.add(off) as *const AtomicU32) }
     }
 
     fn u64(&self, off: usize) -> &AtomicU64 {
-        debug_assert!(off % 8 == 0 && off + 8 <= self.layout.total);
+        debug_assert!(off.is_multiple_of(8) && off + 8 <= self.layout.total);
         // SAFETY: as for `u32`.
         unsafe { &*(self.base.add(off) as *const AtomicU64) }
     }
@@ -410,7 +434,10 @@ impl Segment {
 
     /// The ring carrying messages from `from` to `to`: (head, tail, data pointer, capacity).
     pub(crate) fn ring(&self, from: usize, to: usize) -> RingRef<'_> {
-        let off = self.layout.rings + (from * self.layout.world + to) * self.layout.ring_stride;
+        debug_assert!(from != to);
+        // Pairs (from, to != from) in order; no ring for a rank to itself.
+        let idx = from * (self.layout.world - 1) + if to < from { to } else { to - 1 };
+        let off = self.layout.rings + idx * self.layout.ring_stride;
         RingRef {
             head: self.u64(off),
             tail: self.u64(off + LINE),

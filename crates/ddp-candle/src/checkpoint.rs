@@ -1,0 +1,126 @@
+//! candle parameters to and from `ddp::Checkpoint` (rank-0, atomic, safetensors checkpoints of
+//! the `ddp` crate), and sharing a checkpoint that only rank 0 can read with every rank.
+//!
+//! Tensors are stored as `f32` (`ddp::checkpoint` stores `f32` only): exact for `f32`, `f16` and
+//! `bf16` parameters, rounded for `f64`.
+
+use crate::{Error, Result};
+use candle_core::{DType, Tensor, Var};
+use ddp::checkpoint::Checkpoint;
+use ddp_comm::ProcessGroup;
+
+/// Adds every variable to `ckpt` under its name.
+pub fn save_vars(ckpt: &mut Checkpoint, vars: &[(String, Var)]) -> Result<()> {
+    for (name, var) in vars {
+        let data = var
+            .as_tensor()
+            .flatten_all()?
+            .to_dtype(DType::F32)?
+            .to_vec1::<f32>()?;
+        ckpt.insert(name.clone(), var.dims().to_vec(), data)?;
+    }
+    Ok(())
+}
+
+/// Sets every variable from the tensor of the same name in `ckpt` (an error names a missing
+/// tensor or a shape that does not match).
+pub fn load_vars(ckpt: &Checkpoint, vars: &[(String, Var)]) -> Result<()> {
+    for (name, var) in vars {
+        let t = ckpt.require(name)?;
+        if t.shape != var.dims() {
+            return Err(Error::Ddp(ddp::Error::Mismatch(format!(
+                "checkpoint tensor `{name}` has shape {:?} but the model's parameter has {:?}",
+                t.shape,
+                var.dims()
+            ))));
+        }
+        let value =
+            Tensor::from_slice(&t.data, var.shape(), var.device())?.to_dtype(var.dtype())?;
+        var.set(&value)?;
+    }
+    Ok(())
+}
+
+/// Sends `root`'s checkpoint (or its absence) to every rank: what `root` passes is what every rank
+/// gets back (`ckpt` is ignored on the other ranks). Lets a resumed run read the file on rank 0
+/// only, e.g. when the checkpoint directory is not shared between nodes. A collective.
+pub fn broadcast_checkpoint(
+    pg: &ProcessGroup,
+    ckpt: Option<&Checkpoint>,
+    root: usize,
+) -> Result<Option<Checkpoint>> {
+    let payload = if pg.rank() == root {
+        match ckpt {
+            Some(c) => c.to_bytes()?,
+            None => Vec::new(),
+        }
+    } else {
+        Vec::new()
+    };
+    let bytes = pg.broadcast_bytes(&payload, root)?;
+    if bytes.is_empty() {
+        return Ok(None);
+    }
+    Ok(Some(Checkpoint::from_bytes(
+        &bytes,
+        &format!("checkpoint broadcast from rank {root}"),
+    )?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use ddp::checkpoint::CheckpointMeta;
+
+    #[test]
+    fn vars_round_trip_through_a_checkpoint_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let a = Var::randn(0f32, 1.0, (3, 4), &Device::Cpu).unwrap();
+        let b = Var::randn(0f32, 1.0, 5, &Device::Cpu)
+            .unwrap()
+            .as_tensor()
+            .to_dtype(DType::BF16)
+            .unwrap();
+        let b = Var::from_tensor(&b).unwrap();
+        let vars = vec![("a".to_string(), a.clone()), ("b".to_string(), b.clone())];
+        let mut ckpt = Checkpoint::new(CheckpointMeta {
+            step: 7,
+            ..Default::default()
+        });
+        save_vars(&mut ckpt, &vars).unwrap();
+        ddp::checkpoint::save_atomic(dir.path(), &ckpt).unwrap();
+
+        let a2 = Var::zeros((3, 4), DType::F32, &Device::Cpu).unwrap();
+        let b2 = Var::zeros(5, DType::BF16, &Device::Cpu).unwrap();
+        let vars2 = vec![("a".to_string(), a2.clone()), ("b".to_string(), b2.clone())];
+        let loaded = ddp::checkpoint::load(dir.path()).unwrap().unwrap();
+        assert_eq!(loaded.meta.step, 7);
+        load_vars(&loaded, &vars2).unwrap();
+        let flat = |v: &Var| {
+            v.as_tensor()
+                .flatten_all()
+                .unwrap()
+                .to_dtype(DType::F32)
+                .unwrap()
+                .to_vec1::<f32>()
+                .unwrap()
+        };
+        assert_eq!(flat(&a), flat(&a2));
+        assert_eq!(flat(&b), flat(&b2));
+        assert_eq!(b2.dtype(), DType::BF16);
+
+        let wrong = vec![(
+            "a".to_string(),
+            Var::zeros(12, DType::F32, &Device::Cpu).unwrap(),
+        )];
+        let err = load_vars(&loaded, &wrong).unwrap_err().to_string();
+        assert!(err.contains("`a`") && err.contains("[3, 4]"), "{err}");
+        let missing = vec![(
+            "c".to_string(),
+            Var::zeros(1, DType::F32, &Device::Cpu).unwrap(),
+        )];
+        let err = load_vars(&loaded, &missing).unwrap_err().to_string();
+        assert!(err.contains("\"c\""), "{err}");
+    }
+}

@@ -1,0 +1,340 @@
+//! [`DistributedDataParallel`]: the candle-facing wrapper around `ddp::reducer::Reducer`.
+
+use crate::staged::staged_forward_backward;
+use crate::tensors::{self, mark_grad, param_specs, reduced_grad};
+use crate::{Error, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Module, Tensor, Var};
+use candle_nn::VarMap;
+use ddp::join::{Join, JoinStep};
+use ddp::reducer::{Reducer, ReducerOptions, StepStats, TotalStats};
+use ddp::verify::ReplicaReport;
+use ddp_comm::ProcessGroup;
+use std::ops::{Deref, DerefMut};
+
+/// Construction options (PyTorch's names and defaults).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DdpOptions {
+    /// Bucket cap in MiB (default 25).
+    pub bucket_cap_mb: f64,
+    /// Cap of the first bucket in MiB (default 1).
+    pub first_bucket_cap_mb: f64,
+    /// Copy rank 0's parameter values to every rank at construction (default true).
+    pub init_sync: bool,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        let r = ReducerOptions::default();
+        DdpOptions {
+            bucket_cap_mb: r.bucket_cap_mb,
+            first_bucket_cap_mb: r.first_bucket_cap_mb,
+            init_sync: true,
+        }
+    }
+}
+
+/// What [`DistributedDataParallel::forward_backward_staged`] returns.
+#[derive(Debug)]
+pub struct StagedOutput {
+    /// The local loss (detached).
+    pub loss: Tensor,
+    /// The last stage's output (detached), e.g. logits for accuracy.
+    pub output: Tensor,
+    /// Gradients for the optimizer (averaged over ranks unless under `no_sync`).
+    pub grads: GradStore,
+}
+
+/// Data-parallel training of a candle model: gradients averaged over every rank of a process
+/// group, replicas kept identical. See the crate documentation.
+pub struct DistributedDataParallel {
+    pg: ProcessGroup,
+    /// Sorted by name: the registration order, the same on every rank.
+    vars: Vec<(String, Var)>,
+    reducer: Reducer,
+}
+
+impl DistributedDataParallel {
+    /// Wraps every variable of `varmap`. A collective: every rank must call it.
+    pub fn new(varmap: &VarMap, pg: &ProcessGroup, opts: DdpOptions) -> Result<Self> {
+        let vars: Vec<(String, Var)> = varmap
+            .data()
+            .lock()
+            .map_err(|_| Error::Unsupported("the VarMap's lock is poisoned".into()))?
+            .iter()
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect();
+        Self::from_named_vars(vars, pg, opts)
+    }
+
+    /// Wraps the given named variables (names must be unique and the same on every rank). Checks
+    /// across ranks that names, shapes and dtypes agree — a mismatch is an error on every rank
+    /// naming the first differing parameter — and, with `init_sync`, copies rank 0's values to
+    /// every rank. A collective: every rank must call it.
+    pub fn from_named_vars(
+        vars: impl IntoIterator<Item = (String, Var)>,
+        pg: &ProcessGroup,
+        opts: DdpOptions,
+    ) -> Result<Self> {
+        let mut vars: Vec<(String, Var)> = vars.into_iter().collect();
+        // VarMap iteration order differs per process: sort by name for a common order.
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        let specs = param_specs(&vars)?;
+        let reducer = Reducer::new(
+            pg,
+            specs,
+            ReducerOptions {
+                bucket_cap_mb: opts.bucket_cap_mb,
+                first_bucket_cap_mb: opts.first_bucket_cap_mb,
+            },
+        )?;
+        let ddp = DistributedDataParallel {
+            pg: pg.clone(),
+            vars,
+            reducer,
+        };
+        if opts.init_sync {
+            ddp.broadcast_parameters(0)?;
+        }
+        Ok(ddp)
+    }
+
+    /// Copies the parameter values of rank `root` to every rank (a collective).
+    pub fn broadcast_parameters(&self, root: usize) -> Result<()> {
+        let vars: Vec<&Var> = self.vars.iter().map(|(_, v)| v).collect();
+        tensors::broadcast_vars(&self.pg, &vars, root)
+    }
+
+    /// The wrapped variables, sorted by name.
+    pub fn named_vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+
+    /// The wrapped variables, sorted by name (e.g. for `candle_nn::SGD::new`).
+    pub fn all_vars(&self) -> Vec<Var> {
+        self.vars.iter().map(|(_, v)| v.clone()).collect()
+    }
+
+    pub fn process_group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    pub fn rank(&self) -> usize {
+        self.pg.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.pg.size()
+    }
+
+    /// The underlying reducer (bucket assignment, timing).
+    pub fn reducer(&self) -> &Reducer {
+        &self.reducer
+    }
+
+    /// The underlying reducer, e.g. for Join's `finish_with_divisor`.
+    pub fn reducer_mut(&mut self) -> &mut Reducer {
+        &mut self.reducer
+    }
+
+    /// PyTorch's `require_backward_grad_sync`; prefer [`no_sync`](Self::no_sync).
+    pub fn set_require_backward_grad_sync(&mut self, sync: bool) {
+        self.reducer.set_require_backward_grad_sync(sync);
+    }
+
+    /// PyTorch's `with ddp.no_sync():` — while the guard lives, backwards accumulate gradients
+    /// locally without communicating and return this micro-batch's *local* gradients (do not
+    /// step the optimizer on them). The first backward after the guard is dropped reduces the sum
+    /// of everything accumulated (scale each micro-batch's loss so that the sum is the gradient
+    /// you want, e.g. divide by the number of micro-batches).
+    pub fn no_sync(&mut self) -> NoSync<'_> {
+        let prev = self.reducer.require_backward_grad_sync();
+        self.reducer.set_require_backward_grad_sync(false);
+        NoSync { ddp: self, prev }
+    }
+
+    /// Plain path: `loss.backward()`, then the bucketed, pipelined all-reduce. Returns the
+    /// gradients averaged over all ranks, for every wrapped variable (zeros for one that got no
+    /// gradient on any rank).
+    pub fn backward(&mut self, loss: &Tensor) -> Result<GradStore> {
+        let local = self.local_backward(loss)?;
+        self.finish(local)
+    }
+
+    /// `loss.backward()` and every parameter gradient handed to the reducer (last parameter
+    /// first); returns the local gradients.
+    fn local_backward(&mut self, loss: &Tensor) -> Result<GradStore> {
+        self.reducer.prepare_for_backward()?;
+        let grads = loss.backward()?;
+        let mut local = GradStore::default();
+        for (i, (_, var)) in self.vars.iter().enumerate().rev() {
+            if let Some(g) = grads.get(var.as_tensor()) {
+                mark_grad(&mut self.reducer, i, g)?;
+                local.insert(var.as_tensor(), g.clone());
+            }
+        }
+        Ok(local)
+    }
+
+    /// One step under [`Join`] (uneven inputs, PyTorch's `model.join()`): `loss` is this rank's
+    /// loss when it has a batch in `step`, `None` once it has run out — then it *shadows* the
+    /// others' bucket all-reduces with zero gradients. Returns, on every rank, the gradients
+    /// averaged over the ranks that had data ([`JoinStep::divisor`]); step the optimizer with
+    /// them on every rank (joined ones included) and the replicas stay identical.
+    ///
+    /// ```ignore
+    /// let mut join = ddp::Join::new(&pg);
+    /// let mut batches = my_batches.into_iter(); // any number, different on every rank
+    /// loop {
+    ///     let batch = batches.next();
+    ///     let Some(step) = join.begin_step(batch.is_some())? else { break }; // all ranks done
+    ///     let loss = match batch {
+    ///         Some((x, y)) => Some(candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?),
+    ///         None => None,
+    ///     };
+    ///     let grads = ddp.backward_join(loss.as_ref(), &join, &step)?;
+    ///     opt.step(&grads)?; // on every rank
+    /// }
+    /// ```
+    pub fn backward_join(
+        &mut self,
+        loss: Option<&Tensor>,
+        join: &Join,
+        step: &JoinStep,
+    ) -> Result<GradStore> {
+        if loss.is_some() != step.has_data {
+            return Err(Error::Unsupported(format!(
+                "backward_join on rank {}: this rank reported has_data = {} to Join::begin_step \
+                 but passed {} loss",
+                self.rank(),
+                step.has_data,
+                if loss.is_some() { "a" } else { "no" }
+            )));
+        }
+        let local = match loss {
+            Some(loss) => self.local_backward(loss)?,
+            None => GradStore::default(),
+        };
+        let stats = join.sync_gradients(&mut self.reducer, step)?;
+        self.reduced_grads(stats, local)
+    }
+
+    /// Staged path: forward through `stages` in order, `loss_fn` on the last output, then backward
+    /// one stage at a time from the last, each stage's gradients handed to the reducer right away
+    /// so their buckets communicate while earlier stages compute. Same gradients as
+    /// [`backward`](Self::backward). A parameter must belong to a single stage.
+    pub fn forward_backward_staged<L>(
+        &mut self,
+        stages: &[&dyn Module],
+        input: &Tensor,
+        loss_fn: L,
+    ) -> Result<StagedOutput>
+    where
+        L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    {
+        self.reducer.prepare_for_backward()?;
+        let mut local = GradStore::default();
+        let mut marked = vec![false; self.vars.len()];
+        let vars = &self.vars;
+        let reducer = &mut self.reducer;
+        let (loss, output) = staged_forward_backward(stages, input, loss_fn, |stage, grads| {
+            for (i, (name, var)) in vars.iter().enumerate().rev() {
+                if let Some(g) = grads.get(var.as_tensor()) {
+                    if marked[i] {
+                        return Err(Error::Unsupported(format!(
+                            "parameter `{name}` is used by stage {stage} and a later stage; the \
+                             staged backward needs every parameter in a single stage (use \
+                             backward() for shared parameters)"
+                        )));
+                    }
+                    marked[i] = true;
+                    mark_grad(reducer, i, g)?;
+                    local.insert(var.as_tensor(), g.clone());
+                }
+            }
+            Ok(())
+        })?;
+        let grads = self.finish(local)?;
+        Ok(StagedOutput {
+            loss,
+            output,
+            grads,
+        })
+    }
+
+    fn finish(&mut self, local: GradStore) -> Result<GradStore> {
+        let stats = self.reducer.finish()?;
+        self.reduced_grads(stats, local)
+    }
+
+    /// After a `finish`: the averaged gradients, or `local` if the backward was not synced.
+    fn reduced_grads(&self, stats: StepStats, local: GradStore) -> Result<GradStore> {
+        if !stats.synced {
+            return Ok(local);
+        }
+        let mut out = GradStore::default();
+        for (i, (_, var)) in self.vars.iter().enumerate() {
+            out.insert(var.as_tensor(), reduced_grad(&self.reducer, i, var)?);
+        }
+        Ok(out)
+    }
+
+    /// Timing of the last backward (communication wait vs backward+communication).
+    pub fn last_step_stats(&self) -> Option<StepStats> {
+        self.reducer.last_step_stats()
+    }
+
+    /// Timing summed over all synchronized steps.
+    pub fn total_stats(&self) -> TotalStats {
+        self.reducer.total_stats()
+    }
+
+    /// Checks across ranks that every replica holds bit-identical parameters (a collective; the
+    /// same report on every rank). `report.describe(&names)` names the differing parameters.
+    pub fn verify_replicas(&self) -> Result<ReplicaReport> {
+        let vars: Vec<&Var> = self.vars.iter().map(|(_, v)| v).collect();
+        tensors::verify_replicas(&self.pg, &vars)
+    }
+
+    /// Largest absolute difference of any parameter element between any two ranks (a collective;
+    /// `0.0` means bit-identical replicas). Shorthand for `verify_replicas()?.max_abs_diff`.
+    pub fn replica_max_diff(&self) -> Result<f64> {
+        Ok(self.verify_replicas()?.max_abs_diff)
+    }
+
+    /// The parameter names, in registration order (for [`ReplicaReport::describe`]).
+    pub fn param_names(&self) -> Vec<&str> {
+        self.vars.iter().map(|(n, _)| n.as_str()).collect()
+    }
+
+    /// `(sum, l2 norm)` of all parameters, in `f64`.
+    pub fn param_sum_l2(&self) -> Result<(f64, f64)> {
+        let vars: Vec<&Var> = self.vars.iter().map(|(_, v)| v).collect();
+        tensors::param_sum_l2(&vars)
+    }
+}
+
+/// Guard returned by [`DistributedDataParallel::no_sync`]; restores synchronization on drop.
+pub struct NoSync<'a> {
+    ddp: &'a mut DistributedDataParallel,
+    prev: bool,
+}
+
+impl Deref for NoSync<'_> {
+    type Target = DistributedDataParallel;
+    fn deref(&self) -> &Self::Target {
+        self.ddp
+    }
+}
+
+impl DerefMut for NoSync<'_> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.ddp
+    }
+}
+
+impl Drop for NoSync<'_> {
+    fn drop(&mut self) {
+        self.ddp.reducer.set_require_backward_grad_sync(self.prev);
+    }
+}

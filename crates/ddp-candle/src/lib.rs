@@ -1,0 +1,91 @@
+//! `ddp-candle`: PyTorch's `DistributedDataParallel` for [candle](https://github.com/huggingface/candle)
+//! models.
+//!
+//! [`DistributedDataParallel`] (alias [`Ddp`]) wraps the parameters of a model — a candle
+//! `VarMap` or a list of named `Var`s — and a `ddp_comm::ProcessGroup`. At construction it checks
+//! that every rank has the same parameters (names, shapes, dtypes) and copies rank 0's values to
+//! every replica. Its `backward` returns a `candle_core::backprop::GradStore` holding gradients
+//! averaged over all ranks, so the unchanged `candle_nn::optim` optimizers (`SGD`, `AdamW`, ...)
+//! keep every replica identical with a plain `opt.step(&grads)`.
+//!
+//! ```ignore
+//! let pg = ddp_comm::init_process_group(Default::default())?; // RANK/WORLD_SIZE/MASTER_* from env
+//! let varmap = candle_nn::VarMap::new();
+//! let model = build_model(candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
+//! let mut ddp = ddp_candle::Ddp::new(&varmap, &pg, Default::default())?;
+//! let mut opt = candle_nn::SGD::new(varmap.all_vars(), 0.1)?;
+//! for (x, y) in batches {
+//!     let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+//!     let grads = ddp.backward(&loss)?; // averaged over all ranks
+//!     opt.step(&grads)?;
+//! }
+//! ```
+//!
+//! Two backward paths give the same gradients:
+//! - **plain** ([`DistributedDataParallel::backward`]): candle's `loss.backward()`, then the
+//!   gradients are handed to the bucketed reducer in reverse registration order; each bucket's
+//!   all-reduce starts as soon as it is full, so copying later buckets overlaps communicating
+//!   earlier ones.
+//! - **staged** ([`DistributedDataParallel::forward_backward_staged`], module [`staged`]): for a model
+//!   given as a sequence of stages, backward runs one stage at a time from the last, and each
+//!   stage's gradients go to the reducer at once — their buckets are on the wire while earlier
+//!   stages are still computing (candle has no per-parameter backward hooks, so this is how
+//!   communication overlaps compute).
+//!
+//! `no_sync` ([`DistributedDataParallel::no_sync`]) accumulates gradients locally for k
+//! micro-batches; the next synchronized backward reduces the accumulated sum. Uneven inputs across
+//! ranks: [`DistributedDataParallel::backward_join`] with `ddp::Join`. Module [`checkpoint`]
+//! converts parameters to and from `ddp::Checkpoint`; [`optim::AdamW`] is candle's AdamW with a
+//! checkpointable state.
+//!
+//! ## Why a separate crate
+//! The reducer, sampler, checkpoints and Join live in the framework-agnostic `ddp` crate, which
+//! works on flat buffers and depends on nothing but `ddp-comm`. Everything that knows about
+//! candle (tensors, `Var`s, `GradStore`, the staged backward) is here, so that `ddp` builds in
+//! seconds without candle's large dependency tree (gemm, safetensors mmap, ...), can serve other
+//! frameworks (a burn or tch adapter would be a sibling crate), and candle version bumps touch only
+//! this crate.
+
+pub mod checkpoint;
+mod data_parallel;
+pub mod optim;
+pub mod staged;
+pub mod tensors;
+
+pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutput};
+pub use ddp_comm::ProcessGroup;
+
+/// Short alias of [`DistributedDataParallel`].
+pub type Ddp = DistributedDataParallel;
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Errors of the candle adapter: candle's own, or the framework-agnostic `ddp` ones (which carry
+/// communication failures naming the peer rank).
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Candle(#[from] candle_core::Error),
+    #[error(transparent)]
+    Ddp(#[from] ddp::Error),
+    /// A model or tensor that this adapter cannot handle (the message says why).
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl From<ddp_comm::Error> for Error {
+    fn from(e: ddp_comm::Error) -> Self {
+        Error::Ddp(ddp::Error::Comm(e))
+    }
+}
+
+/// So that `?` works inside functions returning `candle_core::Result`.
+impl From<Error> for candle_core::Error {
+    fn from(e: Error) -> Self {
+        match e {
+            Error::Candle(c) => c,
+            other => candle_core::Error::wrap(other),
+        }
+    }
+}

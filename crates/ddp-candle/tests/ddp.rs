@@ -1,0 +1,469 @@
+//! End-to-end tests of `ddp_candle::Ddp` with real process groups: every rank is a thread with its
+//! own `ProcessGroup`, rendezvous over `tcp://127.0.0.1:<free port>`, real TCP collectives. Every
+//! collective is bounded by the group timeout, so a bug shows up as an error, not a hang.
+
+use candle_core::{DType, Device, Module, Tensor, Var};
+use candle_nn::{Linear, Optimizer, VarMap, SGD};
+use ddp_candle::{Ddp, DdpOptions};
+use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
+use rand::{Rng, SeedableRng};
+use std::time::Duration;
+
+const IN: usize = 12;
+const HID: usize = 24;
+const OUT: usize = 5;
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Runs `f(rank, pg)` on `world` threads, each with its own process group; returns the results
+/// in rank order.
+fn run_ranks<R: Send>(world: usize, f: impl Fn(usize, ProcessGroup) -> R + Sync) -> Vec<R> {
+    let port = free_port();
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..world)
+            .map(|rank| {
+                let f = &f;
+                s.spawn(move || {
+                    let opts = InitOptions {
+                        timeout: Duration::from_secs(30),
+                        ..InitOptions::tcp(&format!("127.0.0.1:{port}"), rank, world)
+                    };
+                    let pg = init_process_group(opts).expect("init_process_group");
+                    f(rank, pg)
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().unwrap()).collect()
+    })
+}
+
+struct Mlp {
+    l1: Linear,
+    l2: Linear,
+    l3: Linear,
+}
+
+impl Mlp {
+    fn stage1(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l1.forward(x)?.relu()
+    }
+    fn stage2(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l2.forward(x)?.tanh()
+    }
+    fn stage3(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.l3.forward(x)
+    }
+    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        self.stage3(&self.stage2(&self.stage1(x)?)?)
+    }
+}
+
+/// A 3-layer MLP whose parameters are drawn from `seed`, registered in a new `VarMap`.
+fn model(seed: u64, hidden: usize) -> (VarMap, Mlp) {
+    let vm = VarMap::new();
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut lin = |name: &str, i: usize, o: usize| {
+        let mut var = |shape: &[usize]| {
+            let n: usize = shape.iter().product();
+            let d: Vec<f32> = (0..n).map(|_| rng.gen_range(-0.5..0.5)).collect();
+            Var::from_tensor(&Tensor::from_vec(d, shape, &Device::Cpu).unwrap()).unwrap()
+        };
+        let w = var(&[o, i]);
+        let b = var(&[o]);
+        let mut data = vm.data().lock().unwrap();
+        data.insert(format!("{name}.weight"), w.clone());
+        data.insert(format!("{name}.bias"), b.clone());
+        Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()))
+    };
+    let l1 = lin("l1", IN, hidden);
+    let l2 = lin("l2", hidden, hidden);
+    let l3 = lin("l3", hidden, OUT);
+    (vm, Mlp { l1, l2, l3 })
+}
+
+/// `n` samples of a fixed synthetic classification task.
+fn dataset(n: usize) -> (Vec<f32>, Vec<u32>) {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(99);
+    let x: Vec<f32> = (0..n * IN).map(|_| rng.gen_range(-1.0..1.0)).collect();
+    let y: Vec<u32> = (0..n).map(|_| rng.gen_range(0..OUT as u32)).collect();
+    (x, y)
+}
+
+fn batch(x: &[f32], y: &[u32], range: std::ops::Range<usize>) -> (Tensor, Tensor) {
+    let n = range.len();
+    let xs =
+        Tensor::from_slice(&x[range.start * IN..range.end * IN], (n, IN), &Device::Cpu).unwrap();
+    let ys = Tensor::from_slice(&y[range], n, &Device::Cpu).unwrap();
+    (xs, ys)
+}
+
+/// Parameters as `name -> values`, sorted by name.
+fn params(ddp: &Ddp) -> Vec<(String, Vec<f32>)> {
+    ddp.named_vars()
+        .iter()
+        .map(|(n, v)| {
+            (
+                n.clone(),
+                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
+            )
+        })
+        .collect()
+}
+
+fn grads_of(ddp: &Ddp, g: &candle_core::backprop::GradStore) -> Vec<Vec<f32>> {
+    ddp.named_vars()
+        .iter()
+        .map(|(_, v)| {
+            g.get(v.as_tensor())
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        })
+        .collect()
+}
+
+fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn tiny_buckets() -> DdpOptions {
+    // ~1 KiB buckets: this model's gradients spread over several buckets, exercising pipelining.
+    DdpOptions {
+        bucket_cap_mb: 1.0 / 1024.0,
+        first_bucket_cap_mb: 0.5 / 1024.0,
+        ..Default::default()
+    }
+}
+
+/// K SGD steps on `world` ranks × `per_rank` samples; returns rank 0's parameters after each step
+/// and asserts that all ranks hold bit-identical parameters after every step.
+fn train_steps(
+    world: usize,
+    per_rank: usize,
+    steps: usize,
+    opts: DdpOptions,
+) -> Vec<Vec<(String, Vec<f32>)>> {
+    let (x, y) = dataset(world * per_rank * steps);
+    let per_rank_history = run_ranks(world, |rank, pg| {
+        // Different seeds per rank: DDP must replace them with rank 0's values.
+        let (vm, m) = model(7 + rank as u64, HID);
+        let mut ddp = Ddp::new(&vm, &pg, opts).unwrap();
+        if world > 1 {
+            assert!(ddp.reducer().buckets().len() > 1 || opts.bucket_cap_mb >= 1.0);
+        }
+        let mut opt = SGD::new(ddp.all_vars(), 0.1).unwrap();
+        let mut history = Vec::new();
+        for step in 0..steps {
+            let global = step * world * per_rank;
+            let start = global + rank * per_rank;
+            let (xs, ys) = batch(&x, &y, start..start + per_rank);
+            let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
+            let grads = ddp.backward(&loss).unwrap();
+            opt.step(&grads).unwrap();
+            assert_eq!(
+                ddp.replica_max_diff().unwrap(),
+                0.0,
+                "step {step}: replicas differ"
+            );
+            history.push(params(&ddp));
+        }
+        history
+    });
+    for (r, h) in per_rank_history.iter().enumerate().skip(1) {
+        assert_eq!(h, &per_rank_history[0], "rank {r} differs from rank 0");
+    }
+    per_rank_history.into_iter().next().unwrap()
+}
+
+#[test]
+fn two_ranks_equal_one_rank_with_double_batch() {
+    const STEPS: usize = 6;
+    for opts in [DdpOptions::default(), tiny_buckets()] {
+        let one = train_steps(1, 16, STEPS, opts);
+        let two = train_steps(2, 8, STEPS, opts);
+        // Initial parameters are rank 0's (seed 7) in both runs.
+        for step in 0..STEPS {
+            for ((name, a), (_, b)) in two[step].iter().zip(&one[step]) {
+                let d = rel_diff(a, b);
+                assert!(d <= 1e-5, "step {step} `{name}`: relative difference {d:e}");
+            }
+        }
+        // And training did move the parameters.
+        let (_, m0) = model(7, HID);
+        let w0 = m0
+            .l1
+            .weight()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let w = &one[STEPS - 1]
+            .iter()
+            .find(|(n, _)| n == "l1.weight")
+            .unwrap()
+            .1;
+        assert!(rel_diff(w, &w0) > 1e-4);
+    }
+}
+
+#[test]
+fn four_ranks_stay_bit_identical() {
+    let _ = train_steps(4, 4, 3, tiny_buckets());
+}
+
+#[test]
+fn staged_and_plain_backward_give_identical_gradients() {
+    let (x, y) = dataset(32);
+    run_ranks(2, |rank, pg| {
+        let (vm, m) = model(3, HID);
+        let mut ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
+        let (xs, ys) = batch(&x, &y, rank * 16..rank * 16 + 16);
+        let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
+        let plain = ddp.backward(&loss).unwrap();
+        let plain = grads_of(&ddp, &plain);
+
+        let s1 = |t: &Tensor| m.stage1(t);
+        let s2 = |t: &Tensor| m.stage2(t);
+        let s3 = |t: &Tensor| m.stage3(t);
+        let stages: [&dyn Module; 3] = [&s1, &s2, &s3];
+        let out = ddp
+            .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .unwrap();
+        assert_eq!(
+            out.loss.to_scalar::<f32>().unwrap(),
+            loss.to_scalar::<f32>().unwrap()
+        );
+        let staged = grads_of(&ddp, &out.grads);
+        assert_eq!(
+            plain, staged,
+            "rank {rank}: staged gradients differ from plain"
+        );
+        assert!(ddp.last_step_stats().unwrap().synced);
+        assert!(ddp.last_step_stats().unwrap().buckets > 1);
+    });
+}
+
+#[test]
+fn no_sync_accumulation_equals_one_big_batch() {
+    const K: usize = 3; // micro-batches per rank
+    const M: usize = 5; // samples per micro-batch
+    let (x, y) = dataset(2 * K * M);
+    run_ranks(2, |rank, pg| {
+        let (vm, m) = model(11, HID);
+        let mut ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
+        let base = rank * K * M;
+        let micro_loss = |k: usize| {
+            let (xs, ys) = batch(&x, &y, base + k * M..base + (k + 1) * M);
+            // Mean over the micro-batch / K: the K losses sum to the mean over K·M samples.
+            (candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap() / K as f64)
+                .unwrap()
+        };
+        {
+            let mut guard = ddp.no_sync();
+            for k in 0..K - 1 {
+                let local = guard.backward(&micro_loss(k)).unwrap();
+                assert!(!guard.last_step_stats().unwrap().synced);
+                assert_eq!(guard.total_stats().steps, 0, "no_sync must not communicate");
+                assert!(local.get(vm.all_vars()[0].as_tensor()).is_some());
+            }
+        }
+        let accumulated = ddp.backward(&micro_loss(K - 1)).unwrap();
+        assert!(ddp.last_step_stats().unwrap().synced);
+        let accumulated = grads_of(&ddp, &accumulated);
+
+        let (xs, ys) = batch(&x, &y, base..base + K * M);
+        let big = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
+        let big = ddp.backward(&big).unwrap();
+        let big = grads_of(&ddp, &big);
+        for (i, (a, b)) in accumulated.iter().zip(&big).enumerate() {
+            let d = rel_diff(a, b);
+            assert!(
+                d <= 1e-5,
+                "rank {rank} param #{i}: relative difference {d:e}"
+            );
+        }
+    });
+}
+
+#[test]
+fn replicas_start_identical_and_report_differences() {
+    run_ranks(3, |rank, pg| {
+        let (vm, _) = model(100 + rank as u64, HID);
+        // Without init_sync the replicas keep their own (different) values.
+        let raw = Ddp::new(
+            &vm,
+            &pg,
+            DdpOptions {
+                init_sync: false,
+                ..Default::default()
+            },
+        )
+        .unwrap();
+        let report = raw.verify_replicas().unwrap();
+        assert!(!report.identical && report.max_abs_diff > 0.0);
+        assert_eq!(report.differing_ranks, vec![1, 2]);
+        assert!(report.describe(&raw.param_names()).contains("`l1.bias`"));
+        let ddp = Ddp::new(&vm, &pg, DdpOptions::default()).unwrap();
+        assert_eq!(ddp.replica_max_diff().unwrap(), 0.0);
+        let (_, m0) = model(100, HID);
+        let w0 = m0
+            .l2
+            .weight()
+            .flatten_all()
+            .unwrap()
+            .to_vec1::<f32>()
+            .unwrap();
+        let w = &params(&ddp)
+            .into_iter()
+            .find(|(n, _)| n == "l2.weight")
+            .unwrap()
+            .1;
+        assert_eq!(w, &w0, "rank {rank} did not receive rank 0's values");
+    });
+}
+
+#[test]
+fn mismatched_models_fail_on_every_rank_at_init() {
+    // Rank 1 has a wider hidden layer: l1.bias is the first parameter (sorted by name) to differ.
+    let errors = run_ranks(2, |rank, pg| {
+        let (vm, _) = model(1, if rank == 1 { HID + 1 } else { HID });
+        Ddp::new(&vm, &pg, DdpOptions::default())
+            .err()
+            .map(|e| e.to_string())
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        let e = e
+            .as_ref()
+            .unwrap_or_else(|| panic!("rank {rank} accepted a mismatched model"));
+        assert!(e.contains("`l1.bias`"), "rank {rank}: {e}");
+        assert!(
+            e.contains("rank 1") && e.contains("rank 0"),
+            "rank {rank}: {e}"
+        );
+        assert!(
+            e.contains(&format!("[{HID}]")) && e.contains(&format!("[{}]", HID + 1)),
+            "{e}"
+        );
+    }
+
+    // A missing parameter and a dtype difference are caught too.
+    let errors = run_ranks(3, |rank, pg| {
+        let (vm, _) = model(1, HID);
+        if rank == 2 {
+            vm.data().lock().unwrap().remove("l3.bias");
+        }
+        if rank == 1 {
+            let v = Var::zeros(OUT, DType::F64, &Device::Cpu).unwrap();
+            vm.data().lock().unwrap().insert("l3.bias".into(), v);
+        }
+        Ddp::new(&vm, &pg, DdpOptions::default())
+            .err()
+            .map(|e| e.to_string())
+    });
+    for (rank, e) in errors.iter().enumerate() {
+        let e = e
+            .as_ref()
+            .unwrap_or_else(|| panic!("rank {rank} accepted a mismatched model"));
+        assert!(
+            e.contains("`l3.bias`") && e.contains("[1, 2]"),
+            "rank {rank}: {e}"
+        );
+        assert!(e.contains("f64"), "rank {rank}: {e}");
+    }
+}
+
+#[test]
+fn optimizer_agnostic_adamw_keeps_replicas_identical() {
+    let (x, y) = dataset(64);
+    run_ranks(2, |rank, pg| {
+        let (vm, m) = model(5, HID);
+        let mut ddp = Ddp::new(&vm, &pg, DdpOptions::default()).unwrap();
+        let mut opt = candle_nn::AdamW::new_lr(ddp.all_vars(), 1e-2).unwrap();
+        for step in 0..4 {
+            let s = step * 16 + rank * 8;
+            let (xs, ys) = batch(&x, &y, s..s + 8);
+            let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
+            opt.step(&ddp.backward(&loss).unwrap()).unwrap();
+        }
+        assert_eq!(ddp.replica_max_diff().unwrap(), 0.0);
+    });
+}
+
+#[test]
+fn join_with_uneven_shards_ends_identical_and_matches_a_single_process() {
+    // Rank 0 has 3 batches, rank 1 has 7: steps 0..3 average both ranks, steps 3..7 only rank 1.
+    const B: usize = 6;
+    let (x, y) = dataset(10 * B);
+    let shard = |rank: usize| -> Vec<std::ops::Range<usize>> {
+        match rank {
+            0 => (0..3).map(|i| i * B..(i + 1) * B).collect(),
+            _ => (3..10).map(|i| i * B..(i + 1) * B).collect(),
+        }
+    };
+    let finals = run_ranks(2, |rank, pg| {
+        let (vm, m) = model(21 + rank as u64, HID);
+        let mut ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
+        let mut opt = SGD::new(ddp.all_vars(), 0.1).unwrap();
+        let mut join = ddp::Join::new(&pg);
+        let mut batches = shard(rank).into_iter();
+        let mut steps = 0;
+        loop {
+            let range = batches.next();
+            let Some(step) = join.begin_step(range.is_some()).unwrap() else {
+                break;
+            };
+            let loss = range.map(|r| {
+                let (xs, ys) = batch(&x, &y, r);
+                candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap()
+            });
+            let grads = ddp.backward_join(loss.as_ref(), &join, &step).unwrap();
+            opt.step(&grads).unwrap();
+            assert_eq!(ddp.replica_max_diff().unwrap(), 0.0, "step {steps}");
+            steps += 1;
+        }
+        assert_eq!(steps, 7);
+        // has_data must match the loss passed.
+        if let Some(step) = ddp::Join::new(&pg).begin_step(true).unwrap() {
+            assert!(ddp.backward_join(None, &join, &step).is_err());
+        }
+        params(&ddp)
+    });
+    assert_eq!(finals[0], finals[1]);
+
+    // Reference: one process, the same averaged steps (both batches together, then rank 1's).
+    let reference = run_ranks(1, |_, pg| {
+        let (vm, m) = model(21, HID);
+        let mut ddp = Ddp::new(&vm, &pg, DdpOptions::default()).unwrap();
+        let mut opt = SGD::new(ddp.all_vars(), 0.1).unwrap();
+        for step in 0..7 {
+            let (xs, ys) = if step < 3 {
+                let (a, ay) = batch(&x, &y, step * B..(step + 1) * B);
+                let (b, by) = batch(&x, &y, (3 + step) * B..(4 + step) * B);
+                (
+                    Tensor::cat(&[a, b], 0).unwrap(),
+                    Tensor::cat(&[ay, by], 0).unwrap(),
+                )
+            } else {
+                batch(&x, &y, (3 + step) * B..(4 + step) * B)
+            };
+            let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
+            opt.step(&ddp.backward(&loss).unwrap()).unwrap();
+        }
+        params(&ddp)
+    });
+    for ((name, a), (_, b)) in finals[0].iter().zip(&reference[0]) {
+        let d = rel_diff(a, b);
+        assert!(d <= 1e-5, "`{name}`: relative difference {d:e}");
+    }
+}

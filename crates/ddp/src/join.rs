@@ -1,0 +1,272 @@
+//! [`Join`]: training with uneven inputs (PyTorch's `torch.distributed.algorithms.Join` /
+//! `DistributedDataParallel.join()`), framework-agnostic.
+//!
+//! The failure mode it removes: when one rank runs out of batches and leaves the training loop,
+//! the others block in their next gradient all-reduce forever (seed 000's "infinite hang"). Under
+//! `Join`, every rank runs the *same number of steps*: the loop lasts until the last rank runs
+//! out, and a rank without data *shadows* the others' collectives with zero gradients.
+//!
+//! # Protocol (per step, on every rank)
+//!
+//! 1. [`Join::begin_step`]`(has_data)`: one small all-reduce telling every rank which ranks
+//!    still have a batch. `None` means every rank is out of data: the loop ends on all ranks at
+//!    the same step.
+//! 2. A rank with data runs forward/backward and hands its gradients to the [`Reducer`]
+//!    (`mark_ready`). A rank without data does nothing here.
+//! 3. Every rank calls [`Join::sync_gradients`] — for a rank without data this *is* the shadow:
+//!    unmarked gradients count as zeros, so it issues exactly the same bucket all-reduces as the
+//!    others. The sum is divided by the number of ranks that had data ([`JoinStep::divisor`]), so
+//!    the result is the mean over the active ranks.
+//! 4. **Every rank, including those without data, applies the averaged gradients**
+//!    ([`Reducer::grad`]) with its optimizer. The gradients are bit-identical on all ranks, so
+//!    replicas (and optimizer states, e.g. momentum) stay bit-identical as long as the optimizer
+//!    step is deterministic — which is what keeps a joined rank ready for the next epoch.
+//!
+//! [`Join::run`] drives this loop so none of the steps can be forgotten. As a safety net (and
+//! for code whose joined ranks skip the optimizer step, as in PyTorch), [`Join::sync_params`]
+//! broadcasts the parameters from [`Join::authoritative_rank`], a rank that had data in the last
+//! step, like PyTorch's final model synchronization.
+//!
+//! Differences from PyTorch: the default divisor is the number of *active* ranks (PyTorch's
+//! `divide_by_initial_world_size=True` is available as
+//! [`Join::divide_by_initial_world_size`]); a rank may also report `has_data = false` for a step
+//! and `true` again later (e.g. an empty shard for one epoch) — every step is decided afresh.
+//!
+//! With gradient accumulation (`no_sync`), decide `has_data` once per *optimizer* step and call
+//! `begin_step` once per optimizer step; all ranks must toggle
+//! [`Reducer::set_require_backward_grad_sync`] identically, as always.
+//!
+//! ```no_run
+//! # use ddp::join::Join;
+//! # use ddp::reducer::{ParamSpec, Reducer, ReducerOptions};
+//! # fn demo(pg: &ddp_comm::ProcessGroup, my_batches: Vec<Vec<f32>>) -> ddp::Result<()> {
+//! struct Model { w: Vec<f32> }
+//! let mut model = Model { w: vec![0.0; 4] };
+//! let specs = vec![ParamSpec::new("w", vec![4], ddp_comm::DType::F32)];
+//! let mut reducer = Reducer::new(pg, specs, ReducerOptions::default())?;
+//! let mut join = Join::new(pg);
+//! let summary = join.run(
+//!     &mut reducer,
+//!     &mut model,
+//!     my_batches, // this rank's batches: any number, different on every rank
+//!     |model, reducer, batch| {
+//!         // forward + backward on `batch`, then hand over the gradients
+//!         let grad: Vec<f32> = model.w.iter().zip(&batch).map(|(w, x)| w * x).collect();
+//!         reducer.mark_ready(0, &grad)
+//!     },
+//!     |model, reducer, _step| {
+//!         // optimizer step with the averaged gradient, on every rank
+//!         for (w, g) in model.w.iter_mut().zip(reducer.grad::<f32>(0)?) {
+//!             *w -= 0.1 * g;
+//!         }
+//!         Ok(())
+//!     },
+//! )?;
+//! join.sync_params(&mut [&mut model.w[..]])?; // optional safety net: no-op if replicas agree
+//! println!("{} steps, {} with data on this rank", summary.steps, summary.own_steps);
+//! # Ok(()) }
+//! ```
+
+use crate::error::{Error, Result};
+use crate::reducer::{broadcast_coalesced, Reducer, StepStats};
+use ddp_comm::{Element, ProcessGroup, ReduceOp};
+
+/// What every rank learns at the start of a step (identical on all ranks except `has_data`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JoinStep {
+    /// Step number, from 0, counting steps in which at least one rank had data.
+    pub index: u64,
+    /// Whether *this* rank has a batch in this step (if not, it shadows).
+    pub has_data: bool,
+    /// The ranks that have a batch in this step, ascending (never empty).
+    pub active_ranks: Vec<usize>,
+    /// What the summed gradients are divided by: `active_ranks.len()`, or the world size under
+    /// [`Join::divide_by_initial_world_size`].
+    pub divisor: usize,
+}
+
+impl JoinStep {
+    /// Number of ranks with a batch in this step.
+    pub fn active(&self) -> usize {
+        self.active_ranks.len()
+    }
+}
+
+/// Counts of a finished [`Join`] loop (the same on every rank except `own_steps`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct JoinSummary {
+    /// Steps run by every rank (the longest rank's number of batches).
+    pub steps: u64,
+    /// Steps in which this rank had data.
+    pub own_steps: u64,
+    /// The ranks that had data in the last step (empty if there was no step).
+    pub last_active_ranks: Vec<usize>,
+}
+
+/// The uneven-inputs context for one process group (see the module doc).
+#[derive(Debug)]
+pub struct Join {
+    pg: ProcessGroup,
+    divide_by_initial_world_size: bool,
+    steps: u64,
+    own_steps: u64,
+    last_active_ranks: Vec<usize>,
+    done: bool,
+}
+
+impl Join {
+    /// A context over `pg` (the group the [`Reducer`] uses). Dividing by the active ranks.
+    pub fn new(pg: &ProcessGroup) -> Join {
+        Join {
+            pg: pg.clone(),
+            divide_by_initial_world_size: false,
+            steps: 0,
+            own_steps: 0,
+            last_active_ranks: Vec::new(),
+            done: false,
+        }
+    }
+
+    /// PyTorch's `divide_by_initial_world_size`: `true` divides the summed gradients by the world
+    /// size even when fewer ranks contributed (joined ranks weigh in as zeros); `false` (the
+    /// default here) divides by the number of ranks that had data.
+    pub fn divide_by_initial_world_size(mut self, yes: bool) -> Join {
+        self.divide_by_initial_world_size = yes;
+        self
+    }
+
+    /// Starts a step: one all-reduce (one `i64` per rank) telling every rank which ranks have
+    /// data. Returns `None` — on every rank at the same step — once no rank has data; the loop
+    /// must end then. Call it on every rank, every step, even when out of data.
+    pub fn begin_step(&mut self, has_data: bool) -> Result<Option<JoinStep>> {
+        if self.done {
+            return Err(Error::InvalidArgument(format!(
+                "Join::begin_step on rank {} after every rank ran out of data (step {}): the \
+                 loop should have ended when begin_step returned None (call reset() to start \
+                 another loop)",
+                self.pg.rank(),
+                self.steps
+            )));
+        }
+        let mut flags = vec![0i64; self.pg.size()];
+        flags[self.pg.rank()] = has_data as i64;
+        self.pg.all_reduce(&mut flags, ReduceOp::Sum)?;
+        let active_ranks: Vec<usize> = (0..flags.len()).filter(|&r| flags[r] != 0).collect();
+        if active_ranks.is_empty() {
+            self.done = true;
+            return Ok(None);
+        }
+        let step = JoinStep {
+            index: self.steps,
+            has_data,
+            divisor: if self.divide_by_initial_world_size {
+                self.pg.size()
+            } else {
+                active_ranks.len()
+            },
+            active_ranks,
+        };
+        self.steps += 1;
+        self.own_steps += has_data as u64;
+        self.last_active_ranks.clone_from(&step.active_ranks);
+        Ok(Some(step))
+    }
+
+    /// Synchronizes this step's gradients on every rank: `reducer.finish_with_divisor(divisor)`.
+    /// On a rank without data (which marked nothing) this is the shadow: its gradients count as
+    /// zeros and it takes part in exactly the same bucket all-reduces as the active ranks.
+    /// Afterwards [`Reducer::grad`] holds the mean over the active ranks on every rank.
+    pub fn sync_gradients(&self, reducer: &mut Reducer, step: &JoinStep) -> Result<StepStats> {
+        let size = reducer.process_group().size();
+        if size != self.pg.size() {
+            return Err(Error::InvalidArgument(format!(
+                "Join::sync_gradients: the reducer's process group has {size} ranks, the Join's \
+                 has {}: they must be the same group",
+                self.pg.size()
+            )));
+        }
+        reducer.finish_with_divisor(step.divisor)
+    }
+
+    /// Runs the whole uneven-inputs loop (a new loop, see [`reset`](Self::reset)): each step
+    /// pulls this rank's next batch from `batches` (once it yields `None` it is not polled
+    /// again), calls `backward(ctx, reducer, batch)` if
+    /// there is one (it must `mark_ready` the gradients), synchronizes the gradients
+    /// ([`sync_gradients`](Self::sync_gradients)) and calls `apply(ctx, reducer, step)` on
+    /// *every* rank (the optimizer step with [`Reducer::grad`]). Ends when every rank is out of
+    /// data. `ctx` is handed to both closures, so both can use the model mutably.
+    ///
+    /// An error from a closure ends the loop on this rank only; the other ranks' next
+    /// collective then fails with an error naming this rank (once its process group is dropped)
+    /// or times out.
+    pub fn run<C, B, E>(
+        &mut self,
+        reducer: &mut Reducer,
+        ctx: &mut C,
+        batches: impl IntoIterator<Item = B>,
+        mut backward: impl FnMut(&mut C, &mut Reducer, B) -> std::result::Result<(), E>,
+        mut apply: impl FnMut(&mut C, &Reducer, &JoinStep) -> std::result::Result<(), E>,
+    ) -> std::result::Result<JoinSummary, E>
+    where
+        E: From<Error>,
+    {
+        self.reset();
+        let mut batches = batches.into_iter();
+        let mut exhausted = false;
+        loop {
+            let batch = if exhausted { None } else { batches.next() };
+            exhausted = batch.is_none();
+            let Some(step) = self.begin_step(batch.is_some())? else {
+                break;
+            };
+            if let Some(batch) = batch {
+                reducer.prepare_for_backward()?;
+                backward(ctx, reducer, batch)?;
+            }
+            self.sync_gradients(reducer, &step)?;
+            apply(ctx, reducer, &step)?;
+        }
+        Ok(self.summary())
+    }
+
+    /// The lowest rank that had data in the last step: its parameters are the reference for
+    /// [`sync_params`](Self::sync_params). `None` before the first step.
+    pub fn authoritative_rank(&self) -> Option<usize> {
+        self.last_active_ranks.first().copied()
+    }
+
+    /// Broadcasts `params` from [`authoritative_rank`](Self::authoritative_rank) to every rank
+    /// (PyTorch's final model synchronization after `join`). Under the contract of the module
+    /// doc the replicas already agree and this changes nothing; it repairs joined ranks that did
+    /// not apply the updates. Call it on every rank with parameters in the same order (no-op if
+    /// no step ran).
+    pub fn sync_params<T: Element>(&self, params: &mut [&mut [T]]) -> Result<()> {
+        match self.authoritative_rank() {
+            Some(root) => broadcast_coalesced(&self.pg, params, root),
+            None => Ok(()),
+        }
+    }
+
+    /// Counts so far.
+    pub fn summary(&self) -> JoinSummary {
+        JoinSummary {
+            steps: self.steps,
+            own_steps: self.own_steps,
+            last_active_ranks: self.last_active_ranks.clone(),
+        }
+    }
+
+    /// Starts a new loop (e.g. the next epoch) with counters at zero. No communication: call it
+    /// on every rank. [`run`](Self::run) does it itself.
+    pub fn reset(&mut self) {
+        self.steps = 0;
+        self.own_steps = 0;
+        self.last_active_ranks.clear();
+        self.done = false;
+    }
+
+    /// Whether every rank has run out of data (`begin_step` returned `None`).
+    pub fn is_done(&self) -> bool {
+        self.done
+    }
+}

@@ -1,0 +1,18 @@
+//! `ddp`: framework-agnostic distributed data parallelism on top of `ddp-comm`.
+pub mod checkpoint;
+pub mod error;
+pub mod join;
+pub mod lr;
+pub mod reducer;
+pub mod sampler;
+pub mod verify;
+
+pub use checkpoint::{Checkpoint, CheckpointMeta, TensorData};
+pub use error::{Error, Result};
+pub use join::{Join, JoinStep, JoinSummary};
+pub use lr::{global_batch_size, scale_lr_linear};
+pub use sampler::{DistributedSampler, SamplerState};
+pub use verify::{
+    verify_disjoint_shards, verify_replicas, OverlapMeter, OverlapSummary, ReplicaReport,
+    ShardReport,
+};

@@ -1,0 +1,123 @@
+//! `train-digits`: the main job of ddp-rs — an MLP classifier on the UCI handwritten digits,
+//! trained data-parallel over N processes with `ddp-candle`, checking at the end that every
+//! replica holds bit-identical weights.
+//!
+//! Run directly, it spawns `--nproc` local workers of itself (module [`launcher`]); under `ddprun`
+//! (or any environment that sets `RANK` and `WORLD_SIZE`) it is one worker (module [`train`]).
+//! Data and split: module [`data`]; model: module [`model`].
+
+mod data;
+mod launcher;
+mod model;
+mod train;
+
+use clap::{Parser, ValueEnum};
+
+/// Communication backend (`auto` picks the best available one).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum Backend {
+    Auto,
+    Tcp,
+    Shm,
+}
+
+/// Which backward path the workers use (both give the same gradients).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackwardMode {
+    /// `loss.backward()`, then the bucketed all-reduce.
+    Plain,
+    /// Stage-by-stage backward, each stage's buckets communicated while earlier stages compute.
+    Staged,
+}
+
+/// The optimizer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OptimizerKind {
+    /// `candle_nn::SGD` (no state).
+    Sgd,
+    /// `ddp_candle::optim::AdamW` (candle's arithmetic; moments saved in checkpoints).
+    Adamw,
+}
+
+/// Data-parallel MLP training on the UCI digits (1797 8×8 images, fixed 80/20 split).
+#[derive(Debug, Clone, Parser)]
+#[command(name = "train-digits", version)]
+pub struct Args {
+    /// Number of local worker processes to spawn (ignored when RANK/WORLD_SIZE are set).
+    #[arg(long, default_value_t = 2)]
+    pub nproc: usize,
+    /// Communication backend [default: env DDP_BACKEND, else auto: shared memory when all ranks
+    /// are on this host, TCP otherwise].
+    #[arg(long, value_enum)]
+    pub backend: Option<Backend>,
+    /// Number of passes over the training set.
+    #[arg(long, default_value_t = 30)]
+    pub epochs: u64,
+    /// Batch size per rank (the global batch is this × world size).
+    #[arg(long, default_value_t = 32)]
+    pub batch_size: usize,
+    /// Optimizer (candle_nn's SGD, or ddp-candle's checkpointable AdamW).
+    #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
+    pub optimizer: OptimizerKind,
+    /// Learning rate [default: 0.2 for sgd, 0.005 for adamw].
+    #[arg(long)]
+    pub lr: Option<f64>,
+    /// Seed of the model initialization and of the sampler's shuffle.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Hidden layer width.
+    #[arg(long, default_value_t = 128)]
+    pub hidden: usize,
+    /// Stop after this many optimizer steps in total (across resumes).
+    #[arg(long)]
+    pub max_steps: Option<u64>,
+    /// Directory for checkpoints (written by rank 0 at the end of every epoch and at exit).
+    #[arg(long)]
+    pub checkpoint_dir: Option<std::path::PathBuf>,
+    /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none).
+    #[arg(long, requires = "checkpoint_dir")]
+    pub resume: bool,
+    /// Backward path.
+    #[arg(long, value_enum, default_value_t = BackwardMode::Plain)]
+    pub backward: BackwardMode,
+    /// Timeout of rendezvous and of every collective, in seconds.
+    #[arg(long, default_value_t = 300)]
+    pub timeout_s: u64,
+    /// Print a JSON summary as the last line of output.
+    #[arg(long)]
+    pub json: bool,
+    /// Print progress every this many epochs (0: only the summary).
+    #[arg(long, default_value_t = 5)]
+    pub log_every: u64,
+}
+
+impl Args {
+    /// The learning rate: `--lr`, or the optimizer's default.
+    pub fn lr(&self) -> f64 {
+        self.lr.unwrap_or(match self.optimizer {
+            OptimizerKind::Sgd => 0.2,
+            OptimizerKind::Adamw => 0.005,
+        })
+    }
+
+    pub fn optimizer_name(&self) -> &'static str {
+        match self.optimizer {
+            OptimizerKind::Sgd => "sgd",
+            OptimizerKind::Adamw => "adamw",
+        }
+    }
+}
+
+fn main() {
+    let args = Args::parse();
+    let in_worker = std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some();
+    if !in_worker {
+        let forwarded: Vec<String> = std::env::args().skip(1).collect();
+        std::process::exit(launcher::launch(args.nproc, &forwarded));
+    }
+    let rank = std::env::var("RANK").unwrap_or_default();
+    if let Err(e) = train::run(&args) {
+        eprintln!("train-digits rank {rank}: error: {e}");
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,358 @@
+//! One worker of `train-digits`: joins the process group, trains with `ddp_candle::Ddp` and
+//! `candle_nn::SGD`, checkpoints every epoch (rank 0, atomically), resumes exactly, and reports
+//! accuracy, loss, throughput and the cross-rank replica check.
+
+use crate::data::{self, CLASSES, FEATURES};
+use crate::model::{evaluate, Mlp};
+use crate::{Args, Backend, BackwardMode, OptimizerKind};
+use candle_core::{Device, Module, Tensor};
+use candle_nn::{Optimizer, VarMap, SGD};
+use ddp::checkpoint::{self, Checkpoint, CheckpointMeta};
+use ddp::{DistributedSampler, SamplerState};
+use ddp_candle::{Ddp, DdpOptions};
+use ddp_comm::process_group::Backend as CommBackend;
+use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
+use std::error::Error;
+use std::time::{Duration, Instant};
+
+type BoxResult<T> = Result<T, Box<dyn Error>>;
+
+fn init_options(args: &Args) -> InitOptions {
+    InitOptions {
+        timeout: Duration::from_secs(args.timeout_s),
+        backend: args.backend.map(|b| match b {
+            Backend::Auto => CommBackend::Auto,
+            Backend::Tcp => CommBackend::Tcp,
+            Backend::Shm => CommBackend::Shm,
+        }),
+        ..Default::default()
+    }
+}
+
+/// The optimizer of the run.
+enum Opt {
+    Sgd(SGD),
+    AdamW(ddp_candle::optim::AdamW),
+}
+
+impl Opt {
+    fn new(args: &Args, ddp: &Ddp) -> BoxResult<Opt> {
+        Ok(match args.optimizer {
+            OptimizerKind::Sgd => Opt::Sgd(SGD::new(ddp.all_vars(), args.lr())?),
+            OptimizerKind::Adamw => Opt::AdamW(ddp_candle::optim::AdamW::new_named(
+                ddp.named_vars().to_vec(),
+                candle_nn::ParamsAdamW {
+                    lr: args.lr(),
+                    ..Default::default()
+                },
+            )?),
+        })
+    }
+
+    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
+        match self {
+            Opt::Sgd(o) => o.step(grads),
+            Opt::AdamW(o) => o.step(grads),
+        }
+    }
+
+    fn save_state(&self, ckpt: &mut Checkpoint) -> BoxResult<()> {
+        match self {
+            Opt::Sgd(_) => Ok(()), // stateless
+            Opt::AdamW(o) => Ok(o.save_state(ckpt)?),
+        }
+    }
+
+    fn load_state(&mut self, ckpt: &Checkpoint) -> BoxResult<()> {
+        match self {
+            Opt::Sgd(_) => Ok(()),
+            Opt::AdamW(o) => Ok(o.load_state(ckpt)?),
+        }
+    }
+}
+
+/// Where training stands; stored in checkpoints.
+struct Position {
+    step: u64,
+    epoch: u64,
+    consumed: usize,
+}
+
+fn save(pg: &ProcessGroup, args: &Args, ddp: &Ddp, opt: &Opt, pos: &Position) -> BoxResult<()> {
+    let Some(dir) = &args.checkpoint_dir else {
+        return Ok(());
+    };
+    if pg.rank() == 0 {
+        let mut ckpt = Checkpoint::new(CheckpointMeta {
+            step: pos.step,
+            epoch: pos.epoch,
+            sampler: SamplerState {
+                epoch: pos.epoch,
+                consumed: pos.consumed,
+            },
+            rng_state: args.seed,
+            world_size: pg.size(),
+            extra: serde_json::json!({
+                "optimizer": args.optimizer_name(),
+                "lr": args.lr(),
+                "batch_size": args.batch_size,
+                "hidden": args.hidden,
+                "seed": args.seed,
+            }),
+        });
+        ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
+        opt.save_state(&mut ckpt)?;
+        checkpoint::save_atomic(dir, &ckpt)?;
+    }
+    Ok(())
+}
+
+/// Refuses to resume a checkpoint written with other hyper-parameters (it would not continue
+/// "exactly").
+fn check_compatible(ckpt: &Checkpoint, args: &Args) -> BoxResult<()> {
+    let e = &ckpt.meta.extra;
+    let want = [
+        ("batch_size", serde_json::json!(args.batch_size)),
+        ("hidden", serde_json::json!(args.hidden)),
+        ("seed", serde_json::json!(args.seed)),
+        ("lr", serde_json::json!(args.lr())),
+        ("optimizer", serde_json::json!(args.optimizer_name())),
+    ];
+    for (k, v) in want {
+        if e.get(k) != Some(&v) {
+            return Err(format!(
+                "checkpoint was written with {k} = {} but this run has {k} = {v}",
+                e.get(k)
+                    .map(|x| x.to_string())
+                    .unwrap_or_else(|| "?".into())
+            )
+            .into());
+        }
+    }
+    Ok(())
+}
+
+pub fn run(args: &Args) -> BoxResult<()> {
+    if args.batch_size == 0 {
+        return Err("--batch-size must be at least 1".into());
+    }
+    let pg = init_process_group(init_options(args))?;
+    let (rank, world) = (pg.rank(), pg.size());
+    let all = data::load()?;
+    let (train, test) = data::train_test_split(&all);
+
+    let varmap = VarMap::new();
+    let model = Mlp::new(&varmap, FEATURES, args.hidden, CLASSES, args.seed)?;
+
+    // Resume: rank 0 reads the file and shares it, so the directory need not be shared.
+    let mut pos = Position {
+        step: 0,
+        epoch: 0,
+        consumed: 0,
+    };
+    let mut resumed = None;
+    if args.resume {
+        let dir = args
+            .checkpoint_dir
+            .as_ref()
+            .expect("clap: --resume requires --checkpoint-dir");
+        let local = if rank == 0 {
+            checkpoint::load(dir)?
+        } else {
+            None
+        };
+        match ddp_candle::checkpoint::broadcast_checkpoint(&pg, local.as_ref(), 0)? {
+            Some(ckpt) => {
+                ckpt.meta.check_world_size(world)?;
+                check_compatible(&ckpt, args)?;
+                let vars: Vec<_> = varmap
+                    .data()
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                ddp_candle::checkpoint::load_vars(&ckpt, &vars)?;
+                pos = Position {
+                    step: ckpt.meta.step,
+                    epoch: ckpt.meta.sampler.epoch,
+                    consumed: ckpt.meta.sampler.consumed,
+                };
+                if rank == 0 {
+                    println!(
+                        "resuming from {} at step {}, epoch {}, {} samples into the epoch",
+                        checkpoint::checkpoint_path(dir).display(),
+                        pos.step,
+                        pos.epoch,
+                        pos.consumed
+                    );
+                }
+                resumed = Some(ckpt);
+            }
+            None => {
+                if rank == 0 {
+                    println!("no checkpoint in {}: starting fresh", dir.display());
+                }
+            }
+        }
+    }
+
+    let mut ddp = Ddp::new(&varmap, &pg, DdpOptions::default())?;
+    let mut opt = Opt::new(args, &ddp)?;
+    if let Some(ckpt) = &resumed {
+        opt.load_state(ckpt)?;
+    }
+    let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+    if rank == 0 {
+        println!(
+            "train-digits: world_size {world}, {} train / {} test images, batch {} per rank \
+             (global {}), {} steps per epoch, {} lr {}, {} backward, {} parameters",
+            train.len(),
+            test.len(),
+            args.batch_size,
+            args.batch_size * world,
+            sampler.len().div_ceil(args.batch_size),
+            args.optimizer_name(),
+            args.lr(),
+            match args.backward {
+                BackwardMode::Plain => "plain",
+                BackwardMode::Staged => "staged",
+            },
+            ddp.reducer()
+                .specs()
+                .iter()
+                .map(|s| s.numel())
+                .sum::<usize>(),
+        );
+    }
+
+    let stage1 = |x: &Tensor| model.stage1(x);
+    let stage2 = |h: &Tensor| model.stage2(h);
+    let stages: [&dyn Module; 2] = [&stage1, &stage2];
+    let start = Instant::now();
+    let mut local_samples = 0u64;
+    let mut steps_run = 0u64;
+    'epochs: while pos.epoch < args.epochs {
+        sampler.set_epoch(pos.epoch);
+        let indices = sampler.indices_from(pos.consumed)?;
+        let mut loss_sum = 0f64;
+        let mut batches = 0u64;
+        for batch in indices.chunks(args.batch_size) {
+            if args.max_steps.is_some_and(|m| pos.step >= m) {
+                break 'epochs;
+            }
+            let (x, y) = train.gather(batch);
+            let x = Tensor::from_vec(x, (batch.len(), FEATURES), &Device::Cpu)?;
+            let y = Tensor::from_vec(y, batch.len(), &Device::Cpu)?;
+            let (loss, grads) = match args.backward {
+                BackwardMode::Plain => {
+                    let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+                    let grads = ddp.backward(&loss)?;
+                    (loss, grads)
+                }
+                BackwardMode::Staged => {
+                    let out = ddp.forward_backward_staged(&stages, &x, |logits| {
+                        candle_nn::loss::cross_entropy(logits, &y)
+                    })?;
+                    (out.loss, out.grads)
+                }
+            };
+            opt.step(&grads)?;
+            pos.step += 1;
+            pos.consumed += batch.len();
+            steps_run += 1;
+            local_samples += batch.len() as u64;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            batches += 1;
+        }
+        pos.epoch += 1;
+        pos.consumed = 0;
+        save(&pg, args, &ddp, &opt, &pos)?;
+        if rank == 0
+            && args.log_every > 0
+            && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
+        {
+            let (acc, _) = evaluate(&model, &test.features, &test.labels)?;
+            println!(
+                "epoch {:>3}/{}  step {:>5}  train_loss(rank0) {:.4}  test_acc {:.4}  {:.1}s",
+                pos.epoch,
+                args.epochs,
+                pos.step,
+                loss_sum / batches.max(1) as f64,
+                acc,
+                start.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let train_time = start.elapsed();
+    // Stopped early (--max-steps) mid-epoch: record the exact position.
+    if pos.epoch < args.epochs {
+        save(&pg, args, &ddp, &opt, &pos)?;
+    }
+
+    // Summary: global samples, replica check, statistics.
+    let mut counts = [local_samples as f64, train_time.as_secs_f64()];
+    pg.all_reduce(&mut counts[..1], ReduceOp::Sum)?;
+    pg.all_reduce(&mut counts[1..], ReduceOp::Max)?;
+    let replicas = ddp.verify_replicas()?;
+    let max_diff = replicas.max_abs_diff;
+    if rank == 0 {
+        let (test_acc, test_loss) = evaluate(&model, &test.features, &test.labels)?;
+        let (_, train_loss) = evaluate(&model, &train.features, &train.labels)?;
+        let (param_sum, param_l2) = ddp.param_sum_l2()?;
+        let samples_per_s = if counts[1] > 0.0 {
+            counts[0] / counts[1]
+        } else {
+            0.0
+        };
+        let identical = replicas.identical;
+        let stats = ddp.total_stats();
+        println!(
+            "held-out accuracy {:.4} ({} images), test loss {:.4}, final train loss {:.4}",
+            test_acc,
+            test.len(),
+            test_loss,
+            train_loss
+        );
+        println!(
+            "{} steps ({} this run) in {:.2}s: {:.0} samples/s over {} ranks",
+            pos.step, steps_run, counts[1], samples_per_s, world
+        );
+        if stats.steps > 0 {
+            let wait = stats.comm_wait.as_secs_f64() * 1e3 / stats.steps as f64;
+            let total = stats.total.as_secs_f64() * 1e3 / stats.steps as f64;
+            println!(
+                "gradient sync (rank 0): {wait:.3} ms/step waiting for communication of {total:.3} \
+                 ms/step backward+communication ({:.0}% overlapped)",
+                if total > 0.0 { 100.0 * (1.0 - wait / total) } else { 100.0 }
+            );
+        }
+        println!(
+            "replica check: {} (max |param difference| across ranks = {:e})",
+            replicas.describe(&ddp.param_names()),
+            max_diff
+        );
+        if args.json {
+            // Keys in the documented order (serde_json's `json!` would sort them).
+            let fields: [(&str, serde_json::Value); 9] = [
+                ("world_size", world.into()),
+                ("steps", pos.step.into()),
+                ("test_accuracy", test_acc.into()),
+                ("final_loss", train_loss.into()),
+                ("samples_per_s", samples_per_s.into()),
+                ("replicas_identical", identical.into()),
+                ("max_param_diff", max_diff.into()),
+                ("param_sum", param_sum.into()),
+                ("param_l2", param_l2.into()),
+            ];
+            let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+            println!("{{{}}}", body.join(","));
+        }
+    }
+    // Keep every rank alive until rank 0 has finished using the group.
+    pg.barrier()?;
+    if !replicas.identical {
+        return Err(format!("after training: {}", replicas.describe(&ddp.param_names())).into());
+    }
+    Ok(())
+}

@@ -1,0 +1,315 @@
+//! End-to-end tests of the `train-digits` binary: real worker processes, real TCP collectives,
+//! real checkpoint files, real `SIGKILL`. Every process is waited on with a deadline and killed
+//! if it overruns, so a hang fails the test instead of blocking it.
+
+use std::io::{BufRead, BufReader, Read};
+use std::path::Path;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_train-digits");
+const DEADLINE: Duration = Duration::from_secs(120);
+
+struct Finished {
+    success: bool,
+    code: Option<i32>,
+    stdout: String,
+    stderr: String,
+    elapsed: Duration,
+}
+
+fn reader(src: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
+    std::thread::spawn(move || {
+        let mut s = String::new();
+        let _ = BufReader::new(src).read_to_string(&mut s);
+        s
+    })
+}
+
+/// Waits for `child` (stdout/stderr piped) at most `deadline`, killing it on overrun.
+fn wait_bounded(mut child: Child, deadline: Duration, what: &str) -> Finished {
+    let start = Instant::now();
+    let out = reader(child.stdout.take().unwrap());
+    let err = reader(child.stderr.take().unwrap());
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!(
+                "{what} did not finish within {deadline:?}; stderr:\n{}",
+                err.join().unwrap()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Finished {
+        success: status.success(),
+        code: status.code(),
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+        elapsed: start.elapsed(),
+    }
+}
+
+fn launch(args: &[&str]) -> Child {
+    Command::new(BIN)
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+fn run_ok(args: &[&str]) -> (serde_json::Value, Finished) {
+    let f = wait_bounded(launch(args), DEADLINE, "train-digits");
+    assert!(
+        f.success,
+        "train-digits {args:?} failed:\n{}\n{}",
+        f.stdout, f.stderr
+    );
+    let last = f.stdout.lines().last().unwrap_or_default();
+    let v: serde_json::Value = serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("last line is not JSON ({e}): {last:?}"));
+    (v, f)
+}
+
+#[test]
+fn default_run_reaches_95_percent_with_identical_replicas() {
+    let (v, f) = run_ok(&["--nproc", "2", "--json"]);
+    let keys: Vec<&str> = v.as_object().unwrap().keys().map(|k| k.as_str()).collect();
+    let mut want = [
+        "world_size",
+        "steps",
+        "test_accuracy",
+        "final_loss",
+        "samples_per_s",
+        "replicas_identical",
+        "max_param_diff",
+        "param_sum",
+        "param_l2",
+    ];
+    want.sort();
+    assert_eq!(keys, want);
+    // The line itself lists them in the documented order.
+    assert!(f
+        .stdout
+        .lines()
+        .last()
+        .unwrap()
+        .starts_with("{\"world_size\":2,\"steps\":"));
+    assert_eq!(v["world_size"], 2);
+    assert!(v["test_accuracy"].as_f64().unwrap() >= 0.95, "{v}");
+    assert_eq!(v["replicas_identical"], true);
+    assert_eq!(v["max_param_diff"], 0.0);
+    assert!(v["final_loss"].as_f64().unwrap() < 0.3, "{v}");
+    assert!(v["samples_per_s"].as_f64().unwrap() > 0.0);
+    // 1437 training images, 719 per rank (padded), 32 per batch: 23 steps × 30 epochs.
+    assert_eq!(v["steps"], 690);
+    assert!(f.elapsed < Duration::from_secs(60), "took {:?}", f.elapsed);
+    assert!(f.stdout.contains("held-out accuracy"), "{}", f.stdout);
+}
+
+#[test]
+fn staged_backward_trains_bit_identically_to_plain() {
+    let common = ["--nproc", "2", "--epochs", "3", "--json"];
+    let (plain, _) = run_ok(&[&common[..], &["--backward", "plain"]].concat());
+    let (staged, _) = run_ok(&[&common[..], &["--backward", "staged"]].concat());
+    assert_eq!(plain["param_sum"], staged["param_sum"]);
+    assert_eq!(plain["param_l2"], staged["param_l2"]);
+    assert_eq!(plain["final_loss"], staged["final_loss"]);
+}
+
+#[test]
+fn interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one() {
+    for optimizer in ["sgd", "adamw"] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap();
+        let o = ["--optimizer", optimizer, "--epochs", "6", "--json"];
+        let (full, _) = run_ok(&o);
+        // Stop mid-epoch (23 steps per epoch), then resume from the checkpoint.
+        let (part, _) = run_ok(&[&o[..], &["--max-steps", "50", "--checkpoint-dir", d]].concat());
+        assert_eq!(part["steps"], 50);
+        assert!(dir.path().join("checkpoint.safetensors").exists());
+        let (resumed, f) = run_ok(&[&o[..], &["--resume", "--checkpoint-dir", d]].concat());
+        assert!(
+            f.stdout.contains("resuming from")
+                && f.stdout.contains("at step 50, epoch 2, 128 samples"),
+            "{}",
+            f.stdout
+        );
+        for k in [
+            "steps",
+            "param_sum",
+            "param_l2",
+            "final_loss",
+            "test_accuracy",
+        ] {
+            assert_eq!(resumed[k], full[k], "{optimizer}: {k} differs after resume");
+        }
+        // A checkpoint of other hyper-parameters is refused with a clear error.
+        let f = wait_bounded(
+            launch(&[&o[..], &["--lr", "0.5", "--resume", "--checkpoint-dir", d]].concat()),
+            DEADLINE,
+            "resume with another lr",
+        );
+        assert!(!f.success);
+        assert!(f.stderr.contains("lr"), "{}", f.stderr);
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn wait_for_file(path: &Path, deadline: Duration) {
+    let start = Instant::now();
+    while !path.exists() {
+        assert!(
+            start.elapsed() < deadline,
+            "{} never appeared",
+            path.display()
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+fn checkpoint_epoch(dir: &Path) -> u64 {
+    let bytes = std::fs::read(dir.join("checkpoint.safetensors")).unwrap();
+    let n = u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n]).unwrap();
+    let meta: serde_json::Value =
+        serde_json::from_str(header["__metadata__"]["ddp_meta"].as_str().unwrap()).unwrap();
+    meta["sampler"]["epoch"].as_u64().unwrap()
+}
+
+fn sigkill(pid: u32) {
+    // SAFETY: plain kill(2) on a process this test started.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) }, 0);
+}
+
+#[test]
+fn killing_a_worker_fails_the_others_naming_it_then_resume_completes() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    // Workers started directly (as under ddprun): one process per rank, env rendezvous.
+    let port = free_port().to_string();
+    let worker = |rank: &str| {
+        Command::new(BIN)
+            .args([
+                "--epochs",
+                "1000000",
+                "--log-every",
+                "0",
+                "--checkpoint-dir",
+                d,
+            ])
+            .env("RANK", rank)
+            .env("WORLD_SIZE", "2")
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    };
+    let rank0 = worker("0");
+    let mut rank1 = worker("1");
+    wait_for_file(&dir.path().join("checkpoint.safetensors"), DEADLINE);
+    sigkill(rank1.id());
+    let _ = rank1.wait();
+    let f = wait_bounded(
+        rank0,
+        Duration::from_secs(60),
+        "rank 0 after its peer was killed",
+    );
+    assert!(!f.success, "rank 0 exited successfully after losing rank 1");
+    assert_eq!(f.code, Some(1));
+    assert!(
+        f.stderr.contains("rank 1"),
+        "rank 0's error does not name rank 1:\n{}",
+        f.stderr
+    );
+    assert!(
+        f.elapsed < Duration::from_secs(30),
+        "rank 0 took {:?} to notice",
+        f.elapsed
+    );
+
+    // Resume from the last epoch checkpoint, a few epochs further, with the launcher.
+    let epoch = checkpoint_epoch(dir.path());
+    assert!(epoch >= 1);
+    let target = (epoch + 3).to_string();
+    let (v, out) = run_ok(&[
+        "--epochs",
+        &target,
+        "--resume",
+        "--checkpoint-dir",
+        d,
+        "--json",
+    ]);
+    assert!(out.stdout.contains("resuming from"), "{}", out.stdout);
+    assert_eq!(v["steps"].as_u64().unwrap(), (epoch + 3) * 23);
+    assert_eq!(v["replicas_identical"], true);
+    assert!(v["test_accuracy"].as_f64().unwrap() > 0.8);
+}
+
+#[test]
+fn launcher_fails_fast_naming_the_killed_rank() {
+    let mut child = launch(&["--nproc", "2", "--epochs", "1000000", "--log-every", "0"]);
+    // The launcher announces "[launcher] started rank 1 (pid N)" on stderr.
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = mpsc::channel();
+    let pump = std::thread::spawn(move || {
+        let mut all = String::new();
+        for line in BufReader::new(stderr).lines() {
+            let line = line.unwrap_or_default();
+            if let Some(pid) = line
+                .strip_prefix("[launcher] started rank 1 (pid ")
+                .and_then(|r| r.strip_suffix(')'))
+            {
+                let _ = tx.send(pid.parse::<u32>().unwrap());
+            }
+            all.push_str(&line);
+            all.push('\n');
+        }
+        all
+    });
+    let pid = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("launcher printed no pid");
+    std::thread::sleep(Duration::from_millis(300)); // let training start
+    sigkill(pid);
+    let start = Instant::now();
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            panic!("launcher did not exit after a worker was killed");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let err = pump.join().unwrap();
+    assert!(!status.success());
+    assert!(
+        err.contains("worker rank 1 failed (killed by signal 9)"),
+        "launcher output:\n{err}"
+    );
+    assert!(
+        err.contains("[rank0]") && err.contains("peer rank 1"),
+        "{err}"
+    );
+}

@@ -303,4 +303,49 @@ fn two_hosts_in_network_namespaces() {
         "{r}"
     );
     assert!(r.elapsed < Duration::from_secs(15), "{r}");
+
+    // The main job across the two hosts: train-digits, one worker per host. Its binary sits
+    // next to ddprun when the workspace is built (as `cargo nextest run --workspace` does).
+    let digits = std::path::Path::new(DDPRUN).with_file_name("train-digits");
+    if !digits.exists() {
+        eprintln!("SKIPPED train-digits part: {} not built", digits.display());
+        return;
+    }
+    let digits = digits.to_str().unwrap();
+    let train = |i: usize| {
+        let rank = i.to_string();
+        hosts.ddprun(
+            i,
+            &[
+                "--nnodes",
+                "2",
+                "--node-rank",
+                &rank,
+                "--master-addr",
+                TwoHosts::ADDRS[0],
+                "--master-port",
+                "29501",
+                "--nproc-per-node",
+                "1",
+                "--rdzv-timeout",
+                "20",
+                digits,
+                "--epochs",
+                "10",
+                "--json",
+            ],
+        )
+    };
+    let (n0, n1) = (train(0), train(1));
+    let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
+    assert_eq!(r0.code(), Some(0), "{r0}");
+    assert_eq!(r1.code(), Some(0), "{r1}");
+    let json = r0
+        .stdout
+        .lines()
+        .rev()
+        .find(|l| l.contains("\"world_size\""))
+        .unwrap_or_else(|| panic!("no JSON line: {r0}"));
+    assert!(json.contains("\"world_size\":2"), "{json}");
+    assert!(json.contains("\"replicas_identical\":true"), "{json}");
 }

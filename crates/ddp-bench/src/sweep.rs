@@ -1,5 +1,5 @@
-//! Collective sweeps in the manner of nccl-tests: for each size (×4 steps), a barrier, warm-up
-//! iterations, then timed iterations whose median is reported, and a correctness pass that
+//! Collective sweeps in the manner of nccl-tests: for each size (×4 steps), warm-up iterations,
+//! then timed iterations (each after a barrier) whose median is reported, and a correctness pass that
 //! counts the elements differing from the exact expected result.
 //!
 //! `algbw = bytes / time`; `busbw = algbw * factor` with nccl-tests' factors: all_reduce
@@ -143,9 +143,11 @@ pub fn run(op: Op, args: &SweepArgs) -> Result<(), Box<dyn std::error::Error>> {
         for _ in 0..args.warmup {
             run_once(op, &pg, &mut bufs)?;
         }
-        pg.barrier()?;
+        // As the peer scripts do: a barrier before every timed iteration, so each one starts
+        // with the ranks in step; the median over iterations of the slowest rank is reported.
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters {
+            pg.barrier()?;
             let t = Instant::now();
             run_once(op, &pg, &mut bufs)?;
             times.push(t.elapsed().as_secs_f64());

@@ -1,0 +1,59 @@
+#!/usr/bin/env python3
+"""DDP training throughput of ddp-rs against PyTorch DDP-gloo in one run (optional; not in CI).
+
+MLP 784-1024x4-10, batch 64 per rank, one compute thread per rank, synthetic data. Runs,
+interleaved REPS times: `ddp-bench train --nproc 1|2` (staged backward, --backend as given) and
+`torch_ddp_train.py --nproc 1|2` (DDP on gloo); prints median samples/s, ms/step, scaling
+efficiency (world-2 samples/s / (2 x world-1 samples/s)) and the ratio ours/peer at world 2.
+
+    cargo build --release -p ddp-bench
+    python3 bench/peers/compare_train.py [--reps 3] [--steps 50] [--backend auto]
+"""
+import argparse, json, os, statistics, subprocess, sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def last_json(cmd, env):
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, env=env)
+    if out.returncode != 0:
+        print(f"# FAILED {' '.join(cmd)}: {out.stderr[-800:]}", file=sys.stderr)
+        return None
+    lines = [l for l in out.stdout.splitlines() if l.strip().startswith("{")]
+    return json.loads(lines[-1]) if lines else None
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--backend", default="auto")
+    ap.add_argument("--bench", default=os.environ.get("DDP_BENCH", os.path.join(ROOT, "target/release/ddp-bench")))
+    a = ap.parse_args()
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RAYON_NUM_THREADS="1")
+    sides = {}
+    for n in (1, 2):
+        sides[f"ours-w{n}"] = [a.bench, "train", "--nproc", str(n), "--backend", a.backend, "--steps", str(a.steps), "--json"]
+        sides[f"torch-w{n}"] = [sys.executable, os.path.join(HERE, "torch_ddp_train.py"), "--nproc", str(n), "--mode", "ddp", "--steps", str(a.steps), "--json"]
+    res = {k: [] for k in sides}
+    for rep in range(a.reps):
+        for name, cmd in sides.items():
+            print(f"# rep {rep + 1}/{a.reps}: {name} (load {open('/proc/loadavg').read().split()[0]})", file=sys.stderr)
+            r = last_json(cmd, env)
+            if r:
+                res[name].append(r)
+    med = lambda k, f: statistics.median([r[f] for r in res[k]]) if res[k] else float("nan")
+    print(f"# MLP 784-1024x4-10, batch 64/rank, 1 thread/rank, median of {a.reps} interleaved runs")
+    print("%-10s %12s %10s %14s" % ("side", "samples/s", "ms/step", "comm_wait_ms"))
+    for k in sides:
+        print("%-10s %12.1f %10.2f %14s" % (k, med(k, "samples_per_s"), med(k, "step_ms"),
+                                            "%.2f" % med(k, "comm_wait_ms") if k.startswith("ours") else "-"))
+    for side in ("ours", "torch"):
+        eff = med(f"{side}-w2", "samples_per_s") / (2 * med(f"{side}-w1", "samples_per_s"))
+        print(f"# scaling efficiency {side}: {eff:.2f}")
+    print("# world-2 samples/s ours/torch: %.2f" % (med("ours-w2", "samples_per_s") / med("torch-w2", "samples_per_s")))
+
+
+if __name__ == "__main__":
+    main()

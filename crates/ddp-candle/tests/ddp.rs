@@ -5,42 +5,16 @@
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{Linear, Optimizer, VarMap, SGD};
 use ddp_candle::{Ddp, DdpOptions};
-use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
+use ddp_comm::ProcessGroup;
 use rand::{Rng, SeedableRng};
-use std::time::Duration;
 
 const IN: usize = 12;
 const HID: usize = 24;
 const OUT: usize = 5;
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Runs `f(rank, pg)` on `world` threads, each with its own process group; returns the results
-/// in rank order.
+/// Runs `f(rank, pg)` on `world` threads, each with its own process group; results by rank.
 fn run_ranks<R: Send>(world: usize, f: impl Fn(usize, ProcessGroup) -> R + Sync) -> Vec<R> {
-    let port = free_port();
-    std::thread::scope(|s| {
-        let handles: Vec<_> = (0..world)
-            .map(|rank| {
-                let f = &f;
-                s.spawn(move || {
-                    let opts = InitOptions {
-                        timeout: Duration::from_secs(30),
-                        ..InitOptions::tcp(&format!("127.0.0.1:{port}"), rank, world)
-                    };
-                    let pg = init_process_group(opts).expect("init_process_group");
-                    f(rank, pg)
-                })
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().unwrap()).collect()
-    })
+    ddp_comm::testing::run_ranks(world, |pg| f(pg.rank(), pg))
 }
 
 struct Mlp {

@@ -14,6 +14,7 @@
 //! - [`work`]: async work handles.
 //! - [`dtype`]: element types and reduction ops.
 //! - [`error`]: the error type.
+//! - [`testing`]: running N ranks as threads of one process, for tests.
 
 pub mod algorithms;
 pub mod dtype;
@@ -21,6 +22,7 @@ pub mod env;
 pub mod error;
 pub mod process_group;
 pub mod store;
+pub mod testing;
 pub mod transport;
 pub mod work;
 

@@ -796,36 +796,17 @@ mod tests {
         assert!(flat.windows(2).all(|w| w[0] > w[1]));
     }
 
-    fn free_port() -> u16 {
-        std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port()
-    }
-
     /// Runs `f(rank, pg)` on `world` threads, each with its own TCP process group.
     fn run_ranks<R: Send>(
         world: usize,
         timeout: Duration,
         f: impl Fn(usize, ProcessGroup) -> R + Sync,
     ) -> Vec<R> {
-        let port = free_port();
-        std::thread::scope(|s| {
-            let hs: Vec<_> = (0..world)
-                .map(|rank| {
-                    let f = &f;
-                    s.spawn(move || {
-                        let opts = ddp_comm::InitOptions {
-                            timeout,
-                            ..ddp_comm::InitOptions::tcp(&format!("127.0.0.1:{port}"), rank, world)
-                        };
-                        f(rank, ddp_comm::init_process_group(opts).unwrap())
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        })
+        let cfg = ddp_comm::testing::LocalGroup {
+            timeout,
+            ..Default::default()
+        };
+        ddp_comm::testing::run_local_group(world, cfg, |pg| f(pg.rank(), pg))
     }
 
     const T: Duration = Duration::from_secs(20);

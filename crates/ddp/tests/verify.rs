@@ -4,48 +4,22 @@
 
 use ddp::reducer::{ParamSpec, Reducer, ReducerOptions};
 use ddp::{verify_disjoint_shards, verify_replicas, DistributedSampler, OverlapMeter};
-use ddp_comm::process_group::Backend;
-use ddp_comm::store::{StoreOptions, StoreServer, TcpStore};
-use ddp_comm::{init_process_group, DType, InitOptions, ProcessGroup};
-use std::sync::Arc;
+use ddp_comm::testing::{run_local_group, LocalGroup};
+use ddp_comm::{DType, ProcessGroup};
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(20);
 
 /// Runs `f(pg)` on `world` threads, each with its own TCP process group; results by rank.
-fn run_ranks<R: Send + 'static>(
-    world: usize,
-    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
-) -> Vec<R> {
-    let server = StoreServer::bind("127.0.0.1:0", None).expect("store server");
-    let addr = server.local_addr().to_string();
-    let f = Arc::new(f);
-    let handles: Vec<_> = (0..world)
-        .map(|rank| {
-            let (f, addr) = (f.clone(), addr.clone());
-            std::thread::spawn(move || {
-                let store = TcpStore::connect(
-                    &addr,
-                    StoreOptions {
-                        secret: None,
-                        timeout: TIMEOUT,
-                        connect_timeout: TIMEOUT,
-                    },
-                )
-                .expect("store client");
-                let mut opts = InitOptions::with_store(Arc::new(store), rank, world);
-                opts.timeout = TIMEOUT;
-                opts.backend = Some(Backend::Tcp);
-                f(init_process_group(opts).expect("init_process_group"))
-            })
-        })
-        .collect();
-    let out = handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread panicked"))
-        .collect();
-    drop(server);
-    out
+fn run_ranks<R: Send>(world: usize, f: impl Fn(ProcessGroup) -> R + Sync) -> Vec<R> {
+    run_local_group(
+        world,
+        LocalGroup {
+            timeout: TIMEOUT,
+            ..Default::default()
+        },
+        f,
+    )
 }
 
 fn all_equal<T: PartialEq + std::fmt::Debug>(v: &[T]) -> &T {

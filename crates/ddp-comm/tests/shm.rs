@@ -379,8 +379,9 @@ fn worker() {
             println!("OK");
         }
         "loop" => {
-            // Alternate the pipelined and the one-shot fast paths; give up after 30 s so that
-            // a failed test never leaves workers spinning.
+            // Alternate a large all-reduce (cross-memory attach, or the pipelined slots with
+            // DDP_SHM_CMA=0) and a one-shot one; give up after 30 s so that a failed test never
+            // leaves workers spinning.
             let mut big = vec![1.0f32; 1 << 20];
             let mut small = vec![1.0f32; 100];
             let mut i = 0u64;
@@ -437,11 +438,14 @@ fn worker() {
     }
 }
 
+/// World 2 and 3, and world 2 again without cross-memory attach (large all-reduces then take
+/// the pipelined path through the shared slots).
 #[test]
 fn processes_match_reference_over_shm() {
-    for world in [2, 3] {
+    for (world, cma) in [(2, "1"), (3, "1"), (2, "0")] {
         let deadline = Instant::now() + Duration::from_secs(120);
-        let children = spawn_workers(world, 0..world, "reference", &[]);
+        let env = [("DDP_SHM_CMA", cma.to_string())];
+        let children = spawn_workers(world, 0..world, "reference", &env);
         let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
         for (rank, child) in children.into_iter().enumerate() {
             let (code, out) = finish(child, deadline);
@@ -457,10 +461,12 @@ fn processes_match_reference_over_shm() {
 }
 
 /// Kill `victim` mid-loop; every survivor must fail naming it, quickly, and no segment of
-/// these processes may remain in /dev/shm.
-fn kill_one(victim: usize) {
+/// these processes may remain in /dev/shm. `cma`: value of `DDP_SHM_CMA` (the large
+/// all-reduces use cross-memory attach, or the shared slots with "0").
+fn kill_one(victim: usize, cma: &str) {
     let world = 3;
-    let mut children = spawn_workers(world, 0..world, "loop", &[]);
+    let env = [("DDP_SHM_CMA", cma.to_string())];
+    let mut children = spawn_workers(world, 0..world, "loop", &env);
     let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
     let mut readers = Vec::new();
     for c in children.iter_mut() {
@@ -519,12 +525,14 @@ fn kill_one(victim: usize) {
 
 #[test]
 fn killed_peer_is_named_by_every_survivor_and_nothing_leaks() {
-    kill_one(1);
+    kill_one(1, "1");
+    kill_one(1, "0");
 }
 
 #[test]
-fn killed_creator_rank_0_is_named_and_nothing_leaks() {
-    kill_one(0);
+fn killed_creator_rank_0_or_last_rank_is_named_and_nothing_leaks() {
+    kill_one(0, "1");
+    kill_one(2, "0");
 }
 
 /// A creator killed before every rank attached leaves its segment's name behind (the others

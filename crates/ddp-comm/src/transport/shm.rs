@@ -10,9 +10,10 @@
 //! pid is gone: [`sweep_stale_segments`].)
 //!
 //! ```text
-//!  page 0       header: magic, version, world, geometry, abort word (0 or 1 + first aborter)
+//!  page 0       header: magic, version, world, geometry | abort word (0 or 1 + first aborter)
+//!               | chunks claimed | chunks done (cross-memory-attach all-reduce)
 //!  ctrl[r]      per rank, 128-byte lines: bell + sleeping | state + pid | fingerprint (seqlock)
-//!               | fast-path counters in / reduced / out | abort reason text
+//!               | fast-path counters in / reduced / out | registered buffer | probe | reason
 //!  ring[i][j]   per ordered pair i != j: head (consumer) | tail (producer) | ring_cap bytes
 //!  fast[r]      per rank: `window` slots of `world` sub-chunks (the all-reduce fast path)
 //! ```
@@ -43,21 +44,35 @@
 //! [`DEFAULT_SPIN`] in all, env `DDP_SHM_SPIN_US`; a peer sharing this core gets to run), then
 //! sets `sleeping` and `futex_wait`s on the bell value it saw, in slices of at most
 //! [`SLEEP_SLICE`]. Ringers call `futex_wake` only when `sleeping` is set, so the fast path has
-//! no system call. Once the spin is over, before each sleep, the waiter checks:
+//! no system call. A collective's *first* wait skips the spin when such waits have lately been
+//! long ([`ENTRY_SLEEP_AFTER`], a moving average): peers that arrive late (still computing, as
+//! in DDP with overlapped buckets) then get the CPU instead of a spinning waiter. Once the spin is over, before each sleep, the waiter checks:
 //! the abort word (a peer's failure reaches every rank, naming it and its reason), the state and
 //! pid of the peers it waits for (`kill(pid, 0)` and zombie state: "died (pid N)"; a dropped
 //! group: "left the group"), their published fingerprints (a peer in a different collective is
 //! a mismatch even when it sends nothing) and the collective's deadline.
 //!
+//! # Placement
+//!
+//! A waiter that finds the peer it waits for last seen on its own CPU yields from the start
+//! instead of spinning (spinning would keep that peer off the CPU: ~100 us per hand-over on 2
+//! busy vCPUs). With no more local ranks than CPUs, each rank's communication thread binds to
+//! one CPU ([`bind_cpu`], env `DDP_SHM_BIND=0` to disable), which keeps hand-overs between a
+//! rank's caller and communication threads off halted vCPUs.
+//!
 //! # All-reduce fast path
 //!
 //! [`crate::algorithms::shm_allreduce`] bypasses the rings: ranks copy their input into their
-//! fast area and reduce from each other's areas directly (see that module's diagram). It uses
-//! the progress counters of the control blocks and the same waiting machinery.
+//! fast area and reduce from each other's areas directly (see that module's diagram), or, for
+//! large messages when the kernel allows it, copy straight between the ranks' buffers with
+//! `process_vm_readv`/`process_vm_writev` (cross-memory attach). Whether every rank may do the
+//! latter is probed once at setup (each reads a value from every peer; containers often forbid
+//! it; `DDP_SHM_CMA=0` turns it off) and agreed through the segment. Both use the progress
+//! counters of the control blocks and the same waiting machinery.
 //!
 //! Geometry is chosen by rank 0 and stored in the header ([`default_geometry`]); env overrides
 //! read by rank 0 (all ranks then agree): `DDP_SHM_RING_KB`, `DDP_SHM_CHUNK_KB`,
-//! `DDP_SHM_WINDOW`, `DDP_SHM_ONE_SHOT_KB`.
+//! `DDP_SHM_WINDOW`, `DDP_SHM_ONE_SHOT_KB`, `DDP_SHM_CMA_MIN_KB`, `DDP_SHM_CMA_CHUNK_KB`.
 //!
 //! Not done: groups spanning hosts use TCP for everything (no hierarchical shm + TCP yet).
 
@@ -90,8 +105,16 @@ pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
 /// Initial busy spin without yielding (a 5 us spin doubled the median 4 KiB latency on 2
 /// loaded vCPUs: the first `sched_yield` gives the core away for ~15 us).
 pub const PURE_SPIN: Duration = Duration::from_micros(50);
+/// A collective's first wait skips spinning when such waits averaged more than this lately
+/// (peers still computing). Lower thresholds (200 us) let the wake-up latency of a sleeping
+/// vCPU (50-300 us) keep the average up and trapped small all-reduces at ~50 us instead of 4.
+pub const ENTRY_SLEEP_AFTER: Duration = Duration::from_millis(1);
 /// Longest single `futex_wait`; the group's health is checked between slices.
 pub const SLEEP_SLICE: Duration = Duration::from_millis(5);
+/// All-reduces from this size use cross-memory attach (when every rank can use it).
+pub const DEFAULT_CMA_MIN: usize = 1 << 20;
+/// Chunk of work claimed at a time in the cross-memory-attach all-reduce.
+pub const DEFAULT_CMA_CHUNK: usize = 256 << 10;
 /// How often a waiting rank checks that the processes it waits for are alive.
 const LIVENESS_EVERY: Duration = Duration::from_millis(20);
 
@@ -104,6 +127,8 @@ pub(crate) enum Counter {
     Reduced,
     /// Blocks the rank has finished reading from peers' areas.
     Out,
+    /// Cross-memory-attach all-reduces the rank has entered (its buffer is published).
+    Registered,
 }
 
 impl Counter {
@@ -112,6 +137,7 @@ impl Counter {
             Counter::In => segment::C_IN,
             Counter::Reduced => segment::C_RED,
             Counter::Out => segment::C_OUT,
+            Counter::Registered => segment::C_REG,
         }
     }
 }
@@ -146,11 +172,21 @@ pub fn default_geometry(world: usize) -> Result<Geometry> {
         None => (256 << 10) / world,
     }
     .min(world * sub_bytes);
+    let cma_min = match env_usize("DDP_SHM_CMA_MIN_KB")? {
+        Some(kb) => kb * 1024,
+        None => DEFAULT_CMA_MIN,
+    };
+    let cma_chunk = match env_usize("DDP_SHM_CMA_CHUNK_KB")? {
+        Some(kb) => kb.clamp(4, 64 * 1024) * 1024,
+        None => DEFAULT_CMA_CHUNK,
+    };
     Ok(Geometry {
         ring_cap,
         sub_bytes,
         window,
         one_shot_max,
+        cma_min,
+        cma_chunk,
     })
 }
 
@@ -249,6 +285,97 @@ pub fn connect_auto(
             Ok(Box::new(TcpTransport::connect_mesh(store, rank, size, local_ip, timeout)?))
         }
     }
+}
+
+/// The CPU a rank's communication thread binds to: with at most one local rank per CPU this
+/// process may use, local rank `l` (env `LOCAL_RANK`, else the group rank) takes the `l`-th
+/// allowed CPU; `None` when ranks outnumber CPUs or env `DDP_SHM_BIND=0`.
+///
+/// Measured on 2 vCPUs: unbound, a rank's caller and communication threads often end up on
+/// different CPUs, and every hand-over then wakes a halted vCPU (~15 us each way): 1-4 KiB
+/// all-reduces took 34-45 us in about half the runs instead of 3-4 us.
+pub fn bind_cpu(rank: usize, size: usize) -> Result<Option<usize>> {
+    if std::env::var("DDP_SHM_BIND").is_ok_and(|v| v.trim() == "0") {
+        return Ok(None);
+    }
+    let local_rank = env_usize("LOCAL_RANK")?.unwrap_or(rank);
+    let local_world = env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(size);
+    // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity fills it for this thread.
+    let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    let ok =
+        unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }
+            == 0;
+    if !ok {
+        return Ok(None);
+    }
+    let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
+        .collect();
+    if allowed.is_empty() || local_world > allowed.len() {
+        return Ok(None);
+    }
+    Ok(Some(allowed[local_rank % allowed.len()]))
+}
+
+/// Bind the calling thread to `cpu` (best effort).
+fn bind_current_thread(cpu: usize) {
+    // SAFETY: a zeroed cpu_set_t with one CPU set; affects only the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            tracing::debug!("cannot bind the communication thread to CPU {cpu}");
+        }
+    }
+}
+
+/// Value every rank exposes for its peers' cross-memory-attach probe.
+const PROBE_MAGIC: u64 = 0xDD9C_C3A0_5EED_0001;
+
+/// `process_vm_readv` (or `writev` with `write`) of `len` bytes between `local` in this process
+/// and `remote` in process `pid`, looping over partial transfers.
+fn cma_copy(
+    pid: u32,
+    remote: usize,
+    local: *mut u8,
+    len: usize,
+    write: bool,
+) -> std::io::Result<()> {
+    let mut done = 0;
+    while done < len {
+        let l = libc::iovec {
+            iov_base: local.wrapping_add(done).cast(),
+            iov_len: len - done,
+        };
+        let r = libc::iovec {
+            iov_base: (remote + done) as *mut libc::c_void,
+            iov_len: len - done,
+        };
+        // SAFETY: `l` covers memory of this process the caller owns for the call; the kernel
+        // checks `r` against the peer's address space (EFAULT, never UB here).
+        let n = unsafe {
+            if write {
+                libc::process_vm_writev(pid as libc::pid_t, &l, 1, &r, 1, 0)
+            } else {
+                libc::process_vm_readv(pid as libc::pid_t, &l, 1, &r, 1, 0)
+            }
+        };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e);
+        }
+        if n == 0 {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::UnexpectedEof,
+                "no progress",
+            ));
+        }
+        done += n as usize;
+    }
+    Ok(())
 }
 
 fn futex_wait(word: &AtomicU32, expected: u32, timeout: Duration) {
@@ -361,6 +488,8 @@ impl From<Error> for ConnectError {
 #[derive(Default)]
 struct Idle {
     since: Option<Instant>,
+    /// A peer waited for was last seen on this rank's CPU.
+    colocated: bool,
     next_liveness: Option<Instant>,
     gone: Option<Error>,
 }
@@ -382,10 +511,21 @@ pub struct ShmTransport {
     blocks: u64,
     spin: Duration,
     pure_spin: Duration,
+    /// [`ENTRY_SLEEP_AFTER`], or env `DDP_SHM_ENTRY_SLEEP_US`.
+    entry_sleep_after: Duration,
     /// The next wait is this collective's first wait for its peers (see [`ShmTransport::idle`]).
     entry_pending: Cell<bool>,
     /// Moving average of how long those first waits lasted, in nanoseconds.
     entry_wait_ns: Cell<u64>,
+    /// Every rank can read and write every other's memory (`process_vm_readv`/`writev`).
+    cma: bool,
+    /// The value peers read to test that (its address is in our control block; kept alive).
+    _probe: Box<u64>,
+    /// CPU to bind the communication thread to at its first collective (see [`bind_cpu`]).
+    bind: Option<usize>,
+    /// Cross-memory-attach all-reduces entered, and chunks used by them (global numbering).
+    cma_collectives: u64,
+    cma_chunks: u64,
     aborted: bool,
 }
 
@@ -428,11 +568,22 @@ impl ShmTransport {
             Some(us) => Duration::from_micros(us as u64),
             None => PURE_SPIN,
         };
+        let entry_sleep_after = match env_usize("DDP_SHM_ENTRY_SLEEP_US")? {
+            Some(us) => Duration::from_micros(us as u64),
+            None => ENTRY_SLEEP_AFTER,
+        };
         let pid = std::process::id();
+        let probe = Box::new(PROBE_MAGIC);
         let seg = if size == 1 {
             None
         } else {
-            Some(Self::attach(store, rank, size, deadline, timeout, pid)?)
+            Some(Self::attach(
+                store, rank, size, deadline, timeout, pid, &probe,
+            )?)
+        };
+        let cma = match &seg {
+            Some(seg) => Self::probe_cma(seg, rank, size, pid, deadline)?,
+            None => false,
         };
         Ok(ShmTransport {
             rank,
@@ -454,8 +605,18 @@ impl ShmTransport {
             blocks: 0,
             spin,
             pure_spin,
+            entry_sleep_after,
             entry_pending: Cell::new(false),
             entry_wait_ns: Cell::new(0),
+            cma,
+            _probe: probe,
+            bind: if size > 1 {
+                bind_cpu(rank, size)?
+            } else {
+                None
+            },
+            cma_collectives: 0,
+            cma_chunks: 0,
             aborted: false,
         })
     }
@@ -467,6 +628,7 @@ impl ShmTransport {
         deadline: Instant,
         timeout: Duration,
         pid: u32,
+        probe: &u64,
     ) -> std::result::Result<Segment, ConnectError> {
         let remaining = || deadline.saturating_duration_since(Instant::now());
         let seg = if rank == 0 {
@@ -500,6 +662,8 @@ impl ShmTransport {
             Segment::open(&String::from_utf8_lossy(&name), size)?
         };
         seg.pid(rank).store(pid, Ordering::Relaxed);
+        seg.counter(rank, segment::C_PROBE_ADDR)
+            .store(probe as *const u64 as u64, Ordering::Relaxed);
         if seg
             .state(rank)
             .compare_exchange(
@@ -536,6 +700,163 @@ impl ShmTransport {
             .into());
         }
         Ok(seg)
+    }
+
+    /// Every rank reads every peer's probe value with `process_vm_readv` and publishes whether
+    /// all worked (`DDP_SHM_CMA=0` publishes "no"); the result is the same on every rank: true
+    /// only if all of them succeeded. (Containers often forbid these calls.)
+    fn probe_cma(
+        seg: &Segment,
+        rank: usize,
+        size: usize,
+        pid: u32,
+        deadline: Instant,
+    ) -> Result<bool> {
+        let disabled = std::env::var("DDP_SHM_CMA").is_ok_and(|v| v.trim() == "0");
+        let ok = !disabled
+            && (0..size).filter(|&j| j != rank).all(|j| {
+                let mut got = 0u64;
+                let addr = seg
+                    .counter(j, segment::C_PROBE_ADDR)
+                    .load(Ordering::Relaxed) as usize;
+                let peer_pid = seg.pid(j).load(Ordering::Relaxed);
+                cma_copy(peer_pid, addr, (&mut got as *mut u64).cast(), 8, false).is_ok()
+                    && got == PROBE_MAGIC
+            });
+        seg.counter(rank, segment::C_CMA)
+            .store(if ok { 1 } else { 2 }, Ordering::Release);
+        let mut all = true;
+        for j in (0..size).filter(|&j| j != rank) {
+            loop {
+                match seg.counter(j, segment::C_CMA).load(Ordering::Acquire) {
+                    0 if Instant::now() < deadline => std::thread::sleep(Duration::from_micros(50)),
+                    0 => {
+                        return Err(Error::Timeout {
+                            what: format!("rank {j} to finish joining the shared-memory segment (pid {pid} waited)"),
+                            timeout: Duration::ZERO,
+                        })
+                    }
+                    v => {
+                        all &= v == 1;
+                        break;
+                    }
+                }
+            }
+        }
+        if !all || !ok {
+            tracing::debug!(
+                "cross-memory attach unavailable in this group: all-reduce uses the shared slots"
+            );
+        }
+        Ok(ok && all)
+    }
+
+    /// Whether this group's ranks can copy from and to each other's memory directly.
+    pub fn cross_memory_attach(&self) -> bool {
+        self.cma
+    }
+
+    /// Enter a cross-memory-attach all-reduce over `len` bytes at `addr` in `chunks` chunks:
+    /// publish the buffer, then return `(registration number, first global chunk)`.
+    pub(crate) fn cma_begin(&mut self, addr: usize, len: usize, chunks: u64) -> (u64, u64) {
+        let seg = self.seg();
+        seg.counter(self.rank, segment::C_BUF_ADDR)
+            .store(addr as u64, Ordering::Relaxed);
+        seg.counter(self.rank, segment::C_BUF_LEN)
+            .store(len as u64, Ordering::Relaxed);
+        self.cma_collectives += 1;
+        let first = self.cma_chunks;
+        self.cma_chunks += chunks;
+        self.publish(Counter::Registered, self.cma_collectives);
+        (self.cma_collectives, first)
+    }
+
+    /// `(address, length)` of the buffer `peer` registered (valid once its `Registered` counter
+    /// reached this collective, until every chunk of it is done).
+    pub(crate) fn peer_buffer(&self, peer: usize) -> (usize, usize) {
+        let seg = self.seg();
+        (
+            seg.counter(peer, segment::C_BUF_ADDR)
+                .load(Ordering::Relaxed) as usize,
+            seg.counter(peer, segment::C_BUF_LEN)
+                .load(Ordering::Relaxed) as usize,
+        )
+    }
+
+    /// A mismatch error: `peer` registered a buffer of `theirs` bytes where this rank has `mine`.
+    pub(crate) fn mismatch(&self, peer: usize, mine: usize, theirs: usize) -> Error {
+        Error::Mismatch {
+            seq: self.fp.seq,
+            rank: self.rank,
+            local: format!("{} [{mine} bytes]", self.fp),
+            peer,
+            remote: format!("a buffer of {theirs} bytes"),
+        }
+    }
+
+    /// Claim the next unclaimed chunk below `end` (global numbering), if any.
+    pub(crate) fn claim(&self, end: u64) -> Option<u64> {
+        let claim = self.seg().global(segment::H_CLAIM);
+        let mut c = claim.load(Ordering::Acquire);
+        while c < end {
+            match claim.compare_exchange_weak(c, c + 1, Ordering::AcqRel, Ordering::Acquire) {
+                Ok(_) => return Some(c),
+                Err(now) => c = now,
+            }
+        }
+        None
+    }
+
+    /// A claimed chunk is written everywhere: count it and ring every peer.
+    pub(crate) fn finish_chunk(&self) {
+        let seg = self.seg();
+        seg.global(segment::H_DONE).fetch_add(1, Ordering::AcqRel);
+        for p in (0..self.size).filter(|&p| p != self.rank) {
+            Self::ring_bell(seg, p);
+        }
+    }
+
+    /// Wait until every chunk below `end` is done (by whichever rank claimed it).
+    pub(crate) fn wait_done(&self, end: u64) -> Result<()> {
+        let seg = self.seg();
+        let others = || {
+            (0..self.size)
+                .filter(|&p| p != self.rank)
+                .collect::<Vec<_>>()
+        };
+        let mut st = Idle::default();
+        loop {
+            let seen = seg.bell(self.rank).load(Ordering::SeqCst);
+            if seg.global(segment::H_DONE).load(Ordering::Acquire) >= end {
+                return Ok(());
+            }
+            self.idle(&mut st, seen, &others, false)?;
+        }
+    }
+
+    /// Copy `len` bytes between `local` and `remote` in `peer`'s memory (`write`: to the peer).
+    pub(crate) fn cma_transfer(
+        &self,
+        peer: usize,
+        remote: usize,
+        local: *mut u8,
+        len: usize,
+        write: bool,
+    ) -> Result<()> {
+        let pid = self.seg().pid(peer).load(Ordering::Relaxed);
+        cma_copy(pid, remote, local, len, write).map_err(|e| {
+            if e.raw_os_error() == Some(libc::ESRCH) {
+                self.fail(
+                    peer,
+                    format!("died (pid {pid}): its process exited or was killed"),
+                )
+            } else {
+                self.fail(
+                    peer,
+                    format!("cross-memory copy of {len} bytes failed: {e}"),
+                )
+            }
+        })
     }
 
     /// The segment's geometry (`None` for a group of one).
@@ -700,15 +1021,22 @@ impl ShmTransport {
         let seg = self.seg();
         let bell = seg.bell(self.rank);
         let now = Instant::now();
+        if st.since.is_none() {
+            // A peer last seen on this CPU cannot run while we spin here: yield from the start.
+            let cpu = self.note_cpu();
+            st.colocated = waiting()
+                .iter()
+                .any(|&p| seg.cpu(p).load(Ordering::Relaxed) == cpu);
+        }
         let since = *st.since.get_or_insert(now);
         let waited = now.duration_since(since);
-        let spin = if entry && self.entry_wait_ns.get() > self.spin.as_nanos() as u64 {
+        let spin = if entry && self.entry_wait_ns.get() > self.entry_sleep_after.as_nanos() as u64 {
             Duration::ZERO
         } else {
             self.spin
         };
         if waited < spin {
-            if waited >= self.pure_spin {
+            if st.colocated || waited >= self.pure_spin {
                 // Cores may be oversubscribed: let the peer we wait for run on this one.
                 std::thread::yield_now();
             }
@@ -737,6 +1065,14 @@ impl ShmTransport {
         }
         sleeping.store(0, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Publish (and return) the CPU this thread runs on.
+    fn note_cpu(&self) -> u32 {
+        // SAFETY: no arguments; returns -1 on failure.
+        let cpu = unsafe { libc::sched_getcpu() } as u32;
+        self.seg().cpu(self.rank).store(cpu, Ordering::Relaxed);
+        cpu
     }
 
     /// The collective's first wait is over: fold its length into the moving average.
@@ -780,6 +1116,7 @@ impl ShmTransport {
 
     /// Publish this rank's progress counter and ring every peer.
     pub(crate) fn publish(&self, which: Counter, value: u64) {
+        self.note_cpu();
         let seg = self.seg();
         seg.counter(self.rank, which.offset())
             .store(value, Ordering::Release);
@@ -799,7 +1136,7 @@ impl ShmTransport {
                 .collect()
         };
         let mut st = Idle::default();
-        let entry = which == Counter::In && self.entry_pending.get();
+        let entry = matches!(which, Counter::In | Counter::Registered) && self.entry_pending.get();
         loop {
             let seen = seg.bell(self.rank).load(Ordering::SeqCst);
             let ready = (0..self.size).all(|p| {
@@ -848,6 +1185,9 @@ impl Transport for ShmTransport {
     }
 
     fn begin(&mut self, fp: Fingerprint, deadline: Instant) {
+        if let Some(cpu) = self.bind.take() {
+            bind_current_thread(cpu);
+        }
         self.fp = fp;
         self.deadline = deadline;
         self.op_timeout = deadline.saturating_duration_since(Instant::now());

@@ -17,7 +17,7 @@ pub(crate) const SHM_DIR: &str = "/dev/shm";
 pub const NAME_PREFIX: &str = "ddp-rs-";
 
 const MAGIC: u64 = u64::from_le_bytes(*b"ddp-rsm1");
-const VERSION: u32 = 1;
+const VERSION: u32 = 2;
 /// Spacing of independently written words (two cache lines: the adjacent-line prefetcher pulls
 /// pairs of lines, so 64 bytes apart would still share).
 pub(crate) const LINE: usize = 128;
@@ -32,8 +32,13 @@ const H_SUB: usize = 24;
 const H_WINDOW: usize = 32;
 const H_ONE_SHOT: usize = 40;
 const H_TOTAL: usize = 48;
+const H_CMA_MIN: usize = 56;
+const H_CMA_CHUNK: usize = 64;
 /// 0, or 1 + the rank that aborted the group first.
 const H_ABORT: usize = LINE;
+/// Cross-memory-attach all-reduce: chunks claimed so far, and chunks finished (both global).
+pub(crate) const H_CLAIM: usize = 2 * LINE;
+pub(crate) const H_DONE: usize = 3 * LINE;
 
 // Control block of each rank (written by that rank only, except the bell).
 const CTRL_BYTES: usize = 16 * LINE;
@@ -43,14 +48,25 @@ const C_BELL: usize = 0;
 const C_SLEEPING: usize = 4;
 const C_STATE: usize = LINE;
 const C_PID: usize = LINE + 4;
+/// The CPU the owner last ran on (refreshed when it waits or publishes progress).
+const C_CPU: usize = LINE + 8;
 /// Seqlock-published fingerprint of the owner's current collective.
 pub(crate) const C_FP: usize = 2 * LINE;
 /// Fast-path progress counters (blocks whose input is copied in / reduced / copied out).
 pub(crate) const C_IN: usize = 3 * LINE;
 pub(crate) const C_RED: usize = 4 * LINE;
 pub(crate) const C_OUT: usize = 5 * LINE;
+/// Cross-memory-attach all-reduce: collectives entered (a counter), then the address and the
+/// length in bytes of this rank's buffer in the current one.
+pub(crate) const C_REG: usize = 6 * LINE;
+pub(crate) const C_BUF_ADDR: usize = 6 * LINE + 8;
+pub(crate) const C_BUF_LEN: usize = 6 * LINE + 16;
+/// Address of an 8-byte probe value peers read at setup to test cross-memory attach, and the
+/// outcome of this rank's probes (0 pending, 1 every peer readable, 2 not usable).
+pub(crate) const C_PROBE_ADDR: usize = 7 * LINE;
+pub(crate) const C_CMA: usize = 7 * LINE + 8;
 /// Abort reason: u32 length, then the UTF-8 text.
-const C_REASON: usize = 6 * LINE;
+const C_REASON: usize = 8 * LINE;
 pub(crate) const REASON_MAX: usize = CTRL_BYTES - C_REASON - 8;
 
 /// Control-block states.
@@ -70,6 +86,10 @@ pub struct Geometry {
     pub window: usize,
     /// All-reduces up to this many bytes use the one-shot variant.
     pub one_shot_max: usize,
+    /// All-reduces of at least this many bytes use cross-memory attach when it is available.
+    pub cma_min: usize,
+    /// Bytes of one chunk of the cross-memory-attach all-reduce.
+    pub cma_chunk: usize,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -157,8 +177,9 @@ pub(crate) fn pid_is_dead(pid: u32) -> bool {
     }
 }
 
-/// Remove segments in [`SHM_DIR`] whose creator process no longer exists (left behind when a
-/// creator was killed between creating its segment and every rank attaching). Returns how many.
+/// Remove our segments (`/dev/shm/ddp-rs-{pid}-*`) whose creator process no longer exists
+/// (left behind when a creator was killed between creating its segment and every rank
+/// attaching). Returns how many. A launcher may call it when its workers exit.
 pub fn sweep_stale_segments() -> usize {
     let Ok(dir) = std::fs::read_dir(SHM_DIR) else {
         return 0;
@@ -273,6 +294,10 @@ impl Segment {
             .store(geo.one_shot_max as u64, Ordering::Relaxed);
         seg.u64(H_TOTAL)
             .store(layout.total as u64, Ordering::Relaxed);
+        seg.u64(H_CMA_MIN)
+            .store(geo.cma_min as u64, Ordering::Relaxed);
+        seg.u64(H_CMA_CHUNK)
+            .store(geo.cma_chunk as u64, Ordering::Relaxed);
         seg.u64(H_MAGIC).store(MAGIC, Ordering::Release);
         Ok(seg)
     }
@@ -316,6 +341,8 @@ impl Segment {
                     sub_bytes: 0,
                     window: 0,
                     one_shot_max: 0,
+                    cma_min: 0,
+                    cma_chunk: 0,
                 },
             ),
             name: name.to_string(),
@@ -342,6 +369,8 @@ impl Segment {
             sub_bytes: seg.u64(H_SUB).load(Ordering::Relaxed) as usize,
             window: seg.u64(H_WINDOW).load(Ordering::Relaxed) as usize,
             one_shot_max: seg.u64(H_ONE_SHOT).load(Ordering::Relaxed) as usize,
+            cma_min: seg.u64(H_CMA_MIN).load(Ordering::Relaxed) as usize,
+            cma_chunk: seg.u64(H_CMA_CHUNK).load(Ordering::Relaxed) as usize,
         };
         let layout = Layout::new(world, geo);
         let total = seg.u64(H_TOTAL).load(Ordering::Relaxed) as usize;
@@ -400,14 +429,24 @@ impl Segment {
         self.u32(self.ctrl(rank) + C_PID)
     }
 
+    pub(crate) fn cpu(&self, rank: usize) -> &AtomicU32 {
+        self.u32(self.ctrl(rank) + C_CPU)
+    }
+
     /// Word `i` (0 = seqlock version, 1..=3 = payload) of `rank`'s published fingerprint.
     pub(crate) fn fp_word(&self, rank: usize, i: usize) -> &AtomicU64 {
         self.u64(self.ctrl(rank) + C_FP + 8 * i)
     }
 
-    /// A fast-path progress counter of `rank` (`which` is `C_IN`, `C_RED` or `C_OUT`).
+    /// A 64-bit word of `rank`'s control block (`which`: `C_IN`, `C_RED`, `C_OUT`, `C_REG`,
+    /// `C_BUF_ADDR`, `C_BUF_LEN`, `C_PROBE_ADDR`, `C_CMA`).
     pub(crate) fn counter(&self, rank: usize, which: usize) -> &AtomicU64 {
         self.u64(self.ctrl(rank) + which)
+    }
+
+    /// A 64-bit word of the header (`H_CLAIM`, `H_DONE`).
+    pub(crate) fn global(&self, which: usize) -> &AtomicU64 {
+        self.u64(which)
     }
 
     /// Store `rank`'s abort reason (truncated to [`REASON_MAX`] bytes).

@@ -28,6 +28,6 @@ pub mod work;
 
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
-pub use process_group::{init_process_group, InitOptions, ProcessGroup};
+pub use process_group::{init_process_group, Backend, InitOptions, ProcessGroup};
 pub use store::{PrefixStore, Store, StoreServer, TcpStore};
 pub use work::Work;

@@ -54,6 +54,8 @@ fn spawn_workers(world: usize, mode: &str, extra: &[(&str, String)]) -> Vec<Chil
             .env("MASTER_ADDR", "127.0.0.1")
             .env("MASTER_PORT", &port)
             .env("DDP_TEST_MODE", mode)
+            // This file tests the TCP transport (tests/shm.rs covers shared memory).
+            .env("DDP_BACKEND", "tcp")
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
             for (k, v) in extra {

@@ -2,7 +2,7 @@
 """DDP training throughput of ddp-rs against PyTorch DDP-gloo in one run (optional; not in CI).
 
 MLP 784-1024x4-10, batch 64 per rank, one compute thread per rank, synthetic data. Runs,
-interleaved REPS times: `ddp-bench train --nproc 1|2` (staged backward, --backend as given) and
+interleaved REPS times: `ddp-bench train --nproc 1|2` (plain backward, --backend as given) and
 `torch_ddp_train.py --nproc 1|2` (DDP on gloo); prints median samples/s, ms/step, scaling
 efficiency (world-2 samples/s / (2 x world-1 samples/s)) and the ratio ours/peer at world 2.
 

@@ -1,5 +1,5 @@
 //! Training throughput: an MLP `784 - H×L - 10` on synthetic data, one thread per rank, with
-//! DDP (staged backward, so gradient buckets are communicated while earlier layers compute).
+//! DDP (plain backward by default; `--staged` communicates buckets while earlier layers compute).
 //!
 //! Reports global samples/s (world × batch × steps ÷ the slowest rank's time), ms/step and the
 //! mean time per step that backward spent blocked on communication.
@@ -61,7 +61,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
     let step = |ddp: &mut Ddp, opt: &mut SGD| -> Result<f64, Error> {
-        let out = if args.plain {
+        let out = if !args.staged {
             let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
             let grads = ddp.backward(&loss)?;
@@ -102,7 +102,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             args.hidden,
             args.layers,
             args.batch,
-            if args.plain { "plain" } else { "staged" }
+            if args.staged { "staged" } else { "plain" }
         );
         println!(
             "samples/s {samples_per_s:.1}   ms/step {step_ms:.2}   comm_wait ms/step {comm_wait_ms:.2}   replicas max diff {diff:e}"

@@ -108,6 +108,9 @@ fn worker() {
             common::check_all::<bf16>(&pg, seed + 1, &common::sizes(seed + 1, false));
             common::check_all::<i64>(&pg, seed + 2, &common::sizes(seed + 2, false));
             common::check_all::<u8>(&pg, seed + 3, &common::sizes(seed + 3, false));
+            common::check_all::<f64>(&pg, seed + 4, &common::sizes(seed + 4, false));
+            common::check_all::<half::f16>(&pg, seed + 5, &common::sizes(seed + 5, false));
+            common::check_all::<i32>(&pg, seed + 6, &common::sizes(seed + 6, false));
             println!("OK");
         }
         "loop" => {

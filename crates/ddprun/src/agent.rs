@@ -115,7 +115,14 @@ fn run_round(cfg: &Config, rdzv: &Rendezvous, host: &str, attempt: u32) -> Next 
             .map(|d| format!(", logs in {}", d.join(&cfg.run_id).display()))
             .unwrap_or_default()
     );
-    match supervise(cfg, rdzv, &round, host) {
+    let outcome = supervise(cfg, rdzv, &round, host);
+    // Workers are gone: remove shared-memory segments whose creator died before every rank
+    // attached (the one case where a segment name can outlive its group).
+    let swept = ddp_comm::transport::shm::sweep_stale_segments();
+    if swept > 0 {
+        eprintln!("ddprun: removed {swept} stale shared-memory segment(s) from /dev/shm");
+    }
+    match outcome {
         Outcome::Success => {
             if cfg.nnodes == 1 {
                 return Next::Exit(0);

@@ -500,3 +500,33 @@ fn workers_die_with_a_killed_launcher() {
         "workers of a SIGKILLed launcher",
     );
 }
+
+#[test]
+fn stale_shared_memory_segments_are_swept_when_workers_exit() {
+    // A segment name left by a creator that died before every rank attached: its pid is gone.
+    let mut dead = std::process::Command::new("true").spawn().unwrap();
+    let pid = dead.id();
+    dead.wait().unwrap();
+    let path = std::path::PathBuf::from(format!("/dev/shm/ddp-rs-{pid}-00000000deadbeef"));
+    if std::fs::write(&path, b"x").is_err() {
+        eprintln!("SKIPPED: /dev/shm is not writable here");
+        return;
+    }
+    let r = run(
+        &["--standalone", "--nproc-per-node", "1", "true"],
+        Duration::from_secs(30),
+    );
+    let still_there = path.exists();
+    let _ = std::fs::remove_file(&path);
+    assert_eq!(r.code(), Some(0), "{r}");
+    assert!(
+        !still_there,
+        "stale segment {} was not removed: {r}",
+        path.display()
+    );
+    assert!(
+        r.stderr
+            .contains("stale shared-memory segment(s) from /dev/shm"),
+        "{r}"
+    );
+}

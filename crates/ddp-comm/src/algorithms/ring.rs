@@ -62,10 +62,39 @@ pub fn all_gather<T: Element>(t: &mut dyn Transport, buf: &mut [T]) -> Result<()
     Ok(())
 }
 
-/// Ring all-reduce: reduce-scatter then all-gather.
+/// Ring all-reduce: reduce-scatter then all-gather. With two ranks the two phases are fused
+/// chunk by chunk ([`all_reduce_pair`]).
 pub fn all_reduce<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    if t.size() == 2 {
+        return all_reduce_pair(t, buf, op);
+    }
     reduce_scatter(t, buf, op)?;
     all_gather(t, buf)
+}
+
+/// The two-rank ring with its phases fused per chunk: exchange the inputs of chunk `c` of each
+/// other's half, reduce one's own chunk, and send it back at once while it is still in cache
+/// (the peer's chunk, just read for sending, is overwritten while still cached too). Same
+/// messages and the same result as reduce-scatter then all-gather, with each byte of the
+/// buffer touched within one chunk's time: 64 MiB over loopback TCP stops being DRAM-bound.
+fn all_reduce_pair<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp) -> Result<()> {
+    let (r, n) = (t.rank(), buf.len());
+    let peer = 1 - r;
+    let (mine, theirs) = (segment(n, 2, r), segment(n, 2, peer));
+    let chunk = (CHUNK_BYTES / std::mem::size_of::<T>()).max(1);
+    let mut tmp: Vec<T> = vec![T::zeroed(); mine.len().min(chunk)];
+    // Both ranks walk the same number of steps; an empty chunk is still exchanged.
+    let steps = mine.len().max(theirs.len()).div_ceil(chunk).max(1);
+    for c in 0..steps {
+        let own = clip(&mine, c * chunk, chunk);
+        let other = clip(&theirs, c * chunk, chunk);
+        let got = &mut tmp[..own.len()];
+        t.send_recv(peer, bytes(&buf[other.clone()]), peer, bytes_mut(got))?;
+        T::reduce_into(&mut buf[own.clone()], got, op);
+        let (out, inp) = split_disjoint(buf, own, other);
+        t.send_recv(peer, bytes(out), peer, bytes_mut(inp))?;
+    }
+    Ok(())
 }
 
 /// The part `[off, off + len)` of `range`, clipped to it.

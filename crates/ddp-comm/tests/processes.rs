@@ -7,82 +7,13 @@
 
 mod common;
 
+use common::{finish, guard, spawn_workers};
+
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use half::bf16;
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
+use std::io::{BufRead, BufReader};
+
 use std::time::{Duration, Instant};
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// Kills the listed processes when dropped, so a failing test leaves no worker running.
-struct KillOnDrop(Vec<u32>);
-
-impl Drop for KillOnDrop {
-    fn drop(&mut self) {
-        for &pid in &self.0 {
-            // SAFETY: plain kill(2) on a pid we spawned; harmless if it already exited.
-            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
-        }
-    }
-}
-
-fn guard(children: &[Child]) -> KillOnDrop {
-    KillOnDrop(children.iter().map(|c| c.id()).collect())
-}
-
-fn spawn_workers(world: usize, mode: &str, extra: &[(&str, String)]) -> Vec<Child> {
-    let port = free_port().to_string();
-    (0..world)
-        .map(|rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args([
-                "worker",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env("DDP_TEST_MODE", mode)
-            // This file tests the TCP transport (tests/shm.rs covers shared memory).
-            .env("DDP_BACKEND", "tcp")
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
-        .collect()
-}
-
-/// Wait for `child` at most until `deadline`; kill it if it is still running then.
-fn finish(mut child: Child, deadline: Instant) -> (Option<i32>, String) {
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut out = String::new();
-            child.stdout.take().unwrap().read_to_string(&mut out).ok();
-            child.stderr.take().unwrap().read_to_string(&mut out).ok();
-            return (status.code(), out);
-        }
-        if Instant::now() > deadline {
-            child.kill().ok();
-            child.wait().ok();
-            return (None, "<killed: still running at the deadline>".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
 
 /// The worker side, run only when re-executed by the tests above.
 #[test]
@@ -154,7 +85,7 @@ fn worker() {
 fn processes_match_reference_world_2_and_3() {
     for world in [2, 3] {
         let deadline = Instant::now() + Duration::from_secs(90);
-        for (rank, child) in spawn_workers(world, "reference", &[])
+        for (rank, child) in spawn_workers("tcp", world, 0..world, "reference", &[])
             .into_iter()
             .enumerate()
         {
@@ -169,7 +100,7 @@ fn processes_match_reference_world_2_and_3() {
 fn killed_peer_is_named_by_every_survivor() {
     let world = 3;
     let victim = 1;
-    let mut children = spawn_workers(world, "loop", &[]);
+    let mut children = spawn_workers("tcp", world, 0..world, "loop", &[]);
     let _guard = guard(&children);
     // Wait until every worker has finished one all_reduce, then kill the victim mid-loop.
     let mut readers = Vec::new();
@@ -226,7 +157,7 @@ fn killed_peer_is_named_by_every_survivor() {
 #[test]
 fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
     let deadline = Instant::now() + Duration::from_secs(30);
-    let children = spawn_workers(3, "mismatch", &[]);
+    let children = spawn_workers("tcp", 3, 0..3, "mismatch", &[]);
     let _guard = guard(&children);
     for (rank, child) in children.into_iter().enumerate() {
         let (code, out) = finish(child, deadline);
@@ -243,7 +174,13 @@ fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
 fn stalled_peer_times_out_naming_it() {
     let start = Instant::now();
     let deadline = start + Duration::from_secs(40);
-    let children = spawn_workers(3, "stall", &[("DDP_TEST_TIMEOUT", "3".to_string())]);
+    let children = spawn_workers(
+        "tcp",
+        3,
+        0..3,
+        "stall",
+        &[("DDP_TEST_TIMEOUT", "3".to_string())],
+    );
     let _guard = guard(&children);
     for (rank, child) in children.into_iter().enumerate() {
         let (code, out) = finish(child, if rank == 1 { Instant::now() } else { deadline });

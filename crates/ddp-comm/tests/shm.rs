@@ -9,7 +9,7 @@
 
 mod common;
 
-use common::{check_all, run_ranks_on, sizes};
+use common::{check_all, finish, run_ranks_on, sizes, spawn_workers};
 use ddp_comm::algorithms::AllReduceAlgorithm;
 use ddp_comm::process_group::Backend;
 use ddp_comm::transport::shm::NAME_PREFIX;
@@ -17,8 +17,8 @@ use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::io::{BufRead, BufReader, Read};
-use std::process::{Child, Command, Stdio};
+use std::io::{BufRead, BufReader};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 fn check_world(world: usize) {
@@ -266,65 +266,6 @@ fn raw_transport_orders_messages_and_checks_lengths() {
 
 // ----- processes ----------------------------------------------------------------------------
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-fn spawn_workers(
-    world: usize,
-    ranks: std::ops::Range<usize>,
-    mode: &str,
-    extra: &[(&str, String)],
-) -> Vec<Child> {
-    let port = free_port().to_string();
-    ranks
-        .map(|rank| {
-            let mut cmd = Command::new(std::env::current_exe().unwrap());
-            cmd.args([
-                "worker",
-                "--exact",
-                "--ignored",
-                "--nocapture",
-                "--test-threads=1",
-            ])
-            .env("RANK", rank.to_string())
-            .env("WORLD_SIZE", world.to_string())
-            .env("MASTER_ADDR", "127.0.0.1")
-            .env("MASTER_PORT", &port)
-            .env("DDP_BACKEND", "shm")
-            .env("DDP_TEST_MODE", mode)
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
-            for (k, v) in extra {
-                cmd.env(k, v);
-            }
-            cmd.spawn().unwrap()
-        })
-        .collect()
-}
-
-/// Wait for `child` at most until `deadline`; kill it if it is still running then.
-fn finish(mut child: Child, deadline: Instant) -> (Option<i32>, String) {
-    loop {
-        if let Some(status) = child.try_wait().unwrap() {
-            let mut out = String::new();
-            child.stdout.take().unwrap().read_to_string(&mut out).ok();
-            child.stderr.take().unwrap().read_to_string(&mut out).ok();
-            return (status.code(), out);
-        }
-        if Instant::now() > deadline {
-            child.kill().ok();
-            child.wait().ok();
-            return (None, "<killed: still running at the deadline>".into());
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
 /// Our segments in /dev/shm created by any of `pids`.
 fn segments_of(pids: &[u32]) -> Vec<String> {
     std::fs::read_dir("/dev/shm")
@@ -445,7 +386,7 @@ fn processes_match_reference_over_shm() {
     for (world, cma) in [(2, "1"), (3, "1"), (2, "0")] {
         let deadline = Instant::now() + Duration::from_secs(120);
         let env = [("DDP_SHM_CMA", cma.to_string())];
-        let children = spawn_workers(world, 0..world, "reference", &env);
+        let children = spawn_workers("shm", world, 0..world, "reference", &env);
         let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
         for (rank, child) in children.into_iter().enumerate() {
             let (code, out) = finish(child, deadline);
@@ -466,7 +407,7 @@ fn processes_match_reference_over_shm() {
 fn kill_one(victim: usize, cma: &str) {
     let world = 3;
     let env = [("DDP_SHM_CMA", cma.to_string())];
-    let mut children = spawn_workers(world, 0..world, "loop", &env);
+    let mut children = spawn_workers("shm", world, 0..world, "loop", &env);
     let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
     let mut readers = Vec::new();
     for c in children.iter_mut() {
@@ -562,7 +503,7 @@ fn segment_of_a_dead_creator_is_swept_by_the_next_group() {
 
 fn expect_all_fail(mode: &str, world: usize, must_contain: &[&str]) {
     let deadline = Instant::now() + Duration::from_secs(40);
-    for (rank, child) in spawn_workers(world, 0..world, mode, &[])
+    for (rank, child) in spawn_workers("shm", world, 0..world, mode, &[])
         .into_iter()
         .enumerate()
     {
@@ -603,7 +544,7 @@ fn no_room_in_dev_shm_falls_back_to_tcp_or_fails_clearly() {
     let huge = ("DDP_SHM_RING_KB", (1usize << 30).to_string());
     let deadline = Instant::now() + Duration::from_secs(60);
     let auto = [huge.clone(), ("DDP_BACKEND", "auto".to_string())];
-    for (rank, child) in spawn_workers(2, 0..2, "fallback", &auto)
+    for (rank, child) in spawn_workers("shm", 2, 0..2, "fallback", &auto)
         .into_iter()
         .enumerate()
     {
@@ -611,7 +552,7 @@ fn no_room_in_dev_shm_falls_back_to_tcp_or_fails_clearly() {
         assert_eq!(code, Some(0), "auto: rank {rank}: {out}");
         assert!(out.contains("BACKEND Tcp"), "auto: rank {rank}: {out}");
     }
-    for (rank, child) in spawn_workers(2, 0..2, "fallback", std::slice::from_ref(&huge))
+    for (rank, child) in spawn_workers("shm", 2, 0..2, "fallback", std::slice::from_ref(&huge))
         .into_iter()
         .enumerate()
     {
@@ -629,7 +570,13 @@ fn no_room_in_dev_shm_falls_back_to_tcp_or_fails_clearly() {
 fn stalled_peer_times_out_naming_it() {
     let start = Instant::now();
     let deadline = start + Duration::from_secs(40);
-    let children = spawn_workers(3, 0..3, "stall", &[("DDP_TEST_TIMEOUT", "3".to_string())]);
+    let children = spawn_workers(
+        "shm",
+        3,
+        0..3,
+        "stall",
+        &[("DDP_TEST_TIMEOUT", "3".to_string())],
+    );
     for (rank, child) in children.into_iter().enumerate() {
         let (code, out) = finish(child, if rank == 1 { Instant::now() } else { deadline });
         if rank == 1 {

@@ -11,8 +11,10 @@ use ddp_comm::{Element, ReduceOp};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Start `world` process groups (ranks as threads) and run `f(pg)` on each; results by rank.
 pub fn run_ranks<R: Send + 'static>(
@@ -332,4 +334,87 @@ pub fn sizes(seed: u64, large: bool) -> Vec<usize> {
         s.push((4 << 20) / 4 + 3); // ≥ 4 MiB of f32, odd
     }
     s
+}
+
+// ----- worker processes ---------------------------------------------------------------------
+
+/// A TCP port that was free a moment ago.
+pub fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Kills the listed processes when dropped, so a failing test leaves no worker running.
+pub struct KillOnDrop(pub Vec<u32>);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        for &pid in &self.0 {
+            // SAFETY: plain kill(2) on a pid we spawned; harmless if it already exited.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+}
+
+/// A [`KillOnDrop`] for `children`.
+pub fn guard(children: &[Child]) -> KillOnDrop {
+    KillOnDrop(children.iter().map(|c| c.id()).collect())
+}
+
+/// Start ranks `ranks` of a `world`-rank job as worker processes: this test binary re-executed
+/// on its ignored `worker` test, with the torchrun environment, `DDP_BACKEND=backend`,
+/// `DDP_TEST_MODE=mode` and `extra`.
+pub fn spawn_workers(
+    backend: &str,
+    world: usize,
+    ranks: std::ops::Range<usize>,
+    mode: &str,
+    extra: &[(&str, String)],
+) -> Vec<Child> {
+    let port = free_port().to_string();
+    ranks
+        .map(|rank| {
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            cmd.args([
+                "worker",
+                "--exact",
+                "--ignored",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env("RANK", rank.to_string())
+            .env("WORLD_SIZE", world.to_string())
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", &port)
+            .env("DDP_BACKEND", backend)
+            .env("DDP_TEST_MODE", mode)
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+            for (k, v) in extra {
+                cmd.env(k, v);
+            }
+            cmd.spawn().unwrap()
+        })
+        .collect()
+}
+
+/// Wait for `child` at most until `deadline`; kill it if it is still running then.
+pub fn finish(mut child: Child, deadline: Instant) -> (Option<i32>, String) {
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut out = String::new();
+            child.stdout.take().unwrap().read_to_string(&mut out).ok();
+            child.stderr.take().unwrap().read_to_string(&mut out).ok();
+            return (status.code(), out);
+        }
+        if Instant::now() > deadline {
+            child.kill().ok();
+            child.wait().ok();
+            return (None, "<killed: still running at the deadline>".into());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }

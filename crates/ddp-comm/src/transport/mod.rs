@@ -107,6 +107,92 @@ impl fmt::Display for Fingerprint {
     }
 }
 
+/// Every message of every transport starts with this 40-byte header:
+///
+/// ```text
+/// 0      4    5   6      7        8      12    20      28            36    40
+/// | magic | kind | op | dtype | reduce | root | seq | count | payload len | pad |
+/// ```
+///
+/// Each transport has its own `magic`; `kind` is transport-specific (TCP: data or abort).
+pub(crate) const HEADER_LEN: usize = 40;
+/// `reduce` byte of a fingerprint without a reduction op.
+pub(crate) const NO_REDUCE: u8 = 0xFF;
+
+/// A decoded message header.
+pub(crate) struct Header {
+    pub kind: u8,
+    /// `None` when the codes are unknown (a peer speaking another protocol version).
+    pub fp: Option<Fingerprint>,
+    pub len: u64,
+}
+
+pub(crate) fn encode_header(magic: u32, kind: u8, fp: &Fingerprint, len: u64) -> [u8; HEADER_LEN] {
+    let mut h = [0u8; HEADER_LEN];
+    h[0..4].copy_from_slice(&magic.to_le_bytes());
+    h[4] = kind;
+    h[5] = fp.op as u8;
+    h[6] = fp.dtype.code();
+    h[7] = fp.reduce.map_or(NO_REDUCE, |r| r.code());
+    h[8..12].copy_from_slice(&fp.root.to_le_bytes());
+    h[12..20].copy_from_slice(&fp.seq.to_le_bytes());
+    h[20..28].copy_from_slice(&fp.count.to_le_bytes());
+    h[28..36].copy_from_slice(&len.to_le_bytes());
+    h
+}
+
+/// The header in `h`, or `None` if its magic is not `magic` (a corrupt stream).
+pub(crate) fn decode_header(magic: u32, h: &[u8; HEADER_LEN]) -> Option<Header> {
+    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap());
+    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap());
+    if u32_at(0) != magic {
+        return None;
+    }
+    Some(Header {
+        kind: h[4],
+        fp: Fingerprint::from_codes(u64_at(12), u64_at(20), h[5], h[6], h[7], u32_at(8)),
+        len: u64_at(28),
+    })
+}
+
+impl Fingerprint {
+    /// Rebuild a fingerprint from its wire codes; `None` for unknown codes.
+    pub(crate) fn from_codes(
+        seq: u64,
+        count: u64,
+        op: u8,
+        dtype: u8,
+        reduce: u8,
+        root: u32,
+    ) -> Option<Fingerprint> {
+        Some(Fingerprint {
+            seq,
+            op: OpKind::from_code(op)?,
+            dtype: DType::from_code(dtype)?,
+            reduce: if reduce == NO_REDUCE {
+                None
+            } else {
+                Some(ReduceOp::from_code(reduce)?)
+            },
+            count,
+            root,
+        })
+    }
+
+    /// How a mismatch error shows this fingerprint next to `mine` (the sequence number only
+    /// when it differs, the byte length when known).
+    pub(crate) fn describe(&self, mine: &Fingerprint, len: Option<u64>) -> String {
+        let mut s = self.to_string();
+        if self.seq != mine.seq {
+            s.push_str(&format!(" #{}", self.seq));
+        }
+        if let Some(len) = len {
+            s.push_str(&format!(" [{len} bytes]"));
+        }
+        s
+    }
+}
+
 /// One receive of a [`Transport::exchange`].
 pub struct Recv<'a> {
     pub from: usize,

@@ -81,8 +81,10 @@ mod segment;
 pub use segment::{sweep_stale_segments, Geometry, NAME_PREFIX};
 
 use super::tcp::TcpTransport;
-use super::{Fingerprint, OpKind, Recv, Send, Transport};
-use crate::dtype::{DType, ReduceOp};
+use super::{
+    decode_header, encode_header, Fingerprint, OpKind, Recv, Send, Transport, HEADER_LEN, NO_REDUCE,
+};
+use crate::dtype::DType;
 use crate::store::Store;
 use crate::{Error, Result};
 use segment::{Segment, STATE_ABORTED, STATE_ATTACHED, STATE_EMPTY, STATE_LEFT};
@@ -92,9 +94,7 @@ use std::sync::atomic::{fence, AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// Message header bytes (same fields as the TCP frame header).
-const HEADER_LEN: usize = 40;
 const MSG_MAGIC: u32 = 0xDD9C_5E01;
-const NO_REDUCE: u8 = 0xFF;
 /// Largest piece copied into or out of a ring before publishing it, so that the peer starts
 /// copying while the rest is still being written.
 pub const PIECE: usize = 64 * 1024;
@@ -411,63 +411,6 @@ fn futex_wake(word: &AtomicU32) {
             0u32,
         );
     }
-}
-
-fn encode_header(fp: &Fingerprint, len: u64) -> [u8; HEADER_LEN] {
-    let mut h = [0u8; HEADER_LEN];
-    h[0..4].copy_from_slice(&MSG_MAGIC.to_le_bytes());
-    h[5] = fp.op as u8;
-    h[6] = fp.dtype.code();
-    h[7] = fp.reduce.map_or(NO_REDUCE, |r| r.code());
-    h[8..12].copy_from_slice(&fp.root.to_le_bytes());
-    h[12..20].copy_from_slice(&fp.seq.to_le_bytes());
-    h[20..28].copy_from_slice(&fp.count.to_le_bytes());
-    h[28..36].copy_from_slice(&len.to_le_bytes());
-    h
-}
-
-/// `(fingerprint, payload length)`; `None` for a corrupt header.
-fn decode_header(h: &[u8; HEADER_LEN]) -> Option<(Option<Fingerprint>, u64)> {
-    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap());
-    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap());
-    if u32_at(0) != MSG_MAGIC {
-        return None;
-    }
-    let fp = unpack_fp(u64_at(12), u64_at(20), h[5], h[6], h[7], u32_at(8));
-    Some((fp, u64_at(28)))
-}
-
-fn unpack_fp(
-    seq: u64,
-    count: u64,
-    op: u8,
-    dtype: u8,
-    reduce: u8,
-    root: u32,
-) -> Option<Fingerprint> {
-    Some(Fingerprint {
-        seq,
-        op: OpKind::from_code(op)?,
-        dtype: DType::from_code(dtype)?,
-        reduce: if reduce == NO_REDUCE {
-            None
-        } else {
-            Some(ReduceOp::from_code(reduce)?)
-        },
-        count,
-        root,
-    })
-}
-
-fn describe(fp: &Fingerprint, mine: &Fingerprint, len: Option<u64>) -> String {
-    let mut s = fp.to_string();
-    if fp.seq != mine.seq {
-        s.push_str(&format!(" #{}", fp.seq));
-    }
-    if let Some(len) = len {
-        s.push_str(&format!(" [{len} bytes]"));
-    }
-    s
 }
 
 /// Why connecting failed. `NoSegment`: rank 0 could not create the segment (e.g. /dev/shm is
@@ -921,7 +864,7 @@ impl ShmTransport {
             let code = seg.fp_word(peer, 3).load(Ordering::Relaxed);
             fence(Ordering::Acquire);
             if ver.load(Ordering::Relaxed) == v1 {
-                return unpack_fp(
+                return Fingerprint::from_codes(
                     seq,
                     count,
                     code as u8,
@@ -951,9 +894,9 @@ impl ShmTransport {
             return Err(Error::Mismatch {
                 seq: self.fp.seq,
                 rank: self.rank,
-                local: describe(&self.fp, &self.fp, None),
+                local: self.fp.describe(&self.fp, None),
                 peer,
-                remote: describe(&theirs, &self.fp, None),
+                remote: theirs.describe(&self.fp, None),
             });
         }
         Ok(())
@@ -1208,7 +1151,7 @@ impl Transport for ShmTransport {
         let mut sst: Vec<SendState> = sends
             .iter()
             .map(|s| SendState {
-                header: encode_header(&self.fp, s.data.len() as u64),
+                header: encode_header(MSG_MAGIC, 0, &self.fp, s.data.len() as u64),
                 header_done: false,
                 done: 0,
             })
@@ -1281,7 +1224,7 @@ impl Transport for ShmTransport {
                     head += HEADER_LEN as u64;
                     avail -= HEADER_LEN;
                     rs.header_done = true;
-                    let fail = match decode_header(&h) {
+                    let fail = match decode_header(MSG_MAGIC, &h).map(|h| (h.fp, h.len)) {
                         None => Some(
                             self.fail(r.from, "sent a corrupt message header (protocol violation)"),
                         ),
@@ -1294,9 +1237,9 @@ impl Transport for ShmTransport {
                             Some(Error::Mismatch {
                                 seq: self.fp.seq,
                                 rank: self.rank,
-                                local: describe(&self.fp, &self.fp, Some(r.buf.len() as u64)),
+                                local: self.fp.describe(&self.fp, Some(r.buf.len() as u64)),
                                 peer: r.from,
-                                remote: describe(&remote, &self.fp, Some(len)),
+                                remote: remote.describe(&self.fp, Some(len)),
                             })
                         }
                         Some(_) => None,
@@ -1401,7 +1344,7 @@ mod tests {
             seq,
             op: OpKind::AllReduce,
             dtype: DType::BF16,
-            reduce: Some(ReduceOp::Max),
+            reduce: Some(crate::ReduceOp::Max),
             count,
             root: Fingerprint::NO_ROOT,
         }
@@ -1410,12 +1353,12 @@ mod tests {
     #[test]
     fn headers_round_trip() {
         let f = fp(7, 1 << 40);
-        let (got, len) = decode_header(&encode_header(&f, 12345)).unwrap();
-        assert_eq!(got, Some(f));
-        assert_eq!(len, 12345);
-        let mut bad = encode_header(&f, 1);
+        let h = decode_header(MSG_MAGIC, &encode_header(MSG_MAGIC, 0, &f, 12345)).unwrap();
+        assert_eq!(h.fp, Some(f));
+        assert_eq!(h.len, 12345);
+        let mut bad = encode_header(MSG_MAGIC, 0, &f, 1);
         bad[0] ^= 1;
-        assert!(decode_header(&bad).is_none());
+        assert!(decode_header(MSG_MAGIC, &bad).is_none());
     }
 
     fn store(server: &StoreServer) -> Arc<dyn Store> {

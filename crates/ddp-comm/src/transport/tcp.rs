@@ -6,21 +6,15 @@
 //! acceptor answers with an ack or a refusal text (e.g. a world-size mismatch), so a
 //! misconfigured job fails at init on both sides with a message naming the ranks.
 //!
-//! Data moves in frames; every frame starts with a 40-byte header:
-//!
-//! ```text
-//! 0      4    5   6      7       8      12     20      28         36     40
-//! | magic | kind | op | dtype | reduce | root | seq | count | payload len | pad |
-//! ```
-//!
-//! `kind` is data or abort (an abort frame's payload is the UTF-8 reason). The receiver checks
+//! Data moves in frames, each starting with the transports' common 40-byte header (see
+//! `HEADER_LEN` in the parent module); `kind` is data or abort (an abort frame's payload is the UTF-8 reason). The receiver checks
 //! the header against its own [`Fingerprint`] before trusting the payload. Sockets are
 //! non-blocking; [`Transport::exchange`] drives all sends and receives of one step with
 //! `writev`/`readv` and `poll(2)`, so a ring step never deadlocks and a closed socket, an abort
 //! or the deadline ends the step with an error naming the peer.
 
-use super::{Fingerprint, OpKind, Recv, Send, Transport};
-use crate::dtype::{DType, ReduceOp};
+use super::{decode_header, encode_header, Fingerprint, OpKind, Recv, Send, Transport, HEADER_LEN};
+use crate::dtype::DType;
 use crate::store::Store;
 use crate::{Error, Result};
 use std::io::{Read, Write};
@@ -30,10 +24,8 @@ use std::time::{Duration, Instant};
 
 const FRAME_MAGIC: u32 = 0xDD9C_0001;
 const HELLO_MAGIC: u32 = 0xDD9C_0AAA;
-const HEADER_LEN: usize = 40;
 const KIND_DATA: u8 = 0;
 const KIND_ABORT: u8 = 1;
-const NO_REDUCE: u8 = 0xFF;
 /// Largest single `writev`/`readv`: moving a big message in slices of this size, alternating
 /// between sending and receiving, keeps the data cache-resident between the two copies of the
 /// loopback path (measured: 1–4 MiB all-reduce 2.0 → 3.5 GB/s busbw with 2 ranks).
@@ -41,53 +33,6 @@ const IO_CAP: usize = 256 * 1024;
 /// Busy-poll iterations (each yields the CPU) before sleeping in `poll(2)`: keeps
 /// small-message latency low without starving other ranks when cores are oversubscribed.
 const SPIN_ITERS: u32 = 2000;
-
-fn encode_header(fp: &Fingerprint, kind: u8, len: u64) -> [u8; HEADER_LEN] {
-    let mut h = [0u8; HEADER_LEN];
-    h[0..4].copy_from_slice(&FRAME_MAGIC.to_le_bytes());
-    h[4] = kind;
-    h[5] = fp.op as u8;
-    h[6] = fp.dtype.code();
-    h[7] = fp.reduce.map_or(NO_REDUCE, |r| r.code());
-    h[8..12].copy_from_slice(&fp.root.to_le_bytes());
-    h[12..20].copy_from_slice(&fp.seq.to_le_bytes());
-    h[20..28].copy_from_slice(&fp.count.to_le_bytes());
-    h[28..36].copy_from_slice(&len.to_le_bytes());
-    h
-}
-
-struct Header {
-    kind: u8,
-    fp: Option<Fingerprint>,
-    len: u64,
-}
-
-fn decode_header(h: &[u8; HEADER_LEN]) -> Option<Header> {
-    let u32_at = |i: usize| u32::from_le_bytes(h[i..i + 4].try_into().unwrap());
-    let u64_at = |i: usize| u64::from_le_bytes(h[i..i + 8].try_into().unwrap());
-    if u32_at(0) != FRAME_MAGIC {
-        return None;
-    }
-    let fp = (|| {
-        Some(Fingerprint {
-            op: OpKind::from_code(h[5])?,
-            dtype: DType::from_code(h[6])?,
-            reduce: if h[7] == NO_REDUCE {
-                None
-            } else {
-                Some(ReduceOp::from_code(h[7])?)
-            },
-            root: u32_at(8),
-            seq: u64_at(12),
-            count: u64_at(20),
-        })
-    })();
-    Some(Header {
-        kind: h[4],
-        fp,
-        len: u64_at(28),
-    })
-}
 
 struct Peer {
     stream: TcpStream,
@@ -321,7 +266,7 @@ impl TcpTransport {
     }
 
     fn check_header(&self, from: usize, st: &RecvState, buf: &[u8]) -> Result<()> {
-        let h = decode_header(&st.header)
+        let h = decode_header(FRAME_MAGIC, &st.header)
             .ok_or_else(|| self.fail(from, "sent a corrupt frame (protocol violation)"))?;
         if h.kind == KIND_ABORT {
             let got = st.done.saturating_sub(HEADER_LEN).min(buf.len());
@@ -331,19 +276,12 @@ impl TcpTransport {
         let remote =
             h.fp.ok_or_else(|| self.fail(from, "sent a frame with an unknown operation code"))?;
         if remote != self.fp || h.len != buf.len() as u64 {
-            let describe = |fp: &Fingerprint, len: u64| {
-                if fp.seq == self.fp.seq {
-                    format!("{fp} [{len} bytes]")
-                } else {
-                    format!("{fp} #{} [{len} bytes]", fp.seq)
-                }
-            };
             return Err(Error::Mismatch {
                 seq: self.fp.seq,
                 rank: self.rank,
-                local: describe(&self.fp, buf.len() as u64),
+                local: self.fp.describe(&self.fp, Some(buf.len() as u64)),
                 peer: from,
-                remote: describe(&remote, h.len),
+                remote: remote.describe(&self.fp, Some(h.len)),
             });
         }
         Ok(())
@@ -438,7 +376,7 @@ impl Transport for TcpTransport {
         let mut sst: Vec<SendState> = sends
             .iter()
             .map(|s| SendState {
-                header: encode_header(&self.fp, KIND_DATA, s.data.len() as u64),
+                header: encode_header(FRAME_MAGIC, KIND_DATA, &self.fp, s.data.len() as u64),
                 done: 0,
                 total: HEADER_LEN + s.data.len(),
             })
@@ -593,7 +531,7 @@ impl Transport for TcpTransport {
 
     fn abort(&mut self, cause: &Error) {
         let reason = format!("rank {}: {}", self.rank, cause.root_cause());
-        let header = encode_header(&self.fp, KIND_ABORT, reason.len() as u64);
+        let header = encode_header(FRAME_MAGIC, KIND_ABORT, &self.fp, reason.len() as u64);
         for p in self.peers.iter_mut().flatten() {
             if !p.dirty {
                 let until = Instant::now() + Duration::from_millis(100);

@@ -73,6 +73,16 @@ pub struct TrainArgs {
     /// saves for this model (measured: 104 vs 82 ms/step at world 2), hence plain by default.
     #[arg(long)]
     pub staged: bool,
+    /// Layout of the linear layers' weights: `out-in` is `candle_nn::Linear` (PyTorch's layout,
+    /// `x @ W^T`); `in-out` stores W^T (Flax's `Dense` kernel layout, `x @ W`). The model and its
+    /// arithmetic are the same; candle's backward of `W^T` adds a transposed (strided) gradient
+    /// into a zero tensor, which `in-out` avoids.
+    #[arg(long, default_value = "out-in", value_parser = ["out-in", "in-out"])]
+    pub weight_layout: String,
+    /// Leave glibc's default heap trimming (see `ddp_candle::alloc::retain_freed_memory`, which
+    /// the benchmark calls by default).
+    #[arg(long)]
+    pub no_retain_memory: bool,
     /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms.
     #[arg(long)]
     pub json: bool,

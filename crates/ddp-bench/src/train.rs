@@ -5,22 +5,52 @@
 //! mean time per step that backward spent blocked on communication.
 
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap, SGD};
+use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
+use ddp_candle::optim::{ParamsSgd, Sgd};
 use ddp_candle::{Ddp, DdpOptions};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use std::time::Instant;
 
 use crate::TrainArgs;
 
+/// A linear layer in either weight layout (`--weight-layout`).
+enum Dense {
+    /// `candle_nn::Linear`: weight `[out, in]`, `x @ W^T + b`.
+    OutIn(Linear),
+    /// Weight `[in, out]`, `x @ W + b`.
+    InOut { w: Tensor, b: Tensor },
+}
+
+impl Dense {
+    fn new(layout: &str, i: usize, o: usize, vb: VarBuilder) -> candle_core::Result<Dense> {
+        if layout == "out-in" {
+            return Ok(Dense::OutIn(linear(i, o, vb)?));
+        }
+        // candle_nn::linear's initialisation, transposed.
+        let bound = 1. / (i as f64).sqrt();
+        let init = candle_nn::Init::Uniform {
+            lo: -bound,
+            up: bound,
+        };
+        Ok(Dense::InOut {
+            w: vb.get_with_hints((i, o), "weight", init)?,
+            b: vb.get_with_hints(o, "bias", init)?,
+        })
+    }
+}
+
 /// One hidden layer: linear + ReLU.
 struct Block {
-    lin: Linear,
+    lin: Dense,
     relu: bool,
 }
 
 impl Module for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        let y = self.lin.forward(x)?;
+        let y = match &self.lin {
+            Dense::OutIn(l) => l.forward(x)?,
+            Dense::InOut { w, b } => x.matmul(w)?.broadcast_add(b)?,
+        };
         if self.relu {
             y.relu()
         } else {
@@ -33,6 +63,9 @@ type Error = Box<dyn std::error::Error>;
 
 /// Run the benchmark as one worker; rank 0 prints.
 pub fn run(args: &TrainArgs) -> Result<(), Error> {
+    if !args.no_retain_memory {
+        ddp_candle::alloc::retain_freed_memory();
+    }
     let pg = init_process_group(InitOptions::default())?;
     let (rank, world) = (pg.rank(), pg.size());
     let dev = Device::Cpu;
@@ -42,17 +75,22 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let mut width = 784;
     for l in 0..args.layers {
         blocks.push(Block {
-            lin: linear(width, args.hidden, vb.pp(format!("l{l:02}")))?,
+            lin: Dense::new(
+                &args.weight_layout,
+                width,
+                args.hidden,
+                vb.pp(format!("l{l:02}")),
+            )?,
             relu: true,
         });
         width = args.hidden;
     }
     blocks.push(Block {
-        lin: linear(width, 10, vb.pp("out"))?,
+        lin: Dense::new(&args.weight_layout, width, 10, vb.pp("out"))?,
         relu: false,
     });
     let mut ddp = Ddp::new(&varmap, &pg, DdpOptions::default())?;
-    let mut opt = SGD::new(ddp.all_vars(), 0.01)?;
+    let mut opt = Sgd::new(ddp.all_vars(), ParamsSgd::with_lr(0.01))?;
     let stages: Vec<&dyn Module> = blocks.iter().map(|b| b as &dyn Module).collect();
 
     // Synthetic data, different on every rank.
@@ -60,7 +98,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
-    let step = |ddp: &mut Ddp, opt: &mut SGD| -> Result<f64, Error> {
+    let step = |ddp: &mut Ddp, opt: &mut Sgd| -> Result<f64, Error> {
         let out = if !args.staged {
             let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
@@ -98,11 +136,12 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let diff = ddp.replica_max_diff()?;
     if rank == 0 {
         println!(
-            "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {} path",
+            "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
             args.hidden,
             args.layers,
             args.batch,
-            if args.staged { "staged" } else { "plain" }
+            if args.staged { "staged" } else { "plain" },
+            args.weight_layout
         );
         println!(
             "samples/s {samples_per_s:.1}   ms/step {step_ms:.2}   comm_wait ms/step {comm_wait_ms:.2}   replicas max diff {diff:e}"

@@ -35,8 +35,10 @@
 //! `no_sync` ([`DistributedDataParallel::no_sync`]) accumulates gradients locally for k
 //! micro-batches; the next synchronized backward reduces the accumulated sum. Uneven inputs across
 //! ranks: [`DistributedDataParallel::backward_join`] with `ddp::Join`. Module [`checkpoint`]
-//! converts parameters to and from `ddp::Checkpoint`; [`optim::AdamW`] is candle's AdamW with a
-//! checkpointable state.
+//! converts parameters to and from `ddp::Checkpoint`; module [`optim`] has PyTorch's SGD (momentum,
+//! in-place fused update) and candle's AdamW, both with checkpointable state.
+//! [`alloc::retain_freed_memory`] stops glibc from returning candle's per-step buffers to the
+//! kernel (a quarter of a CPU step on the benchmark MLP was page faults).
 //!
 //! ## Why a separate crate
 //! The reducer, sampler, checkpoints and Join live in the framework-agnostic `ddp` crate, which
@@ -46,6 +48,7 @@
 //! frameworks (a burn or tch adapter would be a sibling crate), and candle version bumps touch only
 //! this crate.
 
+pub mod alloc;
 pub mod checkpoint;
 mod data_parallel;
 pub mod optim;

@@ -1,11 +1,11 @@
-//! A checkpointable AdamW.
+//! [`AdamW`]: candle's AdamW with a checkpointable state.
 //!
 //! `candle_nn::AdamW` keeps its moment estimates private, so a run using it cannot be checkpointed
 //! and resumed exactly. [`AdamW`] here performs the *same arithmetic, operation for operation*
 //! (so it produces bit-identical parameters; a test checks this against `candle_nn::AdamW`),
 //! implements `candle_nn::Optimizer`, and saves/restores its state to/from a `ddp::Checkpoint`
 //! under PyTorch's state names: `optim.<param>.exp_avg`, `optim.<param>.exp_avg_sq`, and the step
-//! count. `candle_nn::SGD` has no state and needs nothing of the kind.
+//! count.
 
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;

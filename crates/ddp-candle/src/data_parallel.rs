@@ -211,6 +211,7 @@ impl DistributedDataParallel {
                 if loss.is_some() { "a" } else { "no" }
             )));
         }
+        self.reducer.set_divisor(step.divisor)?;
         let local = match loss {
             Some(loss) => self.local_backward(loss)?,
             None => GradStore::default(),

@@ -11,8 +11,10 @@
 //! 1. [`Join::begin_step`]`(has_data)`: one small all-reduce telling every rank which ranks
 //!    still have a batch. `None` means every rank is out of data: the loop ends on all ranks at
 //!    the same step.
-//! 2. A rank with data runs forward/backward and hands its gradients to the [`Reducer`]
-//!    (`mark_ready`). A rank without data does nothing here.
+//! 2. Every rank calls [`Reducer::set_divisor`]`(step.divisor)` (buckets launched for the
+//!    world size average inside the collective). A rank with data runs forward/backward and
+//!    hands its gradients to the [`Reducer`] (`mark_ready`). A rank without data does nothing
+//!    else here.
 //! 3. Every rank calls [`Join::sync_gradients`] — for a rank without data this *is* the shadow:
 //!    unmarked gradients count as zeros, so it issues exactly the same bucket all-reduces as the
 //!    others. The sum is divided by the number of ranks that had data ([`JoinStep::divisor`]), so
@@ -219,6 +221,7 @@ impl Join {
             let Some(step) = self.begin_step(batch.is_some())? else {
                 break;
             };
+            reducer.set_divisor(step.divisor)?;
             if let Some(batch) = batch {
                 reducer.prepare_for_backward()?;
                 backward(ctx, reducer, batch)?;

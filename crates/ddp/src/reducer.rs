@@ -297,7 +297,9 @@ pub struct BucketInfo {
 // ---- type-erased flat buffers -------------------------------------------------------------
 
 trait FlatBuf: Send {
-    fn launch(self: Box<Self>, pg: &ProcessGroup) -> Box<dyn PendingBuf>;
+    /// Starts the bucket's all-reduce: `Avg` (the division fused into the collective, in cache
+    /// on the shared-memory path) or `Sum` (divided in `finish`).
+    fn launch(self: Box<Self>, pg: &ProcessGroup, op: ReduceOp) -> Box<dyn PendingBuf>;
     fn zero_range(&mut self, start: usize, len: usize);
     fn div_by(&mut self, n: usize);
     fn as_any(&self) -> &dyn Any;
@@ -311,8 +313,8 @@ trait PendingBuf: Send {
 struct Typed<T>(Vec<T>);
 
 impl<T: Element> FlatBuf for Typed<T> {
-    fn launch(self: Box<Self>, pg: &ProcessGroup) -> Box<dyn PendingBuf> {
-        Box::new(pg.all_reduce_async(self.0, ReduceOp::Sum))
+    fn launch(self: Box<Self>, pg: &ProcessGroup, op: ReduceOp) -> Box<dyn PendingBuf> {
+        Box::new(pg.all_reduce_async(self.0, op))
     }
     fn zero_range(&mut self, start: usize, len: usize) {
         self.0[start..start + len].fill(<T as bytemuck::Zeroable>::zeroed());
@@ -360,6 +362,8 @@ struct Bucket {
     numel: usize,
     /// Gradients of this bucket not yet marked in the current backward.
     pending: usize,
+    /// Launched with `ReduceOp::Avg` in the current step (already divided by the world size).
+    averaged: bool,
     state: BucketState,
 }
 
@@ -391,6 +395,9 @@ pub struct Reducer {
     backward_start: Option<Instant>,
     results_valid: bool,
     failed: Option<ddp_comm::Error>,
+    /// What the current step's gradients are divided by (the world size unless
+    /// [`set_divisor`](Reducer::set_divisor) says otherwise).
+    divisor: usize,
     last: Option<StepStats>,
     totals: TotalStats,
 }
@@ -432,6 +439,7 @@ impl Reducer {
                     pending: params.len(),
                     params,
                     numel: offset,
+                    averaged: false,
                     state: BucketState::Idle(new_buf(dtype, offset)),
                 }
             })
@@ -447,6 +455,7 @@ impl Reducer {
             backward_start: None,
             results_valid: false,
             failed: None,
+            divisor: pg.size(),
             last: None,
             totals: TotalStats::default(),
         }
@@ -483,6 +492,26 @@ impl Reducer {
     /// Whether backwards synchronize (see [`set_require_backward_grad_sync`](Self::set_require_backward_grad_sync)).
     pub fn require_backward_grad_sync(&self) -> bool {
         self.require_sync
+    }
+
+    /// Divide the next synchronized step's gradients by `divisor` instead of the world size (Join:
+    /// the number of ranks with data). Call it before that step's first `mark_ready`: buckets
+    /// launched while the divisor is the world size average inside the collective.
+    pub fn set_divisor(&mut self, divisor: usize) -> Result<()> {
+        if divisor == 0 {
+            return Err(Error::InvalidArgument(
+                "set_divisor: divisor must be at least 1".into(),
+            ));
+        }
+        if self.next_launch > 0 && divisor != self.divisor {
+            return Err(Error::InvalidArgument(format!(
+                "set_divisor({divisor}): this step's first buckets are already reduced for \
+                 divisor {}; set the divisor before the backward",
+                self.divisor
+            )));
+        }
+        self.divisor = divisor;
+        Ok(())
     }
 
     /// Marks the start of a backward (for timing). Optional: the first `mark_ready` does it too.
@@ -566,13 +595,20 @@ impl Reducer {
 
     /// Launches every bucket that is complete and whose predecessors have all launched.
     fn launch_ready(&mut self) {
+        let averaged = self.divisor == self.pg.size();
+        let op = if averaged {
+            ReduceOp::Avg
+        } else {
+            ReduceOp::Sum
+        };
         while self.next_launch < self.buckets.len() && self.buckets[self.next_launch].pending == 0 {
             let b = &mut self.buckets[self.next_launch];
             let state = std::mem::replace(&mut b.state, BucketState::Lost);
             b.state = match state {
-                BucketState::Idle(buf) => BucketState::InFlight(buf.launch(&self.pg)),
+                BucketState::Idle(buf) => BucketState::InFlight(buf.launch(&self.pg, op)),
                 other => other,
             };
+            b.averaged = averaged;
             self.next_launch += 1;
         }
     }
@@ -593,6 +629,12 @@ impl Reducer {
             return Err(Error::InvalidArgument(
                 "finish: divisor must be at least 1".into(),
             ));
+        }
+        // Buckets already launched averaged over the world size cannot be divided by another
+        // divisor: the step still completes (no collective is left behind), then fails.
+        let late_divisor = self.next_launch > 0 && divisor != self.divisor;
+        if !late_divisor {
+            self.divisor = divisor;
         }
         self.begin();
         let sync = self.current.take() == Some(true);
@@ -646,7 +688,9 @@ impl Reducer {
             comm_wait += t.elapsed();
             match result {
                 Ok(mut buf) => {
-                    buf.div_by(divisor);
+                    if !b.averaged {
+                        buf.div_by(divisor);
+                    }
                     b.state = BucketState::Idle(buf);
                     bytes += b.numel * b.dtype.size();
                 }
@@ -680,6 +724,13 @@ impl Reducer {
             b.pending = b.params.len();
         }
         self.next_launch = 0;
+        let launched_for = std::mem::replace(&mut self.divisor, self.pg.size());
+        if late_divisor {
+            return Err(Error::InvalidArgument(format!(
+                "finish_with_divisor({divisor}): this step's buckets were reduced for divisor \
+                 {launched_for}; call set_divisor({divisor}) before the backward"
+            )));
+        }
         self.results_valid = true;
         let stats = StepStats {
             synced: true,
@@ -926,6 +977,7 @@ mod tests {
             }
             // Next step: only rank 0 produces gradients for parameter 4 (unused on rank 1), and
             // nobody for parameter 7. Divide by 1 (as under Join with one active rank).
+            red.set_divisor(1).unwrap();
             for i in 0..12 {
                 if i != 7 && (i != 4 || rank == 0) {
                     mark(&mut red, rank, i, 2.0).unwrap();

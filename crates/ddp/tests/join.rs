@@ -268,6 +268,7 @@ fn three_ranks_0_2_5_batches_with_the_manual_protocol() {
         let mut log = Vec::new();
         let mut k = 0;
         while let Some(step) = join.begin_step(k < counts[rank]).unwrap() {
+            red.set_divisor(step.divisor).unwrap();
             if step.has_data {
                 let g = local_grad(&p, &batch(rank, k));
                 red.mark_ready(0, &g[0]).unwrap();
@@ -358,4 +359,33 @@ fn without_join_the_longer_rank_fails() {
         .expect("the longer rank cannot complete its second step");
     assert!(e.contains("rank 0"), "{e}");
     assert!(t0.elapsed() < Duration::from_secs(15));
+}
+
+#[test]
+fn a_divisor_set_after_buckets_launched_is_a_clear_error_and_the_next_step_works() {
+    let out = run_ranks(2, TIMEOUT, move |pg| {
+        let rank = pg.rank();
+        let mut red = Reducer::new(&pg, specs(), opts()).unwrap();
+        let p = init(0);
+        let g = local_grad(&p, &batch(rank, 0));
+        // Both buckets launch (averaged over 2 ranks) as soon as their gradient is marked.
+        red.mark_ready(0, &g[0]).unwrap();
+        red.mark_ready(1, &g[1]).unwrap();
+        let e = red.finish_with_divisor(1).unwrap_err().to_string();
+        assert!(e.contains("set_divisor(1)"), "{e}");
+        assert!(red.grad::<f32>(0).is_err());
+        // The step completed on both ranks: the next one is in step.
+        red.set_divisor(1).unwrap();
+        red.mark_ready(0, &g[0]).unwrap();
+        red.mark_ready(1, &g[1]).unwrap();
+        red.finish_with_divisor(1).unwrap();
+        red.grad::<f32>(0).unwrap().to_vec()
+    });
+    let sum: Vec<f32> = {
+        let p = init(0);
+        let (g0, g1) = (local_grad(&p, &batch(0, 0)), local_grad(&p, &batch(1, 0)));
+        g0[0].iter().zip(&g1[0]).map(|(a, b)| a + b).collect()
+    };
+    assert_eq!(out[0], out[1]);
+    assert_eq!(out[0], sum);
 }

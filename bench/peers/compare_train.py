@@ -7,7 +7,11 @@ interleaved REPS times: `ddp-bench train --nproc 1|2` (plain backward, --backend
 efficiency (world-2 samples/s / (2 x world-1 samples/s)) and the ratio ours/peer at world 2.
 
     cargo build --release -p ddp-bench
-    python3 bench/peers/compare_train.py [--reps 3] [--steps 50] [--backend auto]
+    python3 bench/peers/compare_train.py [--reps 3] [--steps 50] [--backend auto] \
+        [--weight-layout out-in,in-out]
+
+`--weight-layout` takes a comma-separated list: each layout is its own ddp-rs side (`ours-w2` for
+the first, `ours:in-out-w2` and so on for the others).
 """
 import argparse, json, os, statistics, subprocess, sys
 
@@ -29,12 +33,17 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--backend", default="auto")
+    ap.add_argument("--weight-layout", default="out-in")
     ap.add_argument("--bench", default=os.environ.get("DDP_BENCH", os.path.join(ROOT, "target/release/ddp-bench")))
     a = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RAYON_NUM_THREADS="1")
     sides = {}
+    layouts = a.weight_layout.split(",")
     for n in (1, 2):
-        sides[f"ours-w{n}"] = [a.bench, "train", "--nproc", str(n), "--backend", a.backend, "--steps", str(a.steps), "--json"]
+        for i, layout in enumerate(layouts):
+            name = "ours" if i == 0 else f"ours:{layout}"
+            sides[f"{name}-w{n}"] = [a.bench, "train", "--nproc", str(n), "--backend", a.backend, "--steps", str(a.steps),
+                                     "--weight-layout", layout, "--json"]
         sides[f"torch-w{n}"] = [sys.executable, os.path.join(HERE, "torch_ddp_train.py"), "--nproc", str(n), "--mode", "ddp", "--steps", str(a.steps), "--json"]
     res = {k: [] for k in sides}
     for rep in range(a.reps):
@@ -45,14 +54,16 @@ def main():
                 res[name].append(r)
     med = lambda k, f: statistics.median([r[f] for r in res[k]]) if res[k] else float("nan")
     print(f"# MLP 784-1024x4-10, batch 64/rank, 1 thread/rank, median of {a.reps} interleaved runs")
-    print("%-10s %12s %10s %14s" % ("side", "samples/s", "ms/step", "comm_wait_ms"))
+    print("%-18s %12s %10s %14s" % ("side", "samples/s", "ms/step", "comm_wait_ms"))
     for k in sides:
-        print("%-10s %12.1f %10.2f %14s" % (k, med(k, "samples_per_s"), med(k, "step_ms"),
+        print("%-18s %12.1f %10.2f %14s" % (k, med(k, "samples_per_s"), med(k, "step_ms"),
                                             "%.2f" % med(k, "comm_wait_ms") if k.startswith("ours") else "-"))
-    for side in ("ours", "torch"):
+    names = ["ours" if i == 0 else f"ours:{l}" for i, l in enumerate(layouts)]
+    for side in names + ["torch"]:
         eff = med(f"{side}-w2", "samples_per_s") / (2 * med(f"{side}-w1", "samples_per_s"))
         print(f"# scaling efficiency {side}: {eff:.2f}")
-    print("# world-2 samples/s ours/torch: %.2f" % (med("ours-w2", "samples_per_s") / med("torch-w2", "samples_per_s")))
+    for side in names:
+        print("# world-2 samples/s %s/torch: %.2f" % (side, med(f"{side}-w2", "samples_per_s") / med("torch-w2", "samples_per_s")))
 
 
 if __name__ == "__main__":

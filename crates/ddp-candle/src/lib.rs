@@ -40,6 +40,9 @@
 //! [`alloc::retain_freed_memory`] stops glibc from returning candle's per-step buffers to the
 //! kernel (a quarter of a CPU step on the benchmark MLP was page faults).
 //!
+//! Cargo feature `avx512-matmul` (default) turns on the AVX-512 kernels of candle's CPU matmul
+//! (the `gemm` crate's `x86-v4`; chosen at run time only on CPUs that have AVX-512F).
+//!
 //! ## Why a separate crate
 //! The reducer, sampler, checkpoints and Join live in the framework-agnostic `ddp` crate, which
 //! works on flat buffers and depends on nothing but `ddp-comm`. Everything that knows about

@@ -33,7 +33,7 @@ pub enum BackwardMode {
 /// The optimizer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum OptimizerKind {
-    /// `candle_nn::SGD` (no state).
+    /// `ddp_candle::optim::Sgd`: PyTorch's SGD, in place (momentum buffers saved in checkpoints).
     Sgd,
     /// `ddp_candle::optim::AdamW` (candle's arithmetic; moments saved in checkpoints).
     Adamw,
@@ -56,12 +56,15 @@ pub struct Args {
     /// Batch size per rank (the global batch is this × world size).
     #[arg(long, default_value_t = 32)]
     pub batch_size: usize,
-    /// Optimizer (candle_nn's SGD, or ddp-candle's checkpointable AdamW).
+    /// Optimizer (ddp-candle's SGD or AdamW, both checkpointable).
     #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
     pub optimizer: OptimizerKind,
     /// Learning rate [default: 0.2 for sgd, 0.005 for adamw].
     #[arg(long)]
     pub lr: Option<f64>,
+    /// SGD momentum (PyTorch's; 0 is plain SGD).
+    #[arg(long, default_value_t = 0.0)]
+    pub momentum: f64,
     /// Seed of the model initialization and of the sampler's shuffle.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,

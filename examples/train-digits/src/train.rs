@@ -1,14 +1,15 @@
 //! One worker of `train-digits`: joins the process group, trains with `ddp_candle::Ddp` and
-//! `candle_nn::SGD`, checkpoints every epoch (rank 0, atomically), resumes exactly, and reports
+//! `ddp_candle::optim::Sgd` (or AdamW), checkpoints every epoch (rank 0, atomically), resumes exactly, and reports
 //! accuracy, loss, throughput and the cross-rank replica check.
 
 use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
 use crate::{Args, Backend, BackwardMode, OptimizerKind};
 use candle_core::{Device, Module, Tensor};
-use candle_nn::{Optimizer, VarMap, SGD};
+use candle_nn::{Optimizer, VarMap};
 use ddp::checkpoint::{self, Checkpoint, CheckpointMeta};
 use ddp::{DistributedSampler, SamplerState};
+use ddp_candle::optim::{ParamsSgd, Sgd};
 use ddp_candle::{Ddp, DdpOptions};
 use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
@@ -31,14 +32,21 @@ fn init_options(args: &Args) -> InitOptions {
 
 /// The optimizer of the run.
 enum Opt {
-    Sgd(SGD),
+    Sgd(Sgd),
     AdamW(ddp_candle::optim::AdamW),
 }
 
 impl Opt {
     fn new(args: &Args, ddp: &Ddp) -> BoxResult<Opt> {
         Ok(match args.optimizer {
-            OptimizerKind::Sgd => Opt::Sgd(SGD::new(ddp.all_vars(), args.lr())?),
+            OptimizerKind::Sgd => Opt::Sgd(Sgd::new_named(
+                ddp.named_vars().to_vec(),
+                ParamsSgd {
+                    lr: args.lr(),
+                    momentum: args.momentum,
+                    ..Default::default()
+                },
+            )?),
             OptimizerKind::Adamw => Opt::AdamW(ddp_candle::optim::AdamW::new_named(
                 ddp.named_vars().to_vec(),
                 candle_nn::ParamsAdamW {
@@ -58,14 +66,14 @@ impl Opt {
 
     fn save_state(&self, ckpt: &mut Checkpoint) -> BoxResult<()> {
         match self {
-            Opt::Sgd(_) => Ok(()), // stateless
+            Opt::Sgd(o) => Ok(o.save_state(ckpt)?),
             Opt::AdamW(o) => Ok(o.save_state(ckpt)?),
         }
     }
 
     fn load_state(&mut self, ckpt: &Checkpoint) -> BoxResult<()> {
         match self {
-            Opt::Sgd(_) => Ok(()),
+            Opt::Sgd(o) => Ok(o.load_state(ckpt)?),
             Opt::AdamW(o) => Ok(o.load_state(ckpt)?),
         }
     }
@@ -95,6 +103,7 @@ fn save(pg: &ProcessGroup, args: &Args, ddp: &Ddp, opt: &Opt, pos: &Position) ->
             extra: serde_json::json!({
                 "optimizer": args.optimizer_name(),
                 "lr": args.lr(),
+                "momentum": args.momentum,
                 "batch_size": args.batch_size,
                 "hidden": args.hidden,
                 "seed": args.seed,
@@ -116,6 +125,7 @@ fn check_compatible(ckpt: &Checkpoint, args: &Args) -> BoxResult<()> {
         ("hidden", serde_json::json!(args.hidden)),
         ("seed", serde_json::json!(args.seed)),
         ("lr", serde_json::json!(args.lr())),
+        ("momentum", serde_json::json!(args.momentum)),
         ("optimizer", serde_json::json!(args.optimizer_name())),
     ];
     for (k, v) in want {

@@ -128,10 +128,18 @@ fn staged_backward_trains_bit_identically_to_plain() {
 
 #[test]
 fn interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one() {
-    for optimizer in ["sgd", "adamw"] {
+    for (optimizer, momentum) in [("sgd", "0.9"), ("adamw", "0")] {
         let dir = tempfile::tempdir().unwrap();
         let d = dir.path().to_str().unwrap();
-        let o = ["--optimizer", optimizer, "--epochs", "6", "--json"];
+        let o = [
+            "--optimizer",
+            optimizer,
+            "--momentum",
+            momentum,
+            "--epochs",
+            "6",
+            "--json",
+        ];
         let (full, _) = run_ok(&o);
         // Stop mid-epoch (23 steps per epoch), then resume from the checkpoint.
         let (part, _) = run_ok(&[&o[..], &["--max-steps", "50", "--checkpoint-dir", d]].concat());

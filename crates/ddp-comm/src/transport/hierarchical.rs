@@ -114,7 +114,7 @@ impl HierarchicalTransport {
                 op,
                 seq,
                 reason: format!(
-                    "{reason} [on this host's shared memory, local ranks 0.. are group ranks {:?}]",
+                    "{reason} [host shm: local ranks 0.. are group ranks {:?}]",
                     self.local_ranks
                 ),
             },

@@ -1,7 +1,9 @@
 //! Process groups: who is in a job, and the public collective API.
 //!
 //! [`init_process_group`] resolves rank and world size (env or explicit), hosts or joins the
-//! rendezvous store, connects the transport and starts the group's background thread. Every
+//! rendezvous store, connects the transport ([`Backend`]: TCP mesh, shared memory, or for a
+//! group spanning hosts the hierarchical one of [`crate::transport::hierarchical`]; see
+//! [`ProcessGroup::topology`]) and starts the group's background thread. Every
 //! collective is a job queued to that thread, so collectives on one group complete in the
 //! order issued and compute continues while `*_async` ones run. A failed collective aborts the
 //! group: peers are told (their pending and later collectives fail with an error naming this
@@ -45,6 +47,8 @@ pub struct InitOptions {
     /// Shared store secret (default: env `DDP_STORE_SECRET`).
     pub secret: Option<String>,
     /// All-reduce algorithm (default: env `DDP_ALLREDUCE_ALGO` = auto|ring|rd, else auto).
+    /// A forced one runs flat over the group's TCP or shm message transport (no shm fast path,
+    /// no hierarchical all-reduce).
     pub allreduce_algorithm: Option<AllReduceAlgorithm>,
     /// Transport (default: env `DDP_BACKEND` = auto|tcp|shm, else auto).
     pub backend: Option<Backend>,

@@ -22,6 +22,10 @@
 //! an abort aborts both, so a failure anywhere reaches every rank: the local ranks through the
 //! segment, the other hosts through the mesh (and their leaders pass it on to their hosts).
 //! Errors of the local transport are renumbered to group ranks ([`HierarchicalTransport::local_error`]).
+//!
+//! Unlike a one-host group under `auto`, a host that cannot create its segment does not fall
+//! back to TCP (the hosts would then run different all-reduces): initialization fails, and
+//! `DDP_BACKEND=tcp` is the way around it.
 
 use super::shm::{HostLayout, ShmTransport};
 use super::subset::Subset;

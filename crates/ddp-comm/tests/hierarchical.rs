@@ -84,7 +84,8 @@ fn results_are_bit_identical_across_ranks_and_hosts() {
     }
 }
 
-/// What every rank saw when one rank fails during an all-reduce: `(rank, error, elapsed)`.
+/// What every rank saw, by rank, when `culprit` misbehaves and leaves during an all-reduce:
+/// `(error, time to fail)` (`None` for the culprit).
 fn failures(
     timeout: Duration,
     culprit: usize,

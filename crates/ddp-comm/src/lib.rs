@@ -8,7 +8,7 @@
 //! Where to find things:
 //! - [`store`]: the TCP key-value store used for rendezvous (server, client, prefix wrapper).
 //! - [`env`]: reading rank / world size / master address from torchrun, Slurm or OpenMPI env.
-//! - [`transport`]: the [`transport::Transport`] trait and its TCP implementation.
+//! - [`transport`]: the [`transport::Transport`] trait; TCP, shared memory, hierarchical (hosts).
 //! - [`algorithms`]: one file per collective algorithm (ring, recursive doubling, trees, ...).
 //! - [`process_group`]: groups, subgroups and the public collective API.
 //! - [`work`]: async work handles.

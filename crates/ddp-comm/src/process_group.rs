@@ -1,7 +1,9 @@
 //! Process groups: who is in a job, and the public collective API.
 //!
 //! [`init_process_group`] resolves rank and world size (env or explicit), hosts or joins the
-//! rendezvous store, connects the transport and starts the group's background thread. Every
+//! rendezvous store, connects the transport ([`Backend`]: TCP mesh, shared memory, or for a
+//! group spanning hosts the hierarchical one of [`crate::transport::hierarchical`]; see
+//! [`ProcessGroup::topology`]) and starts the group's background thread. Every
 //! collective is a job queued to that thread, so collectives on one group complete in the
 //! order issued and compute continues while `*_async` ones run. A failed collective aborts the
 //! group: peers are told (their pending and later collectives fail with an error naming this
@@ -10,7 +12,7 @@
 //! Each collective has a blocking form over slices and an `*_async` form over owned `Vec`s
 //! returning a [`Work`]. Subgroups come from [`ProcessGroup::new_group`].
 
-use crate::algorithms::{direct, recursive_doubling, ring, tree, AllReduceAlgorithm};
+use crate::algorithms::{direct, hierarchical, recursive_doubling, ring, tree, AllReduceAlgorithm};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::env::EnvConfig;
 use crate::store::{PrefixStore, Store, StoreOptions, StoreServer, TcpStore};
@@ -45,9 +47,15 @@ pub struct InitOptions {
     /// Shared store secret (default: env `DDP_STORE_SECRET`).
     pub secret: Option<String>,
     /// All-reduce algorithm (default: env `DDP_ALLREDUCE_ALGO` = auto|ring|rd, else auto).
+    /// A forced one runs flat over the group's TCP or shm message transport (no shm fast path,
+    /// no hierarchical all-reduce).
     pub allreduce_algorithm: Option<AllReduceAlgorithm>,
     /// Transport (default: env `DDP_BACKEND` = auto|tcp|shm, else auto).
     pub backend: Option<Backend>,
+    /// This process's host identity for `auto` / `shm` (default: [`shm::host_id`], from the
+    /// hostname, boot id and the `/dev/shm` mount). Ranks with equal ids must be able to share
+    /// memory through `/dev/shm`; tests set distinct ids to simulate hosts within one process.
+    pub host_id: Option<String>,
 }
 
 impl Default for InitOptions {
@@ -61,6 +69,7 @@ impl Default for InitOptions {
             secret: None,
             allreduce_algorithm: None,
             backend: None,
+            host_id: None,
         }
     }
 }
@@ -68,13 +77,18 @@ impl Default for InitOptions {
 /// Which transport a group uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Backend {
-    /// Shared memory when every rank of the group is on this host, TCP otherwise.
+    /// Shared memory when every rank of the group is on this host; hierarchical when the ranks
+    /// span hosts and some host has two or more; TCP when every rank is on its own host.
     #[default]
     Auto,
     /// TCP (loopback or network), like torch's gloo.
     Tcp,
     /// Shared memory; initialization fails if the ranks are not all on one host.
     Shm,
+    /// What [`ProcessGroup::backend`] reports for a group spanning hosts under `auto`: a TCP
+    /// mesh for every collective, plus shared memory inside each host for all-reduce
+    /// ([`crate::transport::hierarchical`]). Requested, it is the same as `Auto`.
+    Hierarchical,
 }
 
 impl Backend {
@@ -193,6 +207,10 @@ struct Inner {
     /// Requested backend (subgroups resolve it again) and the one in use.
     requested_backend: Backend,
     backend: Backend,
+    /// What the transport is, for people ([`ProcessGroup::topology`]).
+    topology: String,
+    /// This process's host id (subgroups compare it again).
+    host_id: String,
     local_ip: IpAddr,
     default_timeout: Duration,
 }
@@ -234,6 +252,7 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         Some(b) => b,
         None => Backend::from_env()?,
     };
+    let host_id = opts.host_id.clone().unwrap_or_else(shm::host_id);
     let algorithm = match opts.allreduce_algorithm {
         Some(a) => a,
         None => match std::env::var("DDP_ALLREDUCE_ALGO") {
@@ -350,6 +369,7 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         local_ip,
         algorithm,
         backend,
+        host_id,
         opts.timeout,
     )
 }
@@ -464,6 +484,7 @@ impl ProcessGroup {
         local_ip: IpAddr,
         algorithm: AllReduceAlgorithm,
         backend: Backend,
+        host_id: String,
         timeout: Duration,
     ) -> Result<ProcessGroup> {
         check_membership(&*store, rank, size, timeout, server.is_some())?;
@@ -472,19 +493,23 @@ impl ProcessGroup {
                 &*store, rank, size, local_ip, timeout,
             )?),
             _ => shm::connect_auto(
-                &*store,
+                &store,
                 rank,
                 size,
                 local_ip,
                 timeout,
                 backend == Backend::Shm,
+                &host_id,
             )?,
         };
-        let transport_backend = if transport.shm().is_some() {
-            Backend::Shm
+        let (transport_backend, topology) = if let Some(h) = transport.hierarchical() {
+            (Backend::Hierarchical, h.describe())
+        } else if transport.shm().is_some() {
+            (Backend::Shm, format!("shm: {size} ranks on one host"))
         } else {
-            Backend::Tcp
+            (Backend::Tcp, format!("tcp: {size} ranks, full mesh"))
         };
+        tracing::debug!("rank {rank} of a group of global ranks {global_ranks:?}: {topology}");
         let (tx, rx) = mpsc::channel::<Job>();
         let mut engine = Engine {
             transport,
@@ -521,6 +546,8 @@ impl ProcessGroup {
                 algorithm,
                 requested_backend: backend,
                 backend: transport_backend,
+                topology,
+                host_id,
                 local_ip,
                 default_timeout: timeout,
             }),
@@ -556,9 +583,16 @@ impl ProcessGroup {
         &self.inner.store
     }
 
-    /// The transport this group uses: [`Backend::Tcp`] or [`Backend::Shm`] (`auto` resolved).
+    /// The transport this group uses: [`Backend::Tcp`], [`Backend::Shm`] or
+    /// [`Backend::Hierarchical`] (`auto` resolved).
     pub fn backend(&self) -> Backend {
         self.inner.backend
+    }
+
+    /// The transport in words, e.g. `tcp: 4 ranks, full mesh`, `shm: 3 ranks on one host` or
+    /// `hierarchical: 2 hosts x [2, 2] ranks, shm inside a host, tcp between`.
+    pub fn topology(&self) -> &str {
+        &self.inner.topology
     }
 
     /// The timeout of collectives issued through this handle.
@@ -609,6 +643,7 @@ impl ProcessGroup {
             self.inner.local_ip,
             self.inner.algorithm,
             self.inner.requested_backend,
+            self.inner.host_id.clone(),
             self.inner.default_timeout,
         )
         .map(Some)
@@ -1001,6 +1036,11 @@ fn exec_all_reduce<T: Element>(
         exec_all_reduce::<f32>(t, &mut wide, op, algo)?;
         T::narrow(&wide, buf);
         return Ok(());
+    }
+    if algo == AllReduceAlgorithm::Auto {
+        if let Some(h) = t.hierarchical() {
+            return hierarchical::all_reduce(h, buf, op);
+        }
     }
     match algo.resolve(std::mem::size_of_val(buf), t.size()) {
         AllReduceAlgorithm::Ring => ring::all_reduce(t, buf, op)?,

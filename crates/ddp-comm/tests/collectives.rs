@@ -1,36 +1,49 @@
 //! Every collective, op and dtype against a sequential reference, over random sizes (0, 1, odd,
-//! ≥ 4 MiB) and world sizes 1..=5, among threads with real TCP connections.
+//! ≥ 4 MiB) and world sizes 1..=5, among threads with real TCP connections; and the same on
+//! hierarchical groups (threads given distinct host ids: shared memory inside a simulated host,
+//! TCP between).
 //!
 //! Inputs are small integers (exactly representable in every dtype, sums and products too), so
 //! the reference can demand bit-exact equality whatever the reduction order.
 
 mod common;
 
-use common::{check_all, run_ranks, run_ranks_with, sizes};
-use ddp_comm::ReduceOp;
+use common::{check_all, run_ranks, run_ranks_on_hosts, run_ranks_with, sizes};
+use ddp_comm::{Backend, ProcessGroup, ReduceOp};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
 
 fn check_world(world: usize) {
-    run_ranks(world, Duration::from_secs(60), move |pg| {
-        let seed = 11 + world as u64;
-        check_all::<f32>(&pg, seed, &sizes(seed, true));
-        check_all::<f64>(&pg, seed + 1, &sizes(seed + 1, false));
-        check_all::<f16>(&pg, seed + 2, &sizes(seed + 2, false));
-        check_all::<bf16>(&pg, seed + 3, &sizes(seed + 3, false));
-        check_all::<i32>(&pg, seed + 4, &sizes(seed + 4, false));
-        check_all::<i64>(&pg, seed + 5, &sizes(seed + 5, false));
-        check_all::<u8>(&pg, seed + 6, &sizes(seed + 6, false));
-        // serialized objects of random, rank-dependent lengths
-        let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 99);
-        let mine: Vec<u8> = (0..rng.gen_range(0..3000)).map(|_| rng.gen()).collect();
-        let all = pg.all_gather_bytes(&mine).unwrap();
-        assert_eq!(all[pg.rank()], mine);
-        let from_root = pg.broadcast_bytes(&mine, pg.size() - 1).unwrap();
-        assert_eq!(from_root, all[pg.size() - 1]);
+    run_ranks(world, Duration::from_secs(60), check_group);
+}
+
+/// Ranks on simulated hosts (`hosts[rank]`): the group must be hierarchical.
+fn check_hosts(hosts: &'static [usize]) {
+    run_ranks_on_hosts(hosts, Duration::from_secs(60), None, |pg| {
+        assert_eq!(pg.backend(), Backend::Hierarchical, "{}", pg.topology());
+        check_group(pg);
     });
+}
+
+/// Every collective of every dtype on `pg` against the reference.
+fn check_group(pg: ProcessGroup) {
+    let seed = 11 + pg.size() as u64;
+    check_all::<f32>(&pg, seed, &sizes(seed, true));
+    check_all::<f64>(&pg, seed + 1, &sizes(seed + 1, false));
+    check_all::<f16>(&pg, seed + 2, &sizes(seed + 2, false));
+    check_all::<bf16>(&pg, seed + 3, &sizes(seed + 3, false));
+    check_all::<i32>(&pg, seed + 4, &sizes(seed + 4, false));
+    check_all::<i64>(&pg, seed + 5, &sizes(seed + 5, false));
+    check_all::<u8>(&pg, seed + 6, &sizes(seed + 6, false));
+    // serialized objects of random, rank-dependent lengths
+    let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 99);
+    let mine: Vec<u8> = (0..rng.gen_range(0..3000)).map(|_| rng.gen()).collect();
+    let all = pg.all_gather_bytes(&mine).unwrap();
+    assert_eq!(all[pg.rank()], mine);
+    let from_root = pg.broadcast_bytes(&mine, pg.size() - 1).unwrap();
+    assert_eq!(from_root, all[pg.size() - 1]);
 }
 
 #[test]
@@ -56,6 +69,22 @@ fn world_4_matches_reference() {
 #[test]
 fn world_5_matches_reference() {
     check_world(5);
+}
+
+#[test]
+fn hierarchical_2_plus_2_matches_reference() {
+    check_hosts(&[0, 0, 1, 1]);
+}
+
+#[test]
+fn hierarchical_2_plus_3_interleaved_matches_reference() {
+    // host 0 = ranks {0, 3}, host 1 = ranks {1, 2, 4}: local numbering differs from the group's.
+    check_hosts(&[0, 1, 1, 0, 1]);
+}
+
+#[test]
+fn hierarchical_1_plus_2_matches_reference() {
+    check_hosts(&[0, 1, 1]);
 }
 
 #[test]

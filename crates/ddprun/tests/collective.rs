@@ -2,11 +2,12 @@
 //! all-reduces `rank + 1` and checks the sum): under `ddprun` on one node (also across a
 //! restart, which must not mix up the rendezvous keys of the two attempts), under OpenMPI's
 //! `mpirun` (no `ddprun` involved), and across two "hosts" made of network namespaces joined by a
-//! veth pair, with one `ddprun` in each.
+//! veth pair, each with its own `/dev/shm`, with one `ddprun` in each (two ranks per host make
+//! the group hierarchical: shared memory inside a host, TCP between).
 //!
 //! The mpirun test skips (with a message) when `mpirun` is not installed; the namespace test
-//! skips when not running as root or when `ip` is missing. CI installs openmpi-bin and
-//! iproute2 and runs as root, so both run there.
+//! skips when not running as root or when `ip` or `unshare` is missing. CI installs
+//! openmpi-bin and iproute2 and runs as root, so both run there.
 
 mod common;
 
@@ -115,7 +116,8 @@ fn allreduce_under_mpirun() {
 }
 
 /// Two network namespaces joined by a veth pair (10.77.0.1/24 and 10.77.0.2/24); deleted on
-/// drop, so also when the test fails.
+/// drop, so also when the test fails. Each launcher also gets its own mount namespace with a
+/// fresh tmpfs on `/dev/shm`, so the two hosts share no memory (and their host ids differ).
 struct TwoHosts {
     ns: [String; 2],
 }
@@ -169,11 +171,21 @@ impl TwoHosts {
     /// `ddprun ARGS` as a launcher on host `i`.
     fn ddprun(&self, i: usize, args: &[&str]) -> Running {
         let mut cmd = Command::new("ip");
-        cmd.args(["netns", "exec", &self.ns[i], DDPRUN])
-            .args(args)
-            .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::piped());
+        cmd.args([
+            "netns",
+            "exec",
+            &self.ns[i],
+            "unshare",
+            "--mount",
+            "sh",
+            "-c",
+        ])
+        .arg(r#"mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@""#)
+        .arg(DDPRUN)
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
         Running::start(cmd)
     }
 }
@@ -194,8 +206,10 @@ fn two_hosts_in_network_namespaces() {
         eprintln!("SKIPPED two_hosts_in_network_namespaces: needs root (ip netns)");
         return;
     }
-    if !have("ip") {
-        eprintln!("SKIPPED two_hosts_in_network_namespaces: `ip` not found (install iproute2)");
+    if !have("ip") || !have("unshare") {
+        eprintln!(
+            "SKIPPED two_hosts_in_network_namespaces: `ip` or `unshare` not found (install iproute2, util-linux)"
+        );
         return;
     }
     let hosts = TwoHosts::new().expect("set up two network namespaces");
@@ -222,7 +236,8 @@ fn two_hosts_in_network_namespaces() {
         hosts.ddprun(i, &args)
     };
 
-    // A collective across the two hosts: node 1 starts first and waits for node 0's store.
+    // A collective across the two hosts (hierarchical: 2 ranks on each): node 1 starts first and
+    // waits for node 0's store.
     let n1 = launch(1, &[]);
     std::thread::sleep(Duration::from_millis(200));
     let n0 = launch(0, &[]);
@@ -235,6 +250,9 @@ fn two_hosts_in_network_namespaces() {
             assert!(r.stdout.contains(&want), "{want} in {r}");
             assert!(r.stdout.contains("master 10.77.0.1:29500"), "{r}");
         }
+        let topology =
+            "topology hierarchical: 2 hosts x [2, 2] ranks, shm inside a host, tcp between";
+        assert_eq!(r.stdout.matches(topology).count(), 2, "{r}");
     }
 
     // A rank on host 1 fails on attempt 0: both hosts restart their workers and finish.

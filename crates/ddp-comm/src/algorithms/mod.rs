@@ -8,12 +8,15 @@
 //! - [`direct`]: one-step exchanges: gather, scatter, all-to-all.
 //! - [`shm_allreduce`]: all-reduce straight through a shared-memory segment (one-shot for small
 //!   messages, pipelined reduce-scatter + all-gather by owners for large ones).
+//! - [`hierarchical`]: all-reduce for groups spanning hosts: shared memory inside each host,
+//!   ring / recursive doubling among the hosts' leaders over TCP.
 //!
 //! Every algorithm is correct for any world size (1 included) and any length (0 included), and
 //! leaves bit-identical results on all ranks (float `op` is applied to the same operand pairs on
 //! every rank; commutativity of IEEE addition/multiplication makes both ends agree).
 
 pub mod direct;
+pub mod hierarchical;
 pub mod recursive_doubling;
 pub mod ring;
 pub mod shm_allreduce;

@@ -9,8 +9,14 @@
 //! - [`tcp`]: a full mesh of TCP connections, one per pair of ranks (works across hosts).
 //! - [`shm`]: per-pair rings in one shared-memory segment (ranks on one host), plus the hooks of
 //!   the shared-memory all-reduce fast path.
+//! - [`hierarchical`]: ranks on several hosts: the TCP mesh, plus shared memory inside each host
+//!   and a leaders-only view of the mesh for the hierarchical all-reduce.
+//! - [`subset`]: some ranks of a transport as a group of their own (renumbered), for running
+//!   an algorithm among them.
 
+pub mod hierarchical;
 pub mod shm;
+pub mod subset;
 pub mod tcp;
 
 use crate::dtype::{DType, ReduceOp};
@@ -225,6 +231,12 @@ pub trait Transport: std::marker::Send {
     /// The shared-memory transport behind this one, if it is one (enables the algorithms of
     /// [`crate::algorithms::shm_allreduce`]).
     fn shm(&mut self) -> Option<&mut shm::ShmTransport> {
+        None
+    }
+
+    /// The hierarchical transport behind this one, if it is one (enables
+    /// [`crate::algorithms::hierarchical`]).
+    fn hierarchical(&mut self) -> Option<&mut hierarchical::HierarchicalTransport> {
         None
     }
 

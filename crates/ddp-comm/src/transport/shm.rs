@@ -74,12 +74,14 @@
 //! read by rank 0 (all ranks then agree): `DDP_SHM_RING_KB`, `DDP_SHM_CHUNK_KB`,
 //! `DDP_SHM_WINDOW`, `DDP_SHM_ONE_SHOT_KB`, `DDP_SHM_CMA_MIN_KB`, `DDP_SHM_CMA_CHUNK_KB`.
 //!
-//! Not done: groups spanning hosts use TCP for everything (no hierarchical shm + TCP yet).
+//! Groups spanning hosts use this transport only inside each host, under
+//! [`super::hierarchical`] ([`connect_auto`] decides).
 
 mod segment;
 
 pub use segment::{sweep_stale_segments, Geometry, NAME_PREFIX};
 
+use super::hierarchical::HierarchicalTransport;
 use super::tcp::TcpTransport;
 use super::{
     decode_header, encode_header, Fingerprint, OpKind, Recv, Send, Transport, HEADER_LEN, NO_REDUCE,
@@ -91,6 +93,7 @@ use segment::{Segment, STATE_ABORTED, STATE_ATTACHED, STATE_EMPTY, STATE_LEFT};
 use std::cell::Cell;
 use std::net::IpAddr;
 use std::sync::atomic::{fence, AtomicU32, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Message header bytes (same fields as the TCP frame header).
@@ -207,22 +210,52 @@ pub fn host_id() -> String {
     }
 }
 
-/// Whether every rank of the group runs on this host, decided once by rank 0 from the host ids
-/// every rank publishes (`id`: usually [`host_id`]). `None` when they all match; otherwise a
-/// description of a rank that differs.
-pub fn host_mismatch(
+/// Which host every rank of a group runs on, decided once by rank 0 from the host ids every
+/// rank publishes ([`host_layout`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostLayout {
+    /// Host index of every rank. Hosts are numbered in the order of their lowest rank, so host
+    /// 0 holds rank 0 and the hosts' lowest ranks (their leaders) ascend with the index.
+    pub host_of: Vec<usize>,
+    /// When the ranks are not all on one host: a rank on another host than rank 0's, as
+    /// `rank 2 runs on host "b/..." and rank 0 on "a/..."`.
+    pub mismatch: Option<String>,
+}
+
+impl HostLayout {
+    /// Number of hosts.
+    pub fn hosts(&self) -> usize {
+        self.host_of.iter().max().map_or(0, |&h| h + 1)
+    }
+
+    /// The ranks on host `h`, ascending.
+    pub fn ranks_on(&self, h: usize) -> Vec<usize> {
+        (0..self.host_of.len())
+            .filter(|&r| self.host_of[r] == h)
+            .collect()
+    }
+}
+
+/// Where the ranks of the group run: every rank publishes `id` (usually [`host_id`]), rank 0
+/// numbers the distinct ids and publishes the layout, the others read it.
+pub fn host_layout(
     store: &dyn Store,
     rank: usize,
     size: usize,
     id: &str,
     timeout: Duration,
-) -> Result<Option<String>> {
+) -> Result<HostLayout> {
     if size == 1 {
-        return Ok(None);
+        return Ok(HostLayout {
+            host_of: vec![0],
+            mismatch: None,
+        });
     }
     store.set(&format!("host/{rank}"), id.as_bytes())?;
+    // Published as "h0,h1,...\n<mismatch or empty>".
     let verdict = if rank == 0 {
-        let mut verdict = String::new();
+        let mut ids = vec![id.as_bytes().to_vec()];
+        let mut mismatch = String::new();
         for r in 1..size {
             let other = store
                 .get_timeout(&format!("host/{r}"), timeout)
@@ -233,15 +266,30 @@ pub fn host_mismatch(
                     },
                     e => e,
                 })?;
-            if other != id.as_bytes() && verdict.is_empty() {
-                verdict = format!(
+            if other != id.as_bytes() && mismatch.is_empty() {
+                mismatch = format!(
                     "rank {r} runs on host {:?} and rank 0 on {id:?}",
                     String::from_utf8_lossy(&other)
                 );
             }
+            ids.push(other);
         }
-        store.set("host/verdict", format!("={verdict}").as_bytes())?;
-        verdict
+        let mut distinct: Vec<&[u8]> = Vec::new();
+        let host_of: Vec<String> = ids
+            .iter()
+            .map(|i| {
+                let h = distinct.iter().position(|d| *d == i.as_slice());
+                h.unwrap_or_else(|| {
+                    distinct.push(i);
+                    distinct.len() - 1
+                })
+                .to_string()
+            })
+            .collect();
+        let host_of = host_of.join(",");
+        let v = format!("{host_of}\n{mismatch}");
+        store.set("host/verdict", v.as_bytes())?;
+        v
     } else {
         let v = store
             .get_timeout("host/verdict", timeout)
@@ -252,39 +300,71 @@ pub fn host_mismatch(
                 },
                 e => e,
             })?;
-        String::from_utf8_lossy(&v[1.min(v.len())..]).into_owned()
+        String::from_utf8_lossy(&v).into_owned()
     };
-    Ok((!verdict.is_empty()).then_some(verdict))
+    let malformed = || Error::Io {
+        context: "host layout".into(),
+        message: format!("rank 0 published a malformed layout {verdict:?}"),
+    };
+    let (hosts, mismatch) = verdict.split_once('\n').ok_or_else(malformed)?;
+    let host_of = hosts
+        .split(',')
+        .map(|h| h.parse::<usize>().map_err(|_| malformed()))
+        .collect::<Result<Vec<_>>>()?;
+    if host_of.len() != size {
+        return Err(malformed());
+    }
+    Ok(HostLayout {
+        host_of,
+        mismatch: (!mismatch.is_empty()).then(|| mismatch.to_string()),
+    })
 }
 
-/// Connect the transport of a group whose backend is `auto` (`require_shm == false`: shared
-/// memory when every rank is on this host, TCP otherwise) or `shm` (`require_shm == true`: an
-/// error naming a remote rank when they are not).
+/// Connect the transport of a group whose backend is `auto` (`require_shm == false`) or `shm`
+/// (`require_shm == true`), given this process's host id `id` ([`host_id`] unless overridden):
+///
+/// - every rank on this host: shared memory (`auto` falls back to TCP if no segment can be
+///   created);
+/// - ranks on several hosts, some host with at least two: `shm` fails naming a remote rank,
+///   `auto` builds a [`HierarchicalTransport`] (TCP mesh plus shared memory per host);
+/// - one rank per host: `shm` fails, `auto` uses the TCP mesh.
 pub fn connect_auto(
-    store: &dyn Store,
+    store: &Arc<dyn Store>,
     rank: usize,
     size: usize,
     local_ip: IpAddr,
     timeout: Duration,
     require_shm: bool,
+    id: &str,
 ) -> Result<Box<dyn Transport>> {
-    match host_mismatch(store, rank, size, &host_id(), timeout)? {
-        None => match ShmTransport::connect_inner(store, rank, size, timeout) {
+    let layout = host_layout(&**store, rank, size, id, timeout)?;
+    let Some(why) = &layout.mismatch else {
+        return match ShmTransport::connect_inner(&**store, rank, size, timeout) {
             Ok(t) => Ok(Box::new(t)),
             Err(ConnectError::NoSegment(e)) if !require_shm => {
                 tracing::warn!("{e}; using TCP");
-                Ok(Box::new(TcpTransport::connect_mesh(store, rank, size, local_ip, timeout)?))
+                Ok(Box::new(TcpTransport::connect_mesh(
+                    &**store, rank, size, local_ip, timeout,
+                )?))
             }
             Err(ConnectError::NoSegment(e) | ConnectError::Other(e)) => Err(e),
-        },
-        Some(why) if require_shm => Err(Error::Config(format!(
+        };
+    };
+    if require_shm {
+        return Err(Error::Config(format!(
             "backend shm needs every rank of the group on one host, but {why} (use backend auto or tcp)"
-        ))),
-        Some(why) => {
-            tracing::debug!("group spans hosts ({why}): using TCP");
-            Ok(Box::new(TcpTransport::connect_mesh(store, rank, size, local_ip, timeout)?))
-        }
+        )));
     }
+    if layout.hosts() < size {
+        tracing::debug!("group spans hosts ({why}): TCP mesh plus shared memory inside hosts");
+        return Ok(Box::new(HierarchicalTransport::connect(
+            store, rank, size, local_ip, timeout, &layout,
+        )?));
+    }
+    tracing::debug!("group spans hosts ({why}), one rank per host: using TCP");
+    Ok(Box::new(TcpTransport::connect_mesh(
+        &**store, rank, size, local_ip, timeout,
+    )?))
 }
 
 /// The CPU a rank's communication thread binds to: with at most one local rank per CPU this
@@ -1371,29 +1451,29 @@ mod tests {
     }
 
     #[test]
-    fn host_mismatch_names_the_rank_on_another_host() {
+    fn host_layout_numbers_hosts_by_lowest_rank_and_names_a_remote_rank() {
         let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
-        let ids = ["a/boot", "a/boot", "b/boot"];
+        let ids = ["a/boot", "b/boot", "a/boot", "c/boot", "b/boot"];
         let out: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..3)
+            let hs: Vec<_> = (0..5)
                 .map(|r| {
                     let st = store(&server);
                     s.spawn(move || {
-                        host_mismatch(&*st, r, 3, ids[r], Duration::from_secs(10)).unwrap()
+                        host_layout(&*st, r, 5, ids[r], Duration::from_secs(10)).unwrap()
                     })
                 })
                 .collect();
             hs.into_iter().map(|h| h.join().unwrap()).collect()
         });
-        for v in &out {
-            let v = v.as_deref().expect("mismatch detected");
-            assert!(v.contains("rank 2") && v.contains("b/boot"), "{v}");
+        for l in &out {
+            assert_eq!(l, &out[0]);
+            assert_eq!(l.host_of, [0, 1, 0, 2, 1]);
+            assert_eq!((l.hosts(), l.ranks_on(1)), (3, vec![1, 4]));
+            let v = l.mismatch.as_deref().expect("mismatch detected");
+            assert!(v.contains("rank 1") && v.contains("b/boot"), "{v}");
         }
-        assert_eq!(out[0], out[1]);
-        assert_eq!(
-            host_mismatch(&*store(&server), 0, 1, "x", Duration::from_secs(1)).unwrap(),
-            None
-        );
+        let one = host_layout(&*store(&server), 0, 1, "x", Duration::from_secs(1)).unwrap();
+        assert_eq!((one.host_of, one.mismatch), (vec![0], None));
     }
 
     #[test]

@@ -43,12 +43,53 @@ pub fn run_ranks_on<R: Send + 'static>(
     backend: Backend,
     f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
+    run_ranks_configured(
+        world,
+        timeout,
+        move |_, opts| {
+            opts.allreduce_algorithm = algorithm;
+            opts.backend = Some(backend);
+        },
+        f,
+    )
+}
+
+/// Ranks on simulated hosts, backend auto: rank `r` runs on host `hosts[r]` (its host id is
+/// `test-host-{hosts[r]}`; all of them can share memory, being threads of this process).
+pub fn run_ranks_on_hosts<R: Send + 'static>(
+    hosts: &[usize],
+    timeout: Duration,
+    algorithm: Option<AllReduceAlgorithm>,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
+    let hosts = hosts.to_vec();
+    run_ranks_configured(
+        hosts.len(),
+        timeout,
+        move |rank, opts| {
+            opts.allreduce_algorithm = algorithm;
+            opts.backend = Some(Backend::Auto);
+            opts.host_id = Some(format!("test-host-{}", hosts[rank]));
+        },
+        f,
+    )
+}
+
+/// Start `world` groups (ranks as threads), each rank's options adjusted by `configure(rank,
+/// options)`, and run `f(pg)` on each; results by rank.
+pub fn run_ranks_configured<R: Send + 'static>(
+    world: usize,
+    timeout: Duration,
+    configure: impl Fn(usize, &mut InitOptions) + Send + Sync + 'static,
+    f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
+) -> Vec<R> {
     let server = StoreServer::bind("127.0.0.1:0", None).expect("store server");
     let addr = server.local_addr().to_string();
     let f = Arc::new(f);
+    let configure = Arc::new(configure);
     let handles: Vec<_> = (0..world)
         .map(|rank| {
-            let f = f.clone();
+            let (f, configure) = (f.clone(), configure.clone());
             let addr = addr.clone();
             std::thread::spawn(move || {
                 let store = TcpStore::connect(
@@ -62,8 +103,7 @@ pub fn run_ranks_on<R: Send + 'static>(
                 .expect("store client");
                 let mut opts = InitOptions::with_store(Arc::new(store), rank, world);
                 opts.timeout = timeout;
-                opts.allreduce_algorithm = algorithm;
-                opts.backend = Some(backend);
+                configure(rank, &mut opts);
                 let pg = init_process_group(opts).expect("init_process_group");
                 f(pg)
             })

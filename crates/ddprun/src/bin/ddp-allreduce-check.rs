@@ -1,7 +1,8 @@
 //! `ddp-allreduce-check`: a smoke test for a launch setup. Each rank joins the default process
 //! group from its environment (ddprun/torchrun, Slurm or OpenMPI variables), all-reduces a
 //! buffer filled with `rank + 1`, and checks that every element equals `1 + 2 + ... + world`.
-//! Prints one `all_reduce ok` line per rank and exits 0, or names what went wrong and exits 1.
+//! Prints one `all_reduce ok` line per rank (ending with the group's topology, e.g. `topology
+//! shm: 4 ranks on one host`) and exits 0, or names what went wrong and exits 1.
 //!
 //! ```text
 //! ddprun --nproc-per-node 4 ddp-allreduce-check
@@ -90,14 +91,15 @@ fn run(o: &Opts) -> Result<String, String> {
         .map_err(|e| format!("rank {rank}: barrier failed: {e}"))?;
     Ok(format!(
         "rank {rank}/{world}: all_reduce ok (sum {expected}, {} elements) launcher {:?} \
-         master {}:{} attempt {} init {:.0} ms all_reduce {:.1} ms",
+         master {}:{} attempt {} init {:.0} ms all_reduce {:.1} ms topology {}",
         o.elements,
         env.launcher,
         env.master_addr,
         env.master_port,
         env.restart_count,
         init_time.as_secs_f64() * 1e3,
-        reduce_time.as_secs_f64() * 1e3
+        reduce_time.as_secs_f64() * 1e3,
+        pg.topology()
     ))
 }
 

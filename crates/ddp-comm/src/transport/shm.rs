@@ -868,7 +868,14 @@ impl ShmTransport {
     ) -> Result<()> {
         let pid = self.seg().pid(peer).load(Ordering::Relaxed);
         cma_copy(pid, remote, local, len, write).map_err(|e| {
-            if e.raw_os_error() == Some(libc::ESRCH) {
+            // A rank that saw the first failure aborts the group and exits: report that root
+            // cause rather than its exit.
+            let seg = self.seg();
+            let a = seg.abort_word().load(Ordering::Acquire);
+            if a != 0 && a as usize - 1 != self.rank {
+                let who = a as usize - 1;
+                self.fail(who, format!("aborted the group: {}", seg.reason(who)))
+            } else if e.raw_os_error() == Some(libc::ESRCH) {
                 self.fail(
                     peer,
                     format!("died (pid {pid}): its process exited or was killed"),

@@ -732,7 +732,7 @@ impl ProcessGroup {
     pub fn broadcast<T: Element>(&self, buf: &mut [T], root: usize) -> Result<()> {
         self.check_root(root)?;
         let fp = self.fingerprint(OpKind::Broadcast, T::DTYPE, None, buf.len(), Some(root));
-        self.blocking(fp, move |t| tree::broadcast(t, buf, root))
+        self.blocking(fp, move |t| exec_broadcast(t, buf, root))
     }
 
     /// Async [`ProcessGroup::broadcast`].
@@ -741,9 +741,7 @@ impl ProcessGroup {
             return Work::ready("broadcast", Err(e));
         }
         let fp = self.fingerprint(OpKind::Broadcast, T::DTYPE, None, buf.len(), Some(root));
-        self.spawn(fp, move |t| {
-            tree::broadcast(t, &mut buf, root).map(|()| buf)
-        })
+        self.spawn(fp, move |t| exec_broadcast(t, &mut buf, root).map(|()| buf))
     }
 
     // ----- reduce -----------------------------------------------------------------------------
@@ -985,9 +983,9 @@ impl ProcessGroup {
         let mine = (self.rank() == root).then(|| data.to_vec());
         self.blocking(fp, move |t| {
             let mut len = [mine.as_ref().map_or(0, |d| d.len() as i64)];
-            tree::broadcast(t, &mut len, root)?;
+            exec_broadcast(t, &mut len, root)?;
             let mut out = mine.unwrap_or_else(|| vec![0u8; len[0] as usize]);
-            tree::broadcast(t, &mut out, root)?;
+            exec_broadcast(t, &mut out, root)?;
             Ok(out)
         })
     }
@@ -1050,6 +1048,13 @@ fn exec_all_reduce<T: Element>(
         T::div_by(buf, t.size());
     }
     Ok(())
+}
+
+fn exec_broadcast<T: Element>(t: &mut dyn Transport, buf: &mut [T], root: usize) -> Result<()> {
+    match t.hierarchical() {
+        Some(h) => hierarchical::broadcast(h, buf, root),
+        None => tree::broadcast(t, buf, root),
+    }
 }
 
 fn exec_reduce<T: Element>(

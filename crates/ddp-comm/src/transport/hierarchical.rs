@@ -17,7 +17,7 @@
 //!   `0..k` in group-rank order, so local rank 0 is the host's *leader* (its lowest rank).
 //! - The **leaders** view ([`Subset`] of the mesh) connects the hosts' leaders.
 //!
-//! Only all-reduce uses local and leaders, in [`crate::algorithms::hierarchical`]. Every
+//! All-reduce and broadcast use local and leaders, in [`crate::algorithms::hierarchical`]. Every
 //! collective starts on both transports ([`Transport::begin`]: same fingerprint and deadline);
 //! an abort aborts both, so a failure anywhere reaches every rank: the local ranks through the
 //! segment, the other hosts through the mesh (and their leaders pass it on to their hosts).
@@ -47,6 +47,8 @@ pub struct HierarchicalTransport {
     leaders: Vec<usize>,
     /// Ranks per host, by host index.
     per_host: Vec<usize>,
+    /// Host index of every group rank.
+    host_of: Vec<usize>,
 }
 
 impl HierarchicalTransport {
@@ -80,6 +82,7 @@ impl HierarchicalTransport {
             local,
             leaders: (0..hosts).map(|h| layout.ranks_on(h)[0]).collect(),
             per_host: (0..hosts).map(|h| layout.ranks_on(h).len()).collect(),
+            host_of: layout.host_of.clone(),
             local_ranks,
         })
     }
@@ -92,6 +95,15 @@ impl HierarchicalTransport {
     /// The hosts' leaders over the mesh (numbered by host), on a leader; `None` elsewhere.
     pub fn leaders(&mut self) -> Option<Subset<'_>> {
         Subset::new(&mut self.mesh, &self.leaders)
+    }
+
+    /// Where group rank `r` runs: its host index (= its leader's rank among the leaders) and,
+    /// when that is this host, its local rank.
+    pub fn locate(&self, r: usize) -> (usize, Option<usize>) {
+        (
+            self.host_of[r],
+            self.local_ranks.iter().position(|&l| l == r),
+        )
     }
 
     /// `hierarchical: 2 hosts x [2, 3] ranks, shm inside a host, tcp between`.

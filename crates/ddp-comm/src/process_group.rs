@@ -28,6 +28,9 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+/// Env var naming the network interface of the TCP transport ([`InitOptions::socket_ifname`]).
+pub const SOCKET_IFNAME_ENV: &str = "DDP_SOCKET_IFNAME";
+
 /// Default collective timeout: 30 minutes, as torch.distributed's gloo backend.
 pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(30 * 60);
 
@@ -56,6 +59,10 @@ pub struct InitOptions {
     /// hostname, boot id and the `/dev/shm` mount). Ranks with equal ids must be able to share
     /// memory through `/dev/shm`; tests set distinct ids to simulate hosts within one process.
     pub host_id: Option<String>,
+    /// Network interface whose address peers use to reach this rank over TCP (default: env
+    /// `DDP_SOCKET_IFNAME`, PyTorch's `GLOO_SOCKET_IFNAME`; else the address this process uses
+    /// to reach the store). For hosts with several networks: keep the data on the fast one.
+    pub socket_ifname: Option<String>,
 }
 
 impl Default for InitOptions {
@@ -70,6 +77,7 @@ impl Default for InitOptions {
             allreduce_algorithm: None,
             backend: None,
             host_id: None,
+            socket_ifname: None,
         }
     }
 }
@@ -357,6 +365,15 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
             ip,
             restart,
         )
+    };
+    let ifname = opts.socket_ifname.clone().or_else(|| {
+        std::env::var(SOCKET_IFNAME_ENV)
+            .ok()
+            .filter(|s| !s.trim().is_empty())
+    });
+    let local_ip = match ifname {
+        Some(name) => crate::transport::tcp::interface_ip(name.trim())?,
+        None => local_ip,
     };
     let store: Arc<dyn Store> =
         Arc::new(PrefixStore::new(format!("attempt{restart}/default"), store));

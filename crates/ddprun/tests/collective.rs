@@ -139,6 +139,8 @@ fn ip(args: &[&str]) -> Result<(), String> {
 
 impl TwoHosts {
     const ADDRS: [&'static str; 2] = ["10.77.0.1", "10.77.0.2"];
+    /// A second network between the hosts (interfaces `dat0`, `dat1`), for `DDP_SOCKET_IFNAME`.
+    const DATA_ADDRS: [&'static str; 2] = ["10.78.0.1", "10.78.0.2"];
 
     fn new() -> Result<TwoHosts, String> {
         let id = std::process::id();
@@ -148,28 +150,41 @@ impl TwoHosts {
         let [a, b] = &hosts.ns;
         ip(&["netns", "add", a])?;
         ip(&["netns", "add", b])?;
-        ip(&[
-            "link", "add", "veth0", "netns", a, "type", "veth", "peer", "name", "veth1", "netns", b,
-        ])?;
-        for (i, ns) in hosts.ns.iter().enumerate() {
-            let dev = format!("veth{i}");
+        for (link, addrs) in [("veth", Self::ADDRS), ("dat", Self::DATA_ADDRS)] {
+            let (d0, d1) = (format!("{link}0"), format!("{link}1"));
             ip(&[
-                "-n",
-                ns,
-                "addr",
-                "add",
-                &format!("{}/24", Self::ADDRS[i]),
-                "dev",
-                &dev,
+                "link", "add", &d0, "netns", a, "type", "veth", "peer", "name", &d1, "netns", b,
             ])?;
-            ip(&["-n", ns, "link", "set", &dev, "up"])?;
+            for (i, ns) in hosts.ns.iter().enumerate() {
+                let dev = format!("{link}{i}");
+                let addr = format!("{}/24", addrs[i]);
+                ip(&["-n", ns, "addr", "add", &addr, "dev", &dev])?;
+                ip(&["-n", ns, "link", "set", &dev, "up"])?;
+            }
+        }
+        for ns in &hosts.ns {
             ip(&["-n", ns, "link", "set", "lo", "up"])?;
         }
         Ok(hosts)
     }
 
+    /// Bytes sent so far through interface `dev` of host `i`.
+    fn tx_bytes(&self, i: usize, dev: &str) -> u64 {
+        let path = format!("/sys/class/net/{dev}/statistics/tx_bytes");
+        let out = Command::new("ip")
+            .args(["netns", "exec", &self.ns[i], "cat", &path])
+            .output()
+            .expect("ip netns exec cat");
+        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+    }
+
     /// `ddprun ARGS` as a launcher on host `i`.
     fn ddprun(&self, i: usize, args: &[&str]) -> Running {
+        self.ddprun_env(i, args, &[])
+    }
+
+    /// `ddprun ARGS` on host `i` with extra environment variables.
+    fn ddprun_env(&self, i: usize, args: &[&str], env: &[(&str, &str)]) -> Running {
         let mut cmd = Command::new("ip");
         cmd.args([
             "netns",
@@ -183,6 +198,7 @@ impl TwoHosts {
         .arg(r#"mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@""#)
         .arg(DDPRUN)
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
@@ -213,7 +229,7 @@ fn two_hosts_in_network_namespaces() {
         return;
     }
     let hosts = TwoHosts::new().expect("set up two network namespaces");
-    let launch = |i: usize, extra: &[&str]| {
+    let launch = |i: usize, extra: &[&str], env: &[(&str, &str)]| {
         let rank = i.to_string();
         let mut args = vec![
             "--nnodes",
@@ -233,14 +249,14 @@ fn two_hosts_in_network_namespaces() {
             "20",
         ];
         args.extend_from_slice(extra);
-        hosts.ddprun(i, &args)
+        hosts.ddprun_env(i, &args, env)
     };
 
     // A collective across the two hosts (hierarchical: 2 ranks on each): node 1 starts first and
     // waits for node 0's store.
-    let n1 = launch(1, &[]);
+    let n1 = launch(1, &[], &[]);
     std::thread::sleep(Duration::from_millis(200));
-    let n0 = launch(0, &[]);
+    let n0 = launch(0, &[], &[]);
     let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
     assert_eq!(r0.code(), Some(0), "{r0}");
     assert_eq!(r1.code(), Some(0), "{r1}");
@@ -253,6 +269,54 @@ fn two_hosts_in_network_namespaces() {
         let topology =
             "topology hierarchical: 2 hosts x [2, 2] ranks, shm inside a host, tcp between";
         assert_eq!(r.stdout.matches(topology).count(), 2, "{r}");
+    }
+
+    // DDP_SOCKET_IFNAME: the store stays on the first network, the ranks' TCP traffic (4 ranks,
+    // flat TCP, a 4 MiB all-reduce: ~12 MiB crosses the hosts) goes over the second one.
+    let before: Vec<[u64; 2]> = (0..2)
+        .map(|i| {
+            [
+                hosts.tx_bytes(i, &format!("veth{i}")),
+                hosts.tx_bytes(i, &format!("dat{i}")),
+            ]
+        })
+        .collect();
+    let (n0, n1) = (
+        launch(
+            0,
+            &["--elements", "1048576"],
+            &[("DDP_SOCKET_IFNAME", "dat0"), ("DDP_BACKEND", "tcp")],
+        ),
+        launch(
+            1,
+            &["--elements", "1048576"],
+            &[("DDP_SOCKET_IFNAME", "dat1"), ("DDP_BACKEND", "tcp")],
+        ),
+    );
+    let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
+    assert_eq!(r0.code(), Some(0), "{r0}");
+    assert_eq!(r1.code(), Some(0), "{r1}");
+    let sent = |dev: usize| -> u64 {
+        (0..2)
+            .map(|i| hosts.tx_bytes(i, &format!("{}{i}", ["veth", "dat"][dev])) - before[i][dev])
+            .sum()
+    };
+    let (control, data) = (sent(0), sent(1));
+    assert!(
+        data > 8 << 20,
+        "only {data} bytes over the data network ({control} over the other)"
+    );
+    assert!(
+        control < 1 << 20,
+        "{control} bytes over the store's network ({data} over the data one)"
+    );
+    // A name that is not an interface: every rank fails naming it.
+    let n0 = launch(0, &[], &[("DDP_SOCKET_IFNAME", "nosuch9")]);
+    let n1 = launch(1, &[], &[("DDP_SOCKET_IFNAME", "nosuch9")]);
+    let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
+    for r in [&r0, &r1] {
+        assert_eq!(r.code(), Some(1), "{r}");
+        assert!(r.stderr.contains("DDP_SOCKET_IFNAME=\"nosuch9\""), "{r}");
     }
 
     // A rank on host 1 fails on attempt 0: both hosts restart their workers and finish.

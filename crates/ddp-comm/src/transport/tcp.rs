@@ -12,6 +12,9 @@
 //! non-blocking; [`Transport::exchange`] drives all sends and receives of one step with
 //! `writev`/`readv` and `poll(2)`, so a ring step never deadlocks and a closed socket, an abort
 //! or the deadline ends the step with an error naming the peer.
+//!
+//! The address a rank publishes is the one it reaches the store from, or that of the interface
+//! named by `DDP_SOCKET_IFNAME` ([`interface_ip`]).
 
 use super::{decode_header, encode_header, Fingerprint, OpKind, Recv, Send, Transport, HEADER_LEN};
 use crate::dtype::DType;
@@ -555,5 +558,76 @@ impl Transport for TcpTransport {
             let _ = p.stream.shutdown(std::net::Shutdown::Both);
             p.dirty = true;
         }
+    }
+}
+
+/// The address of network interface `name`: its first IPv4 address, else its first IPv6
+/// address that is not link-local. The error names the interfaces this host has.
+pub fn interface_ip(name: &str) -> Result<IpAddr> {
+    let mut names = Vec::new();
+    let mut v6 = None;
+    let mut ifap: *mut libc::ifaddrs = std::ptr::null_mut();
+    // SAFETY: getifaddrs fills a list we walk read-only and free once with freeifaddrs.
+    if unsafe { libc::getifaddrs(&mut ifap) } != 0 {
+        return Err(Error::io(
+            "listing network interfaces",
+            std::io::Error::last_os_error(),
+        ));
+    }
+    let mut found = None;
+    let mut cur = ifap;
+    while !cur.is_null() {
+        // SAFETY: a node of the list from getifaddrs; name is a C string, addr may be null.
+        let ifa = unsafe { &*cur };
+        cur = ifa.ifa_next;
+        let ifname = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy();
+        if !names.contains(&ifname.to_string()) {
+            names.push(ifname.to_string());
+        }
+        if ifname != name || ifa.ifa_addr.is_null() {
+            continue;
+        }
+        // SAFETY: the family says which sockaddr type the pointer refers to.
+        match i32::from(unsafe { (*ifa.ifa_addr).sa_family }) {
+            libc::AF_INET => {
+                let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
+                found = Some(IpAddr::from(
+                    u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
+                ));
+                break;
+            }
+            libc::AF_INET6 if v6.is_none() => {
+                let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
+                let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
+                if !ip.is_unicast_link_local() {
+                    v6 = Some(IpAddr::V6(ip));
+                }
+            }
+            _ => {}
+        }
+    }
+    // SAFETY: the list from the successful getifaddrs above, freed once.
+    unsafe { libc::freeifaddrs(ifap) };
+    found.or(v6).ok_or_else(|| {
+        Error::Config(format!(
+            "DDP_SOCKET_IFNAME={name:?}: no network interface of that name with an IP address \
+             (this host has: {})",
+            names.join(", ")
+        ))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn interface_addresses_are_found_and_unknown_names_listed() {
+        assert_eq!(interface_ip("lo").unwrap(), IpAddr::from([127, 0, 0, 1]));
+        let e = interface_ip("no-such-if0").unwrap_err().to_string();
+        assert!(
+            e.contains("no-such-if0") && e.contains("this host has: ") && e.contains("lo"),
+            "{e}"
+        );
     }
 }

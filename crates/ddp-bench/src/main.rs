@@ -79,6 +79,9 @@ pub struct TrainArgs {
     /// into a zero tensor, which `in-out` avoids.
     #[arg(long, default_value = "out-in", value_parser = ["out-in", "in-out"])]
     pub weight_layout: String,
+    /// DDP bucket cap in MiB (PyTorch's `bucket_cap_mb`).
+    #[arg(long, default_value_t = 25.0)]
+    pub bucket_cap_mb: f64,
     /// Leave glibc's default heap trimming (see `ddp_candle::alloc::retain_freed_memory`, which
     /// the benchmark calls by default).
     #[arg(long)]

@@ -89,7 +89,11 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         lin: Dense::new(&args.weight_layout, width, 10, vb.pp("out"))?,
         relu: false,
     });
-    let mut ddp = Ddp::new(&varmap, &pg, DdpOptions::default())?;
+    let opts = DdpOptions {
+        bucket_cap_mb: args.bucket_cap_mb,
+        ..Default::default()
+    };
+    let mut ddp = Ddp::new(&varmap, &pg, opts)?;
     let mut opt = Sgd::new(ddp.all_vars(), ParamsSgd::with_lr(0.01))?;
     let stages: Vec<&dyn Module> = blocks.iter().map(|b| b as &dyn Module).collect();
 

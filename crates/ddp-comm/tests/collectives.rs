@@ -8,9 +8,8 @@
 
 mod common;
 
-use common::{check_all, run_ranks, run_ranks_on_hosts, run_ranks_with, sizes};
+use common::{check_every_collective, run_ranks, run_ranks_on_hosts, run_ranks_with};
 use ddp_comm::{Backend, ProcessGroup, ReduceOp};
-use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
@@ -27,23 +26,8 @@ fn check_hosts(hosts: &'static [usize]) {
     });
 }
 
-/// Every collective of every dtype on `pg` against the reference.
 fn check_group(pg: ProcessGroup) {
-    let seed = 11 + pg.size() as u64;
-    check_all::<f32>(&pg, seed, &sizes(seed, true));
-    check_all::<f64>(&pg, seed + 1, &sizes(seed + 1, false));
-    check_all::<f16>(&pg, seed + 2, &sizes(seed + 2, false));
-    check_all::<bf16>(&pg, seed + 3, &sizes(seed + 3, false));
-    check_all::<i32>(&pg, seed + 4, &sizes(seed + 4, false));
-    check_all::<i64>(&pg, seed + 5, &sizes(seed + 5, false));
-    check_all::<u8>(&pg, seed + 6, &sizes(seed + 6, false));
-    // serialized objects of random, rank-dependent lengths
-    let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 99);
-    let mine: Vec<u8> = (0..rng.gen_range(0..3000)).map(|_| rng.gen()).collect();
-    let all = pg.all_gather_bytes(&mine).unwrap();
-    assert_eq!(all[pg.rank()], mine);
-    let from_root = pg.broadcast_bytes(&mine, pg.size() - 1).unwrap();
-    assert_eq!(from_root, all[pg.size() - 1]);
+    check_every_collective(&pg, 11 + pg.size() as u64);
 }
 
 #[test]

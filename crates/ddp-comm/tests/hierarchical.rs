@@ -4,11 +4,8 @@
 
 mod common;
 
-use common::run_ranks_on_hosts;
+use common::{assert_bit_identical, random_float_all_reduces, run_ranks_on_hosts};
 use ddp_comm::{Backend, Error, ReduceOp};
-use half::{bf16, f16};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
 use std::time::{Duration, Instant};
 
 #[test]
@@ -55,33 +52,9 @@ fn auto_picks_the_topology_from_the_hosts_and_subgroups_pick_again() {
 #[test]
 fn results_are_bit_identical_across_ranks_and_hosts() {
     let out = run_ranks_on_hosts(&[0, 1, 1, 0, 1], Duration::from_secs(60), None, |pg| {
-        let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 1);
-        let mut res = Vec::new();
-        for n in [1000, 300_003] {
-            for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product] {
-                let mut v: Vec<f32> = (0..n).map(|_| rng.gen::<f32>() * 10.0 - 5.0).collect();
-                pg.all_reduce(&mut v, op).unwrap();
-                res.push(v.iter().map(|x| x.to_bits() as u64).collect::<Vec<_>>());
-                let mut h: Vec<bf16> = (0..n)
-                    .map(|_| bf16::from_f32(rng.gen::<f32>() * 3.0))
-                    .collect();
-                pg.all_reduce(&mut h, op).unwrap();
-                res.push(h.iter().map(|x| x.to_bits() as u64).collect());
-                let mut g: Vec<f16> = (0..n).map(|_| f16::from_f32(rng.gen::<f32>())).collect();
-                pg.all_reduce(&mut g, op).unwrap();
-                res.push(g.iter().map(|x| x.to_bits() as u64).collect());
-                let d: Vec<f64> = (0..n).map(|_| rng.gen::<f64>()).collect();
-                let d = pg.all_reduce_async(d, op).wait().unwrap();
-                res.push(d.iter().map(|x| x.to_bits()).collect());
-            }
-        }
-        res
+        random_float_all_reduces(&pg)
     });
-    for r in 1..out.len() {
-        for (k, (a, b)) in out[r].iter().zip(&out[0]).enumerate() {
-            assert!(a == b, "rank {r} differs from rank 0 in case {k}");
-        }
-    }
+    assert_bit_identical(&out, "hosts [0, 1, 1, 0, 1]");
 }
 
 /// What every rank saw, by rank, when `culprit` misbehaves and leaves during an all-reduce:

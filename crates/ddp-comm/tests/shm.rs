@@ -9,14 +9,15 @@
 
 mod common;
 
-use common::{check_all, finish, run_ranks_on, sizes, spawn_workers};
+use common::{
+    assert_bit_identical, check_all, check_every_collective, finish, random_float_all_reduces,
+    run_ranks_on, sizes, spawn_workers,
+};
 use ddp_comm::algorithms::AllReduceAlgorithm;
 use ddp_comm::process_group::Backend;
 use ddp_comm::transport::shm::NAME_PREFIX;
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
-use half::{bf16, f16};
-use rand::rngs::StdRng;
-use rand::{Rng, SeedableRng};
+use half::bf16;
 use std::io::{BufRead, BufReader};
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -29,19 +30,7 @@ fn check_world(world: usize) {
         Backend::Shm,
         move |pg| {
             assert_eq!(pg.backend(), Backend::Shm);
-            let seed = 31 + world as u64;
-            check_all::<f32>(&pg, seed, &sizes(seed, true));
-            check_all::<f64>(&pg, seed + 1, &sizes(seed + 1, false));
-            check_all::<f16>(&pg, seed + 2, &sizes(seed + 2, false));
-            check_all::<bf16>(&pg, seed + 3, &sizes(seed + 3, false));
-            check_all::<i32>(&pg, seed + 4, &sizes(seed + 4, false));
-            check_all::<i64>(&pg, seed + 5, &sizes(seed + 5, false));
-            check_all::<u8>(&pg, seed + 6, &sizes(seed + 6, false));
-            let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 7);
-            let mine: Vec<u8> = (0..rng.gen_range(0..3000)).map(|_| rng.gen()).collect();
-            let all = pg.all_gather_bytes(&mine).unwrap();
-            assert_eq!(all[pg.rank()], mine);
-            assert_eq!(pg.broadcast_bytes(&mine, 0).unwrap(), all[0]);
+            check_every_collective(&pg, 31 + world as u64);
         },
     );
 }
@@ -96,42 +85,10 @@ fn results_are_bit_identical_across_ranks() {
         Some(AllReduceAlgorithm::RecursiveDoubling),
     ] {
         for world in [3, 4] {
-            let out = run_ranks_on(
-                world,
-                Duration::from_secs(60),
-                algo,
-                Backend::Shm,
-                move |pg| {
-                    let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 1);
-                    let mut res = Vec::new();
-                    for n in [1000, 300_003] {
-                        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product] {
-                            let mut v: Vec<f32> =
-                                (0..n).map(|_| rng.gen::<f32>() * 10.0 - 5.0).collect();
-                            pg.all_reduce(&mut v, op).unwrap();
-                            res.push(v.iter().map(|x| x.to_bits() as u64).collect::<Vec<_>>());
-                            let mut h: Vec<bf16> = (0..n)
-                                .map(|_| bf16::from_f32(rng.gen::<f32>() * 3.0))
-                                .collect();
-                            pg.all_reduce(&mut h, op).unwrap();
-                            res.push(h.iter().map(|x| x.to_bits() as u64).collect());
-                            let mut g: Vec<f16> =
-                                (0..n).map(|_| f16::from_f32(rng.gen::<f32>())).collect();
-                            pg.all_reduce(&mut g, op).unwrap();
-                            res.push(g.iter().map(|x| x.to_bits() as u64).collect());
-                            let mut d: Vec<f64> = (0..n).map(|_| rng.gen::<f64>()).collect();
-                            pg.all_reduce(&mut d, op).unwrap();
-                            res.push(d.iter().map(|x| x.to_bits()).collect());
-                        }
-                    }
-                    res
-                },
-            );
-            for r in 1..world {
-                for (k, (a, b)) in out[r].iter().zip(&out[0]).enumerate() {
-                    assert!(a == b, "algorithm {algo:?}, world {world}: rank {r} differs from rank 0 in case {k}");
-                }
-            }
+            let out = run_ranks_on(world, Duration::from_secs(60), algo, Backend::Shm, |pg| {
+                random_float_all_reduces(&pg)
+            });
+            assert_bit_identical(&out, &format!("algorithm {algo:?}, world {world}"));
         }
     }
 }

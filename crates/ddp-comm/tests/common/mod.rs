@@ -241,6 +241,61 @@ pub fn assert_same<T: Num>(what: &str, got: &[T], want: &[T]) {
     }
 }
 
+/// All-reduces (sum, avg, product) of random floats of every float dtype, sizes 1000 and
+/// 300003, different on every rank; returns the bit patterns of the results, which must be
+/// the same on every rank ([`assert_bit_identical`]).
+pub fn random_float_all_reduces(pg: &ProcessGroup) -> Vec<Vec<u64>> {
+    let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + 1);
+    let mut res = Vec::new();
+    for n in [1000, 300_003] {
+        for op in [ReduceOp::Sum, ReduceOp::Avg, ReduceOp::Product] {
+            let mut v: Vec<f32> = (0..n).map(|_| rng.gen::<f32>() * 10.0 - 5.0).collect();
+            pg.all_reduce(&mut v, op).unwrap();
+            res.push(v.iter().map(|x| x.to_bits() as u64).collect::<Vec<_>>());
+            let mut h: Vec<bf16> = (0..n)
+                .map(|_| bf16::from_f32(rng.gen::<f32>() * 3.0))
+                .collect();
+            pg.all_reduce(&mut h, op).unwrap();
+            res.push(h.iter().map(|x| x.to_bits() as u64).collect());
+            let mut g: Vec<f16> = (0..n).map(|_| f16::from_f32(rng.gen::<f32>())).collect();
+            pg.all_reduce(&mut g, op).unwrap();
+            res.push(g.iter().map(|x| x.to_bits() as u64).collect());
+            let d: Vec<f64> = (0..n).map(|_| rng.gen::<f64>()).collect();
+            let d = pg.all_reduce_async(d, op).wait().unwrap();
+            res.push(d.iter().map(|x| x.to_bits()).collect());
+        }
+    }
+    res
+}
+
+/// Every rank's results (`out[rank]`) equal rank 0's; `what` names the setting in the message.
+pub fn assert_bit_identical(out: &[Vec<Vec<u64>>], what: &str) {
+    for r in 1..out.len() {
+        for (k, (a, b)) in out[r].iter().zip(&out[0]).enumerate() {
+            assert!(a == b, "{what}: rank {r} differs from rank 0 in case {k}");
+        }
+    }
+}
+
+/// Every collective of every dtype on `pg` against the reference (random sizes from `seed`,
+/// the first dtype with a ≥ 4 MiB case), then the serialized-object collectives.
+pub fn check_every_collective(pg: &ProcessGroup, seed: u64) {
+    check_all::<f32>(pg, seed, &sizes(seed, true));
+    check_all::<f64>(pg, seed + 1, &sizes(seed + 1, false));
+    check_all::<f16>(pg, seed + 2, &sizes(seed + 2, false));
+    check_all::<bf16>(pg, seed + 3, &sizes(seed + 3, false));
+    check_all::<i32>(pg, seed + 4, &sizes(seed + 4, false));
+    check_all::<i64>(pg, seed + 5, &sizes(seed + 5, false));
+    check_all::<u8>(pg, seed + 6, &sizes(seed + 6, false));
+    // serialized objects of random, rank-dependent lengths
+    let mut rng = StdRng::seed_from_u64(pg.rank() as u64 + seed);
+    let mine: Vec<u8> = (0..rng.gen_range(0..3000)).map(|_| rng.gen()).collect();
+    let all = pg.all_gather_bytes(&mine).unwrap();
+    assert_eq!(all[pg.rank()], mine);
+    let root = pg.size() - 1;
+    assert_eq!(pg.broadcast_bytes(&mine, root).unwrap(), all[root]);
+}
+
 /// Run every collective of `T` on `pg` for the sizes in `sizes`, checking each against the reference.
 pub fn check_all<T: Num>(pg: &ProcessGroup, seed: u64, sizes: &[usize]) {
     let (rank, world) = (pg.rank(), pg.size());

@@ -26,19 +26,23 @@ pub fn save_vars(ckpt: &mut Checkpoint, vars: &[(String, Var)]) -> Result<()> {
 /// tensor or a shape that does not match).
 pub fn load_vars(ckpt: &Checkpoint, vars: &[(String, Var)]) -> Result<()> {
     for (name, var) in vars {
-        let t = ckpt.require(name)?;
-        if t.shape != var.dims() {
-            return Err(Error::Ddp(ddp::Error::Mismatch(format!(
-                "checkpoint tensor `{name}` has shape {:?} but the model's parameter has {:?}",
-                t.shape,
-                var.dims()
-            ))));
-        }
-        let value =
-            Tensor::from_slice(&t.data, var.shape(), var.device())?.to_dtype(var.dtype())?;
-        var.set(&value)?;
+        var.set(&load_like(ckpt, name, var)?)?;
     }
     Ok(())
+}
+
+/// Tensor `key` of `ckpt` with the dtype and device of `like` (an error names a missing tensor
+/// or a shape that differs from `like`'s).
+pub fn load_like(ckpt: &Checkpoint, key: &str, like: &Tensor) -> Result<Tensor> {
+    let t = ckpt.require(key)?;
+    if t.shape != like.dims() {
+        return Err(Error::Ddp(ddp::Error::Mismatch(format!(
+            "checkpoint tensor `{key}` has shape {:?} but the model's tensor has {:?}",
+            t.shape,
+            like.dims()
+        ))));
+    }
+    Ok(Tensor::from_slice(&t.data, like.shape(), like.device())?.to_dtype(like.dtype())?)
 }
 
 /// Sends `root`'s checkpoint (or its absence) to every rank: what `root` passes is what every rank

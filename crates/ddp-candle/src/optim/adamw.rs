@@ -7,9 +7,11 @@
 //! under PyTorch's state names: `optim.<param>.exp_avg`, `optim.<param>.exp_avg_sq`, and the step
 //! count.
 
+use super::unnamed;
+use crate::checkpoint::load_like;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Tensor, Var};
+use candle_core::Var;
 use candle_nn::{Optimizer, ParamsAdamW};
 use ddp::checkpoint::Checkpoint;
 
@@ -99,17 +101,7 @@ impl AdamW {
         for s in &self.slots {
             for (slot, t) in [("exp_avg", &s.m), ("exp_avg_sq", &s.v)] {
                 let key = Checkpoint::optim_key(&s.name, slot);
-                let d = ckpt.require(&key)?;
-                if d.shape != t.dims() {
-                    return Err(Error::Ddp(ddp::Error::Mismatch(format!(
-                        "checkpoint tensor `{key}` has shape {:?}, the parameter has {:?}",
-                        d.shape,
-                        t.dims()
-                    ))));
-                }
-                let value =
-                    Tensor::from_slice(&d.data, t.shape(), t.device())?.to_dtype(t.dtype())?;
-                t.set(&value)?;
+                t.set(&load_like(ckpt, &key, t)?)?;
             }
         }
         let step = ckpt.require(STEP_KEY)?;
@@ -129,11 +121,7 @@ impl Optimizer for AdamW {
 
     /// Unnamed variables are called `param0`, `param1`, ... in checkpoints.
     fn new(vars: Vec<Var>, params: ParamsAdamW) -> candle_core::Result<Self> {
-        let named = vars
-            .into_iter()
-            .enumerate()
-            .map(|(i, v)| (format!("param{i}"), v));
-        Ok(AdamW::new_named(named, params)?)
+        Ok(AdamW::new_named(unnamed(vars), params)?)
     }
 
     fn learning_rate(&self) -> f64 {
@@ -176,7 +164,7 @@ impl Optimizer for AdamW {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{DType, Device};
+    use candle_core::{DType, Device, Tensor};
     use ddp::checkpoint::CheckpointMeta;
 
     fn vars(seed: f32) -> Vec<(String, Var)> {

@@ -14,3 +14,13 @@ mod sgd;
 
 pub use adamw::AdamW;
 pub use sgd::{ParamsSgd, Sgd};
+
+use candle_core::Var;
+
+/// Names for optimizers built without names (`Optimizer::new`): `param0`, `param1`, ... (the
+/// keys of their state in checkpoints).
+fn unnamed(vars: Vec<Var>) -> impl Iterator<Item = (String, Var)> {
+    vars.into_iter()
+        .enumerate()
+        .map(|(i, v)| (format!("param{i}"), v))
+}

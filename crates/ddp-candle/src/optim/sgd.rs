@@ -17,6 +17,8 @@
 //! tensor operations. The momentum buffers are saved to checkpoints as
 //! `optim.<param>.momentum_buffer` (f32), PyTorch's state name.
 
+use super::unnamed;
+use crate::checkpoint::load_like;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var, WithDType};
@@ -148,23 +150,15 @@ impl Sgd {
     pub fn load_state(&mut self, ckpt: &Checkpoint) -> Result<()> {
         for s in &mut self.slots {
             let key = Checkpoint::optim_key(&s.name, "momentum_buffer");
-            let Some(d) = ckpt.get(&key) else {
+            if ckpt.get(&key).is_none() {
                 s.buf = Buffer::None;
                 continue;
-            };
-            if d.shape != s.var.dims() {
-                return Err(Error::Ddp(ddp::Error::Mismatch(format!(
-                    "checkpoint tensor `{key}` has shape {:?}, the parameter has {:?}",
-                    d.shape,
-                    s.var.dims()
-                ))));
             }
+            let t = load_like(ckpt, &key, &s.var)?;
             s.buf = match (s.var.device().is_cpu(), s.var.dtype()) {
-                (true, DType::F32) => Buffer::F32(d.data.clone()),
-                (true, DType::F64) => Buffer::F64(d.data.iter().map(|&x| x as f64).collect()),
-                (_, dtype) => Buffer::Tensor(
-                    Tensor::from_slice(&d.data, s.var.shape(), s.var.device())?.to_dtype(dtype)?,
-                ),
+                (true, DType::F32) => Buffer::F32(t.flatten_all()?.to_vec1()?),
+                (true, DType::F64) => Buffer::F64(t.flatten_all()?.to_vec1()?),
+                _ => Buffer::Tensor(t),
             };
         }
         Ok(())
@@ -176,11 +170,7 @@ impl Optimizer for Sgd {
 
     /// Unnamed variables are called `param0`, `param1`, ... in checkpoints.
     fn new(vars: Vec<Var>, params: ParamsSgd) -> candle_core::Result<Self> {
-        let named = vars
-            .into_iter()
-            .enumerate()
-            .map(|(i, v)| (format!("param{i}"), v));
-        Ok(Sgd::new_named(named, params)?)
+        Ok(Sgd::new_named(unnamed(vars), params)?)
     }
 
     fn learning_rate(&self) -> f64 {

@@ -1044,7 +1044,7 @@ fn exec_all_reduce<T: Element>(
 ) -> Result<()> {
     if algo == AllReduceAlgorithm::Auto {
         if let Some(shm) = t.shm() {
-            return crate::algorithms::shm_allreduce::all_reduce(shm, buf, op);
+            return crate::algorithms::shm_direct::all_reduce(shm, buf, op);
         }
     }
     if let Some(mut wide) = T::widen(buf) {
@@ -1109,6 +1109,11 @@ fn exec_reduce_scatter<T: Element>(
 ) -> Result<()> {
     let (r, n, p) = (t.rank(), output.len(), t.size());
     check_len("reduce_scatter input", input.len(), n * p)?;
+    if let Some(shm) = t.shm() {
+        if crate::algorithms::shm_direct::reduce_scatter(shm, input, output, op)? {
+            return Ok(());
+        }
+    }
     if let Some(mut wide) = T::widen(input) {
         ring::reduce_scatter(t, &mut wide, op)?;
         if op == ReduceOp::Avg {

@@ -6,10 +6,12 @@
 //!   of two fold the extra ranks in first); for small messages, and the barrier.
 //! - [`tree`]: binomial-tree broadcast and reduce.
 //! - [`direct`]: one-step exchanges: gather, scatter, all-to-all.
-//! - [`shm_allreduce`]: all-reduce straight through a shared-memory segment (one-shot for small
-//!   messages, pipelined reduce-scatter + all-gather by owners for large ones).
-//! - [`hierarchical`]: all-reduce for groups spanning hosts: shared memory inside each host,
-//!   ring / recursive doubling among the hosts' leaders over TCP.
+//! - [`shm_direct`]: all-reduce straight through a shared-memory segment, not its message
+//!   rings (one-shot for small messages, pipelined reduce-scatter + all-gather by owners, or
+//!   cross-memory attach between the ranks' own buffers for large ones); large reduce-scatters
+//!   by cross-memory attach too.
+//! - [`hierarchical`]: all-reduce and broadcast for groups spanning hosts: shared memory inside
+//!   each host, ring / recursive doubling / tree among the hosts' leaders over TCP.
 //!
 //! Every algorithm is correct for any world size (1 included) and any length (0 included), and
 //! leaves bit-identical results on all ranks (float `op` is applied to the same operand pairs on
@@ -19,7 +21,7 @@ pub mod direct;
 pub mod hierarchical;
 pub mod recursive_doubling;
 pub mod ring;
-pub mod shm_allreduce;
+pub mod shm_direct;
 pub mod tree;
 
 use crate::dtype::Element;

@@ -8,7 +8,7 @@
 //!
 //! - [`tcp`]: a full mesh of TCP connections, one per pair of ranks (works across hosts).
 //! - [`shm`]: per-pair rings in one shared-memory segment (ranks on one host), plus the hooks of
-//!   the shared-memory all-reduce fast path.
+//!   the direct shared-memory paths (all-reduce, large reduce-scatter).
 //! - [`hierarchical`]: ranks on several hosts: the TCP mesh, plus shared memory inside each host
 //!   and a leaders-only view of the mesh for the hierarchical all-reduce.
 //! - [`subset`]: some ranks of a transport as a group of their own (renumbered), for running
@@ -229,7 +229,7 @@ pub trait Transport: std::marker::Send {
     fn abort(&mut self, cause: &crate::Error);
 
     /// The shared-memory transport behind this one, if it is one (enables the algorithms of
-    /// [`crate::algorithms::shm_allreduce`]).
+    /// [`crate::algorithms::shm_direct`]).
     fn shm(&mut self) -> Option<&mut shm::ShmTransport> {
         None
     }

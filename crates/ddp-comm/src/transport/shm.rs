@@ -62,7 +62,7 @@
 //!
 //! # All-reduce fast path
 //!
-//! [`crate::algorithms::shm_allreduce`] bypasses the rings: ranks copy their input into their
+//! [`crate::algorithms::shm_direct`] bypasses the rings: ranks copy their input into their
 //! fast area and reduce from each other's areas directly (see that module's diagram), or, for
 //! large messages when the kernel allows it, copy straight between the ranks' buffers with
 //! `process_vm_readv`/`process_vm_writev` (cross-memory attach). Whether every rank may do the
@@ -779,14 +779,23 @@ impl ShmTransport {
         self.cma
     }
 
-    /// Enter a cross-memory-attach all-reduce over `len` bytes at `addr` in `chunks` chunks:
-    /// publish the buffer, then return `(registration number, first global chunk)`.
-    pub(crate) fn cma_begin(&mut self, addr: usize, len: usize, chunks: u64) -> (u64, u64) {
+    /// Enter a cross-memory-attach collective over `len` input bytes at `addr`, writing to
+    /// `out` (equal to `addr` in place), in `chunks` chunks: publish the buffers, then return
+    /// `(registration number, first global chunk)`.
+    pub(crate) fn cma_begin(
+        &mut self,
+        addr: usize,
+        len: usize,
+        out: usize,
+        chunks: u64,
+    ) -> (u64, u64) {
         let seg = self.seg();
         seg.counter(self.rank, segment::C_BUF_ADDR)
             .store(addr as u64, Ordering::Relaxed);
         seg.counter(self.rank, segment::C_BUF_LEN)
             .store(len as u64, Ordering::Relaxed);
+        seg.counter(self.rank, segment::C_OUT_ADDR)
+            .store(out as u64, Ordering::Relaxed);
         self.cma_collectives += 1;
         let first = self.cma_chunks;
         self.cma_chunks += chunks;
@@ -794,15 +803,15 @@ impl ShmTransport {
         (self.cma_collectives, first)
     }
 
-    /// `(address, length)` of the buffer `peer` registered (valid once its `Registered` counter
-    /// reached this collective, until every chunk of it is done).
-    pub(crate) fn peer_buffer(&self, peer: usize) -> (usize, usize) {
+    /// `(input address, input length, output address)` of the buffers `peer` registered (valid
+    /// once its `Registered` counter reached this collective, until every chunk of it is done).
+    pub(crate) fn peer_buffer(&self, peer: usize) -> (usize, usize, usize) {
         let seg = self.seg();
+        let word = |w| seg.counter(peer, w).load(Ordering::Relaxed) as usize;
         (
-            seg.counter(peer, segment::C_BUF_ADDR)
-                .load(Ordering::Relaxed) as usize,
-            seg.counter(peer, segment::C_BUF_LEN)
-                .load(Ordering::Relaxed) as usize,
+            word(segment::C_BUF_ADDR),
+            word(segment::C_BUF_LEN),
+            word(segment::C_OUT_ADDR),
         )
     }
 
@@ -1124,7 +1133,7 @@ impl ShmTransport {
         Ok(())
     }
 
-    // ----- fast path (used by `algorithms::shm_allreduce`) ------------------------------------
+    // ----- fast path (used by `algorithms::shm_direct`) ------------------------------------
 
     /// Geometry of the fast path.
     pub(crate) fn fast_geometry(&self) -> Geometry {

@@ -56,11 +56,13 @@ pub(crate) const C_FP: usize = 2 * LINE;
 pub(crate) const C_IN: usize = 3 * LINE;
 pub(crate) const C_RED: usize = 4 * LINE;
 pub(crate) const C_OUT: usize = 5 * LINE;
-/// Cross-memory-attach all-reduce: collectives entered (a counter), then the address and the
-/// length in bytes of this rank's buffer in the current one.
+/// Cross-memory-attach collectives: collectives entered (a counter), then the address and the
+/// length in bytes of this rank's input buffer in the current one, and the address of its
+/// output (the input itself for an in-place all-reduce).
 pub(crate) const C_REG: usize = 6 * LINE;
 pub(crate) const C_BUF_ADDR: usize = 6 * LINE + 8;
 pub(crate) const C_BUF_LEN: usize = 6 * LINE + 16;
+pub(crate) const C_OUT_ADDR: usize = 6 * LINE + 24;
 /// Address of an 8-byte probe value peers read at setup to test cross-memory attach, and the
 /// outcome of this rank's probes (0 pending, 1 every peer readable, 2 not usable).
 pub(crate) const C_PROBE_ADDR: usize = 7 * LINE;
@@ -439,7 +441,7 @@ impl Segment {
     }
 
     /// A 64-bit word of `rank`'s control block (`which`: `C_IN`, `C_RED`, `C_OUT`, `C_REG`,
-    /// `C_BUF_ADDR`, `C_BUF_LEN`, `C_PROBE_ADDR`, `C_CMA`).
+    /// `C_BUF_ADDR`, `C_BUF_LEN`, `C_OUT_ADDR`, `C_PROBE_ADDR`, `C_CMA`).
     pub(crate) fn counter(&self, rank: usize, which: usize) -> &AtomicU64 {
         self.u64(self.ctrl(rank) + which)
     }

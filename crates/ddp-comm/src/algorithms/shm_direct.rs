@@ -1,6 +1,7 @@
 //! All-reduce through the shared-memory segment directly (no message rings): each rank copies
 //! its input once into its fast area, and ranks reduce straight out of each other's areas; or,
-//! for large messages, straight between the ranks' own buffers (cross-memory attach).
+//! for large messages, straight between the ranks' own buffers (cross-memory attach). Large
+//! reduce-scatters ([`reduce_scatter`]) take the cross-memory path too.
 //!
 //! **Cross-memory attach** (at least [`Geometry::cma_min`] bytes, when every rank may use
 //! `process_vm_readv`/`writev` on the others): each rank publishes its buffer's address and
@@ -72,7 +73,9 @@ pub fn all_reduce<T: Element>(t: &mut ShmTransport, buf: &mut [T], op: ReduceOp)
     let geo = t.fast_geometry();
     let bytes = std::mem::size_of_val(buf);
     if t.cross_memory_attach() && bytes >= geo.cma_min {
-        cross_memory(t, buf, op, geo)
+        let (data, n) = (buf.as_mut_ptr(), buf.len());
+        // SAFETY: in place over `buf`, which this call borrows mutably.
+        unsafe { cross_memory(t, data, n, data, op, geo, None) }
     } else if bytes <= geo.one_shot_max {
         one_shot(t, buf, op)
     } else {
@@ -80,78 +83,132 @@ pub fn all_reduce<T: Element>(t: &mut ShmTransport, buf: &mut [T], op: ReduceOp)
     }
 }
 
-/// Cross-memory attach: every rank publishes its buffer; ranks claim chunks one at a time
-/// (an atomic counter), and the claimer of a chunk reads every peer's input for it with
-/// `process_vm_readv`, reduces in rank order, and writes the result into its own buffer and,
-/// with `process_vm_writev`, into every peer's. Whoever runs does the work: a descheduled rank
-/// does not hold the others up once it has published its buffer.
-fn cross_memory<T: Element>(
+/// Reduce-scatter: `output` (`n` elements) gets the reduction of every rank's segment `r` of
+/// `input` (`p * n` elements). Cross-memory attach only ([`cross_memory`]): each chunk lies
+/// inside one segment, and its claimer reads it from every input and writes the result to that
+/// segment's owner alone (half an all-reduce's traffic; no copy of the input). Returns `false`
+/// (nothing done) when cross-memory attach is off or the input is below [`Geometry::cma_min`];
+/// the caller then takes the message path.
+pub fn reduce_scatter<T: Element>(
     t: &mut ShmTransport,
-    buf: &mut [T],
+    input: &[T],
+    output: &mut [T],
+    op: ReduceOp,
+) -> Result<bool> {
+    if t.size() == 1 || !t.cross_memory_attach() {
+        return Ok(false);
+    }
+    let geo = t.fast_geometry();
+    if std::mem::size_of_val(input) < geo.cma_min {
+        return Ok(false);
+    }
+    let n = output.len();
+    // SAFETY: `input` holds `p * n` elements (checked by the caller) and is only read; `output`
+    // holds `n` and is written only by the claimers of this rank's segment.
+    unsafe {
+        cross_memory(
+            t,
+            input.as_ptr(),
+            input.len(),
+            output.as_mut_ptr(),
+            op,
+            geo,
+            Some(n),
+        )
+    }?;
+    Ok(true)
+}
+
+/// Cross-memory attach: every rank publishes its input and output; ranks claim chunks one at a
+/// time (an atomic counter), and the claimer of a chunk reads every peer's input for it with
+/// `process_vm_readv`, reduces in rank order, and writes the result:
+/// - all-reduce (`seg == None`, output = input, in place): into its own buffer and, with
+///   `process_vm_writev`, into every peer's;
+/// - reduce-scatter (`seg == Some(n)`: input is `p` segments of `n`, chunks lie inside one
+///   segment): into the output of that segment's owner only.
+///
+/// Whoever runs does the work: a descheduled rank does not hold the others up once it has
+/// published its buffers.
+///
+/// # Safety
+/// `input` holds `n_in` elements; `output` holds `n_in` (all-reduce, and may equal `input`) or
+/// `seg` elements; neither is used by anything else until this returns.
+unsafe fn cross_memory<T: Element>(
+    t: &mut ShmTransport,
+    input: *const T,
+    n_in: usize,
+    output: *mut T,
     op: ReduceOp,
     geo: Geometry,
+    seg: Option<usize>,
 ) -> Result<()> {
     let (r, p) = (t.rank(), t.size());
     let esz = std::mem::size_of::<T>();
-    let n = buf.len();
     let chunk = (geo.cma_chunk / esz).max(1);
-    let nchunks = n.div_ceil(chunk) as u64;
-    let bytes = std::mem::size_of_val(buf);
-    let data = buf.as_mut_ptr();
-    let (reg, first) = t.cma_begin(data as usize, bytes, nchunks);
+    // Chunks per owner's segment (reduce-scatter) or over the whole buffer (all-reduce).
+    let (seg_len, per_seg) = match seg {
+        Some(s) => (s, s.div_ceil(chunk)),
+        None => (n_in, n_in.div_ceil(chunk)),
+    };
+    let nchunks = (per_seg * if seg.is_some() { p } else { 1 }) as u64;
+    let bytes = n_in * esz;
+    let (reg, first) = t.cma_begin(input as usize, bytes, output as usize, nchunks);
     t.wait_peers(Counter::Registered, reg)?;
     t.check_same_collective()?;
     let t = &*t;
     // A peer's registration stays valid until every chunk is done; a peer already in a later
     // collective (possible only once all chunks are done) leaves nothing to claim here.
-    let mut peers: Vec<usize> = Vec::new();
+    let mut peers: Vec<(usize, usize)> = Vec::new();
+    let temp = || vec![T::zeroed(); chunk.min(n_in)];
     let mut temps: Vec<Vec<T>> = (0..p)
-        .map(|j| {
-            if j == r {
-                Vec::new()
-            } else {
-                vec![T::zeroed(); chunk.min(n)]
-            }
-        })
+        .map(|j| if j == r { Vec::new() } else { temp() })
         .collect();
+    // Reduce-scatter: where a chunk owned by a peer is reduced before it is sent.
+    let mut result = if seg.is_some() { temp() } else { Vec::new() };
     let end = first + nchunks;
     while let Some(c) = t.claim(end) {
         if peers.is_empty() {
             for j in 0..p {
-                let (addr, len) = t.peer_buffer(j);
+                let (addr, len, out) = t.peer_buffer(j);
                 if len != bytes {
                     return Err(t.mismatch(j, bytes, len));
                 }
-                peers.push(addr);
+                peers.push((addr, out));
             }
         }
-        let start = (c - first) as usize * chunk;
-        let len = chunk.min(n - start);
-        let off = start * esz;
+        let c = (c - first) as usize;
+        let (owner, within) = (c / per_seg, c % per_seg * chunk);
+        let start = owner * seg_len + within;
+        let len = chunk.min(seg_len - within);
         for j in (0..p).filter(|&j| j != r) {
             t.cma_transfer(
                 j,
-                peers[j] + off,
+                peers[j].0 + start * esz,
                 temps[j].as_mut_ptr().cast(),
                 len * esz,
                 false,
             )?;
         }
-        // SAFETY: `data + start` holds `len` elements of our buffer, which nobody else touches
-        // in this chunk (we claimed it); the temporaries hold the peers' inputs.
-        let own = unsafe { data.add(start) };
+        // SAFETY: `input + start` holds `len` of our input elements, and the destination `len`
+        // of our output (or the local result), which nobody else touches in this chunk (we
+        // claimed it); the temporaries hold the peers' inputs.
+        let own = unsafe { input.add(start) };
+        let (dest, at) = match seg {
+            None => (unsafe { output.add(start) }, start),
+            Some(_) if owner == r => (unsafe { output.add(within) }, within),
+            Some(_) => (result.as_mut_ptr(), within),
+        };
         let inputs: Vec<*const T> = (0..p)
-            .map(|j| {
-                if j == r {
-                    own as *const T
-                } else {
-                    temps[j].as_ptr()
-                }
-            })
+            .map(|j| if j == r { own } else { temps[j].as_ptr() })
             .collect();
-        unsafe { reduce_to(&inputs, &[own], len, op, p) };
-        for j in (0..p).filter(|&j| j != r) {
-            t.cma_transfer(j, peers[j] + off, own.cast(), len * esz, true)?;
+        unsafe { reduce_to(&inputs, &[dest], len, op, p) };
+        let targets = match seg {
+            None => (0..p).filter(|&j| j != r).collect(),
+            Some(_) if owner != r => vec![owner],
+            Some(_) => Vec::new(),
+        };
+        for j in targets {
+            t.cma_transfer(j, peers[j].1 + at * esz, dest.cast(), len * esz, true)?;
         }
         t.finish_chunk();
     }

@@ -1,13 +1,13 @@
 //! `ddp-comm`: the communication core of ddp-rs, with no ML dependencies.
 //!
-//! Data flows one way: environment ([`env`]) → rendezvous [`store`] → [`ProcessGroup`]
+//! Data flows one way: environment ([`env`](mod@env)) → rendezvous [`store`] → [`ProcessGroup`]
 //! (a [`transport`] connecting every pair of ranks, driven by a background thread) →
 //! collective [`algorithms`] over that transport. Every operation is bounded by a timeout and
 //! every failure names the peer rank, the collective and its sequence number.
 //!
 //! Where to find things:
 //! - [`store`]: the TCP key-value store used for rendezvous (server, client, prefix wrapper).
-//! - [`env`]: reading rank / world size / master address from torchrun, Slurm or OpenMPI env.
+//! - [`env`](mod@env): reading rank / world size / master address from torchrun, Slurm or OpenMPI env.
 //! - [`transport`]: the [`transport::Transport`] trait; TCP, shared memory, hierarchical (hosts).
 //! - [`algorithms`]: one file per collective algorithm (ring, recursive doubling, trees, ...).
 //! - [`process_group`]: groups, subgroups and the public collective API.

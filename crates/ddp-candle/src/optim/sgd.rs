@@ -91,7 +91,7 @@ struct Slot {
     buf: Buffer,
 }
 
-/// PyTorch's SGD (see the [module docs](self)); implements `candle_nn::Optimizer`.
+/// PyTorch's SGD (see the module docs); implements `candle_nn::Optimizer`.
 pub struct Sgd {
     slots: Vec<Slot>,
     params: ParamsSgd,

@@ -1,4 +1,4 @@
-//! Collective algorithms, one file each, written against [`Transport`] only.
+//! Collective algorithms, one file each, written against [`Transport`](crate::transport::Transport) only.
 //!
 //! - [`ring`]: bandwidth-optimal ring reduce-scatter and all-gather (and all-reduce as their
 //!   composition), processed in cache-sized chunks; for large messages.

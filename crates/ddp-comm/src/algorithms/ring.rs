@@ -13,7 +13,7 @@ use crate::Result;
 /// Bytes moved per exchange within one ring step.
 pub const CHUNK_BYTES: usize = 256 * 1024;
 
-/// Ring reduce-scatter in place over `buf` split into `p` segments ([`segment`]): afterwards
+/// Ring reduce-scatter in place over `buf` split into `p` segments (`segment`): afterwards
 /// segment `r` of rank `r` holds the reduction over all ranks (other segments hold partials).
 pub fn reduce_scatter<T: Element>(
     t: &mut dyn Transport,
@@ -63,7 +63,7 @@ pub fn all_gather<T: Element>(t: &mut dyn Transport, buf: &mut [T]) -> Result<()
 }
 
 /// Ring all-reduce: reduce-scatter then all-gather. With two ranks the two phases are fused
-/// chunk by chunk ([`all_reduce_pair`]).
+/// chunk by chunk (`all_reduce_pair`).
 pub fn all_reduce<T: Element>(t: &mut dyn Transport, buf: &mut [T], op: ReduceOp) -> Result<()> {
     if t.size() == 2 {
         return all_reduce_pair(t, buf, op);

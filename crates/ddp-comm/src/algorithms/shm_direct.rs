@@ -85,7 +85,7 @@ pub fn all_reduce<T: Element>(t: &mut ShmTransport, buf: &mut [T], op: ReduceOp)
 }
 
 /// Reduce-scatter: `output` (`n` elements) gets the reduction of every rank's segment `r` of
-/// `input` (`p * n` elements). Cross-memory attach only ([`cross_memory`]): each chunk lies
+/// `input` (`p * n` elements). Cross-memory attach only (`cross_memory`): each chunk lies
 /// inside one segment, and its claimer reads it from every input and writes the result to that
 /// segment's owner alone (half an all-reduce's traffic; no copy of the input). Returns `false`
 /// (nothing done) when cross-memory attach is off or the input is below [`Geometry::cma_min`];

@@ -6,10 +6,10 @@
 //! atomic counter, `compare_set` is an atomic swap. An optional shared secret
 //! (`DDP_STORE_SECRET`) makes the server refuse clients that do not know it.
 //!
-//! - [`server`]: [`StoreServer`], the listening side (hosted by rank 0 or by `ddprun`).
-//! - [`client`]: [`TcpStore`], the connecting side.
-//! - [`prefix`]: [`PrefixStore`], a namespace over any store.
-//! - [`protocol`]: the wire format shared by both sides.
+//! - `server`: [`StoreServer`], the listening side (hosted by rank 0 or by `ddprun`).
+//! - `client`: [`TcpStore`], the connecting side.
+//! - `prefix`: [`PrefixStore`], a namespace over any store.
+//! - `protocol`: the wire format shared by both sides.
 
 mod client;
 mod prefix;

@@ -22,11 +22,20 @@ fn worker() {
     let mode = std::env::var("DDP_TEST_MODE").expect("DDP_TEST_MODE");
     let timeout =
         Duration::from_secs(std::env::var("DDP_TEST_TIMEOUT").map_or(30, |v| v.parse().unwrap()));
+    // `DDP_TEST_HOSTS=0,0,1,1`: rank r claims to run on simulated host hosts[r] (hierarchical).
+    let host_id = std::env::var("DDP_TEST_HOSTS").ok().map(|hosts| {
+        let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
+        format!("test-host-{}", hosts.split(',').nth(rank).unwrap())
+    });
     let pg = init_process_group(InitOptions {
         timeout,
+        host_id,
         ..Default::default()
     })
     .unwrap();
+    if let Ok(want) = std::env::var("DDP_TEST_TOPOLOGY") {
+        assert!(pg.topology().starts_with(&want), "{}", pg.topology());
+    }
     let rank = pg.rank();
     let fail = |e: ddp_comm::Error| -> ! {
         println!("ERROR: {e}");
@@ -98,9 +107,25 @@ fn processes_match_reference_world_2_and_3() {
 
 #[test]
 fn killed_peer_is_named_by_every_survivor() {
-    let world = 3;
-    let victim = 1;
-    let mut children = spawn_workers("tcp", world, 0..world, "loop", &[]);
+    kill_one("tcp", 3, 1, &[]);
+}
+
+/// Hosts {0, 1} and {2, 3}: shared memory inside each, TCP between. Killing a host's leader
+/// (rank 2) must reach its host-mate over shared memory and the other host over TCP.
+#[test]
+fn killed_leader_of_a_hierarchical_group_is_named_by_every_survivor() {
+    let env = [
+        ("DDP_TEST_HOSTS", "0,0,1,1".to_string()),
+        ("DDP_TEST_TOPOLOGY", "hierarchical".to_string()),
+    ];
+    kill_one("auto", 4, 2, &env);
+    kill_one("auto", 4, 1, &env);
+}
+
+/// `world` workers of `backend` loop on all-reduces; `victim` is killed with SIGKILL mid-loop;
+/// every survivor must exit within 10 s with an error naming it and the collective.
+fn kill_one(backend: &str, world: usize, victim: usize, env: &[(&str, String)]) {
+    let mut children = spawn_workers(backend, world, 0..world, "loop", env);
     let _guard = guard(&children);
     // Wait until every worker has finished one all_reduce, then kill the victim mid-loop.
     let mut readers = Vec::new();

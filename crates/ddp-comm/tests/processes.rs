@@ -7,11 +7,12 @@
 
 mod common;
 
-use common::{finish, guard, spawn_workers};
+use common::{
+    expect_all_fail, finish, kill_one_mid_loop, spawn_workers, stalled_rank_1_times_out_naming_it,
+};
 
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use half::bf16;
-use std::io::{BufRead, BufReader};
 
 use std::time::{Duration, Instant};
 
@@ -107,7 +108,7 @@ fn processes_match_reference_world_2_and_3() {
 
 #[test]
 fn killed_peer_is_named_by_every_survivor() {
-    kill_one("tcp", 3, 1, &[]);
+    kill_one_mid_loop("tcp", 3, 1, &[]);
 }
 
 /// Hosts {0, 1} and {2, 3}: shared memory inside each, TCP between. Killing a host's leader
@@ -118,109 +119,16 @@ fn killed_leader_of_a_hierarchical_group_is_named_by_every_survivor() {
         ("DDP_TEST_HOSTS", "0,0,1,1".to_string()),
         ("DDP_TEST_TOPOLOGY", "hierarchical".to_string()),
     ];
-    kill_one("auto", 4, 2, &env);
-    kill_one("auto", 4, 1, &env);
-}
-
-/// `world` workers of `backend` loop on all-reduces; `victim` is killed with SIGKILL mid-loop;
-/// every survivor must exit within 10 s with an error naming it and the collective.
-fn kill_one(backend: &str, world: usize, victim: usize, env: &[(&str, String)]) {
-    let mut children = spawn_workers(backend, world, 0..world, "loop", env);
-    let _guard = guard(&children);
-    // Wait until every worker has finished one all_reduce, then kill the victim mid-loop.
-    let mut readers = Vec::new();
-    for c in children.iter_mut() {
-        let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
-        // Skip the test harness's own lines ("running 1 test", ...).
-        assert!(
-            lines
-                .by_ref()
-                .take(10)
-                .any(|l| l.is_ok_and(|l| l.ends_with("READY"))),
-            "a worker never became ready"
-        );
-        readers.push(lines);
-    }
-    let killed_at = Instant::now();
-    children[victim].kill().unwrap();
-    children[victim].wait().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    for (rank, (mut child, lines)) in children.into_iter().zip(readers).enumerate() {
-        if rank == victim {
-            continue;
-        }
-        // stdout was taken for the READY line; read the rest from the line iterator.
-        let code = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s.code();
-            }
-            assert!(
-                Instant::now() < deadline,
-                "rank {rank} hangs after its peer died"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let out: Vec<String> = lines.map_while(|l| l.ok()).collect();
-        let out = out.join("\n");
-        assert_eq!(code, Some(3), "rank {rank}: {out}");
-        assert!(
-            out.contains(&format!("rank {victim}")),
-            "rank {rank} does not name rank {victim}: {out}"
-        );
-        assert!(
-            out.contains("all_reduce"),
-            "rank {rank} does not name the collective: {out}"
-        );
-    }
-    assert!(
-        killed_at.elapsed() < Duration::from_secs(10),
-        "detection took {:?}",
-        killed_at.elapsed()
-    );
+    kill_one_mid_loop("auto", 4, 2, &env);
+    kill_one_mid_loop("auto", 4, 1, &env);
 }
 
 #[test]
 fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let children = spawn_workers("tcp", 3, 0..3, "mismatch", &[]);
-    let _guard = guard(&children);
-    for (rank, child) in children.into_iter().enumerate() {
-        let (code, out) = finish(child, deadline);
-        assert_eq!(code, Some(3), "rank {rank}: {out}");
-        assert!(out.contains("mismatch"), "rank {rank}: {out}");
-        assert!(
-            out.contains("f32 x 10") && out.contains("f32 x 11"),
-            "rank {rank} must name both sides: {out}"
-        );
-    }
+    expect_all_fail("tcp", "mismatch", 3, &["mismatch", "f32 x 10", "f32 x 11"]);
 }
 
 #[test]
 fn stalled_peer_times_out_naming_it() {
-    let start = Instant::now();
-    let deadline = start + Duration::from_secs(40);
-    let children = spawn_workers(
-        "tcp",
-        3,
-        0..3,
-        "stall",
-        &[("DDP_TEST_TIMEOUT", "3".to_string())],
-    );
-    let _guard = guard(&children);
-    for (rank, child) in children.into_iter().enumerate() {
-        let (code, out) = finish(child, if rank == 1 { Instant::now() } else { deadline });
-        if rank == 1 {
-            continue; // still asleep: killed
-        }
-        assert_eq!(code, Some(3), "rank {rank}: {out}");
-        assert!(
-            out.contains("rank 1"),
-            "rank {rank} must name the stalled rank 1: {out}"
-        );
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "took {:?}",
-            start.elapsed()
-        );
-    }
+    stalled_rank_1_times_out_naming_it("tcp");
 }

@@ -10,15 +10,15 @@
 mod common;
 
 use common::{
-    assert_bit_identical, check_all, check_every_collective, finish, random_float_all_reduces,
-    run_ranks_on, sizes, spawn_workers,
+    assert_bit_identical, check_all, check_every_collective, expect_all_fail, finish,
+    kill_one_mid_loop, random_float_all_reduces, run_ranks_on, sizes, spawn_workers,
+    stalled_rank_1_times_out_naming_it,
 };
 use ddp_comm::algorithms::AllReduceAlgorithm;
 use ddp_comm::process_group::Backend;
 use ddp_comm::transport::shm::NAME_PREFIX;
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use half::bf16;
-use std::io::{BufRead, BufReader};
 use std::process::Command;
 use std::time::{Duration, Instant};
 
@@ -362,58 +362,8 @@ fn processes_match_reference_over_shm() {
 /// these processes may remain in /dev/shm. `cma`: value of `DDP_SHM_CMA` (the large
 /// all-reduces use cross-memory attach, or the shared slots with "0").
 fn kill_one(victim: usize, cma: &str) {
-    let world = 3;
     let env = [("DDP_SHM_CMA", cma.to_string())];
-    let mut children = spawn_workers("shm", world, 0..world, "loop", &env);
-    let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
-    let mut readers = Vec::new();
-    for c in children.iter_mut() {
-        let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
-        // Skip the test harness's own lines ("running 1 test", ...).
-        assert!(
-            lines
-                .by_ref()
-                .take(10)
-                .any(|l| l.is_ok_and(|l| l.ends_with("READY"))),
-            "a worker never became ready"
-        );
-        readers.push(lines);
-    }
-    let killed_at = Instant::now();
-    children[victim].kill().unwrap();
-    children[victim].wait().unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    for (rank, (mut child, lines)) in children.into_iter().zip(readers).enumerate() {
-        if rank == victim {
-            continue;
-        }
-        let code = loop {
-            if let Some(s) = child.try_wait().unwrap() {
-                break s.code();
-            }
-            if Instant::now() > deadline {
-                child.kill().ok();
-                panic!("rank {rank} hangs after its peer {victim} died");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        };
-        let out: Vec<String> = lines.map_while(|l| l.ok()).collect();
-        let out = out.join("\n");
-        assert_eq!(code, Some(3), "rank {rank}: {out}");
-        assert!(
-            out.contains(&format!("rank {victim}")),
-            "rank {rank} does not name rank {victim}: {out}"
-        );
-        assert!(
-            out.contains("all_reduce"),
-            "rank {rank} does not name the collective: {out}"
-        );
-    }
-    assert!(
-        killed_at.elapsed() < Duration::from_secs(10),
-        "detection took {:?}",
-        killed_at.elapsed()
-    );
+    let pids = kill_one_mid_loop("shm", 3, victim, &env);
     assert_eq!(
         segments_of(&pids),
         Vec::<String>::new(),
@@ -458,32 +408,17 @@ fn segment_of_a_dead_creator_is_swept_by_the_next_group() {
     assert!(kept, "{alive_path} of a live process was removed");
 }
 
-fn expect_all_fail(mode: &str, world: usize, must_contain: &[&str]) {
-    let deadline = Instant::now() + Duration::from_secs(40);
-    for (rank, child) in spawn_workers("shm", world, 0..world, mode, &[])
-        .into_iter()
-        .enumerate()
-    {
-        let (code, out) = finish(child, deadline);
-        assert_eq!(code, Some(3), "{mode}: rank {rank}: {out}");
-        for s in must_contain {
-            assert!(
-                out.contains(s),
-                "{mode}: rank {rank} must mention {s:?}: {out}"
-            );
-        }
-    }
-}
-
 #[test]
 fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
-    expect_all_fail("mismatch", 3, &["mismatch", "f32 x 10", "f32 x 11"]);
+    expect_all_fail("shm", "mismatch", 3, &["mismatch", "f32 x 10", "f32 x 11"]);
     expect_all_fail(
+        "shm",
         "mismatch_large",
         3,
         &["mismatch", "f32 x 300000", "f32 x 300001"],
     );
     expect_all_fail(
+        "shm",
         "mismatch_mixed",
         3,
         &[
@@ -525,29 +460,5 @@ fn no_room_in_dev_shm_falls_back_to_tcp_or_fails_clearly() {
 
 #[test]
 fn stalled_peer_times_out_naming_it() {
-    let start = Instant::now();
-    let deadline = start + Duration::from_secs(40);
-    let children = spawn_workers(
-        "shm",
-        3,
-        0..3,
-        "stall",
-        &[("DDP_TEST_TIMEOUT", "3".to_string())],
-    );
-    for (rank, child) in children.into_iter().enumerate() {
-        let (code, out) = finish(child, if rank == 1 { Instant::now() } else { deadline });
-        if rank == 1 {
-            continue; // still asleep: killed
-        }
-        assert_eq!(code, Some(3), "rank {rank}: {out}");
-        assert!(
-            out.contains("rank 1"),
-            "rank {rank} must name the stalled rank 1: {out}"
-        );
-        assert!(
-            start.elapsed() < Duration::from_secs(15),
-            "took {:?}",
-            start.elapsed()
-        );
-    }
+    stalled_rank_1_times_out_naming_it("shm");
 }

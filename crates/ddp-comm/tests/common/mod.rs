@@ -11,7 +11,7 @@ use ddp_comm::{Element, ReduceOp};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use std::io::Read;
+use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -511,5 +511,113 @@ pub fn finish(mut child: Child, deadline: Instant) -> (Option<i32>, String) {
             return (None, "<killed: still running at the deadline>".into());
         }
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Start `world` workers in mode `loop` (each prints `READY` after its first all-reduce, then
+/// all-reduces until one fails: it prints `ERROR: ...` and exits 3), SIGKILL `victim` once
+/// every worker is ready, and check that every survivor exits 3 within 10 s with an error naming
+/// `rank {victim}` and `all_reduce`. Returns the workers' pids.
+pub fn kill_one_mid_loop(
+    backend: &str,
+    world: usize,
+    victim: usize,
+    env: &[(&str, String)],
+) -> Vec<u32> {
+    let mut children = spawn_workers(backend, world, 0..world, "loop", env);
+    let pids: Vec<u32> = children.iter().map(|c| c.id()).collect();
+    let _guard = guard(&children);
+    let mut readers = Vec::new();
+    for c in children.iter_mut() {
+        let mut lines = BufReader::new(c.stdout.take().unwrap()).lines();
+        // Skip the test harness's own lines ("running 1 test", ...).
+        assert!(
+            lines
+                .by_ref()
+                .take(10)
+                .any(|l| l.is_ok_and(|l| l.ends_with("READY"))),
+            "a worker never became ready"
+        );
+        readers.push(lines);
+    }
+    let killed_at = Instant::now();
+    children[victim].kill().unwrap();
+    children[victim].wait().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    for (rank, (mut child, lines)) in children.into_iter().zip(readers).enumerate() {
+        if rank == victim {
+            continue;
+        }
+        let code = loop {
+            if let Some(s) = child.try_wait().unwrap() {
+                break s.code();
+            }
+            assert!(
+                Instant::now() < deadline,
+                "rank {rank} hangs after its peer {victim} died"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        // stdout was taken for the READY line; the rest comes from the line iterator.
+        let out = lines.map_while(|l| l.ok()).collect::<Vec<_>>().join("\n");
+        assert_eq!(code, Some(3), "rank {rank}: {out}");
+        assert!(
+            out.contains(&format!("rank {victim}")),
+            "rank {rank} does not name rank {victim}: {out}"
+        );
+        assert!(
+            out.contains("all_reduce"),
+            "rank {rank} does not name the collective: {out}"
+        );
+    }
+    assert!(
+        killed_at.elapsed() < Duration::from_secs(10),
+        "detection took {:?}",
+        killed_at.elapsed()
+    );
+    pids
+}
+
+/// Three workers of `backend` in mode `stall` (rank 1 sleeps 20 s before an all-reduce the
+/// others have entered) with a 3 s timeout: ranks 0 and 2 must exit 3 within 15 s naming rank 1.
+pub fn stalled_rank_1_times_out_naming_it(backend: &str) {
+    let start = Instant::now();
+    let deadline = start + Duration::from_secs(40);
+    let env = [("DDP_TEST_TIMEOUT", "3".to_string())];
+    let children = spawn_workers(backend, 3, 0..3, "stall", &env);
+    let _guard = guard(&children);
+    for (rank, child) in children.into_iter().enumerate() {
+        let (code, out) = finish(child, if rank == 1 { Instant::now() } else { deadline });
+        if rank == 1 {
+            continue; // still asleep: killed
+        }
+        assert_eq!(code, Some(3), "rank {rank}: {out}");
+        assert!(
+            out.contains("rank 1"),
+            "rank {rank} must name the stalled rank 1: {out}"
+        );
+        assert!(
+            start.elapsed() < Duration::from_secs(15),
+            "took {:?}",
+            start.elapsed()
+        );
+    }
+}
+
+/// `world` workers of `backend` in `mode`: every one must exit 3 (a failed collective) with
+/// output containing each of `must_contain`, within 40 s.
+pub fn expect_all_fail(backend: &str, mode: &str, world: usize, must_contain: &[&str]) {
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let children = spawn_workers(backend, world, 0..world, mode, &[]);
+    let _guard = guard(&children);
+    for (rank, child) in children.into_iter().enumerate() {
+        let (code, out) = finish(child, deadline);
+        assert_eq!(code, Some(3), "{mode}: rank {rank}: {out}");
+        for s in must_contain {
+            assert!(
+                out.contains(s),
+                "{mode}: rank {rank} must mention {s:?}: {out}"
+            );
+        }
     }
 }

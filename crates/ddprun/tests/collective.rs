@@ -229,7 +229,9 @@ fn two_hosts_in_network_namespaces() {
         return;
     }
     let hosts = TwoHosts::new().expect("set up two network namespaces");
-    let launch = |i: usize, extra: &[&str], env: &[(&str, &str)]| {
+    // `ddprun` on host `i` (node rank `i` of 2, 2 workers) running the check; `flags` go to
+    // ddprun, `check_args` to the check.
+    let launch = |i: usize, flags: &[&str], check_args: &[&str], env: &[(&str, &str)]| {
         let rank = i.to_string();
         let mut args = vec![
             "--nnodes",
@@ -244,19 +246,18 @@ fn two_hosts_in_network_namespaces() {
             "2",
             "--rdzv-timeout",
             "20",
-            CHECK,
-            "--timeout",
-            "20",
         ];
-        args.extend_from_slice(extra);
+        args.extend_from_slice(flags);
+        args.extend_from_slice(&[CHECK, "--timeout", "20"]);
+        args.extend_from_slice(check_args);
         hosts.ddprun_env(i, &args, env)
     };
 
     // A collective across the two hosts (hierarchical: 2 ranks on each): node 1 starts first and
     // waits for node 0's store.
-    let n1 = launch(1, &[], &[]);
+    let n1 = launch(1, &[], &[], &[]);
     std::thread::sleep(Duration::from_millis(200));
-    let n0 = launch(0, &[], &[]);
+    let n0 = launch(0, &[], &[], &[]);
     let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
     assert_eq!(r0.code(), Some(0), "{r0}");
     assert_eq!(r1.code(), Some(0), "{r1}");
@@ -284,11 +285,13 @@ fn two_hosts_in_network_namespaces() {
     let (n0, n1) = (
         launch(
             0,
+            &[],
             &["--elements", "1048576"],
             &[("DDP_SOCKET_IFNAME", "dat0"), ("DDP_BACKEND", "tcp")],
         ),
         launch(
             1,
+            &[],
             &["--elements", "1048576"],
             &[("DDP_SOCKET_IFNAME", "dat1"), ("DDP_BACKEND", "tcp")],
         ),
@@ -311,8 +314,8 @@ fn two_hosts_in_network_namespaces() {
         "{control} bytes over the store's network ({data} over the data one)"
     );
     // A name that is not an interface: every rank fails naming it.
-    let n0 = launch(0, &[], &[("DDP_SOCKET_IFNAME", "nosuch9")]);
-    let n1 = launch(1, &[], &[("DDP_SOCKET_IFNAME", "nosuch9")]);
+    let n0 = launch(0, &[], &[], &[("DDP_SOCKET_IFNAME", "nosuch9")]);
+    let n1 = launch(1, &[], &[], &[("DDP_SOCKET_IFNAME", "nosuch9")]);
     let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
     for r in [&r0, &r1] {
         assert_eq!(r.code(), Some(1), "{r}");
@@ -321,30 +324,7 @@ fn two_hosts_in_network_namespaces() {
 
     // A rank on host 1 fails on attempt 0: both hosts restart their workers and finish.
     let extra = ["--fail-rank", "3", "--fail-attempt", "0"];
-    let restart = |i: usize| {
-        let rank = i.to_string();
-        let mut args = vec![
-            "--nnodes",
-            "2",
-            "--node-rank",
-            &rank,
-            "--master-addr",
-            TwoHosts::ADDRS[0],
-            "--master-port",
-            "29500",
-            "--nproc-per-node",
-            "2",
-            "--rdzv-timeout",
-            "20",
-            "--max-restarts",
-            "1",
-            CHECK,
-            "--timeout",
-            "20",
-        ];
-        args.extend_from_slice(&extra);
-        hosts.ddprun(i, &args)
-    };
+    let restart = |i: usize| launch(i, &["--max-restarts", "1"], &extra, &[]);
     let (n0, n1) = (restart(0), restart(1));
     let (r0, r1) = (n0.finish(LIMIT), n1.finish(LIMIT));
     assert_eq!(r0.code(), Some(0), "{r0}");

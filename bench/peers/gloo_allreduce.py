@@ -34,12 +34,11 @@ import argparse
 import datetime
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import sys
 import time
+
+from local_launch import launch
 
 OPS = ("all_reduce", "all_gather", "reduce_scatter", "broadcast")
 SMALL = 1 << 20  # sizes below 1 MiB use --small-iters
@@ -59,52 +58,6 @@ def busbw_factor(op, n):
     if op in ("all_gather", "reduce_scatter"):
         return (n - 1) / n
     return 1.0
-
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args):
-    """Parent: spawn --nproc copies of this script as ranks; bounded by --timeout."""
-    # `timeout`/Ctrl-C on the launcher must not orphan the ranks: exit through the `finally` below.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    port = free_port()
-    procs = []
-    for rank in range(args.nproc):
-        env = dict(os.environ)
-        env.update(
-            RANK=str(rank),
-            LOCAL_RANK=str(rank),
-            WORLD_SIZE=str(args.nproc),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1",
-        )
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + sys.argv[1:], env=env))
-    deadline = time.monotonic() + args.timeout
-    rc = 0
-    try:
-        for rank, p in enumerate(procs):
-            left = max(0.1, deadline - time.monotonic())
-            try:
-                r = p.wait(timeout=left)
-            except subprocess.TimeoutExpired:
-                print(f"gloo_allreduce: rank {rank} still running after --timeout {args.timeout}s; killing all ranks",
-                      file=sys.stderr)
-                rc = 124
-                break
-            if r != 0:
-                print(f"gloo_allreduce: rank {rank} exited with status {r}", file=sys.stderr)
-                rc = rc or r
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return rc
 
 
 def make_inputs(torch, op, count, rank, world):
@@ -227,7 +180,7 @@ def main():
         p.error("need --nproc >= 1, 4 <= --min-bytes <= --max-bytes, --iters >= 1")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return run_rank(args)  # launched by us (or by torchrun)
-    return launch(args)
+    return launch(__file__, args.nproc, args.timeout)
 
 
 if __name__ == "__main__":

@@ -27,50 +27,10 @@ import argparse
 import datetime
 import json
 import os
-import signal
-import socket
-import subprocess
 import sys
 import time
 
-
-def free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(args):
-    """Parent: spawn --nproc ranks of this script (gloo rendezvous on 127.0.0.1), bounded by --timeout."""
-    # `timeout`/Ctrl-C on the launcher must not orphan the ranks: exit through the `finally` below.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    port = free_port()
-    procs = []
-    for rank in range(args.nproc):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(args.nproc),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-        procs.append(subprocess.Popen([sys.executable, os.path.abspath(__file__)] + sys.argv[1:], env=env))
-    deadline = time.monotonic() + args.timeout
-    rc = 0
-    try:
-        for rank, p in enumerate(procs):
-            try:
-                r = p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"torch_ddp_train: rank {rank} still running after --timeout {args.timeout}s; killing all ranks",
-                      file=sys.stderr)
-                rc = 124
-                break
-            if r != 0:
-                print(f"torch_ddp_train: rank {rank} exited with status {r}", file=sys.stderr)
-                rc = rc or r
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    return rc
+from local_launch import launch
 
 
 def build_model(torch):
@@ -161,7 +121,7 @@ def main():
         p.error("--steps must be >= 1")
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         return train(args)  # launched by us (or by torchrun)
-    return launch(args)
+    return launch(__file__, args.nproc, args.timeout)
 
 
 if __name__ == "__main__":

@@ -114,19 +114,7 @@ fn failing_rank_stops_the_others_and_is_named() {
            echo 'rank 1 is about to fail' >&2; echo 'last words' >&2; exit 3; \
          fi; exec sleep 60"
     );
-    let r = run(
-        &[
-            "--nproc-per-node",
-            "3",
-            "--master-port",
-            "0",
-            "--",
-            "sh",
-            "-c",
-            &script,
-        ],
-        LIMIT,
-    );
+    let r = run_sh(3, &["--"], &script, LIMIT);
     assert_eq!(r.code(), Some(1), "{r}");
     assert!(
         r.elapsed < Duration::from_secs(20),
@@ -160,18 +148,7 @@ fn failing_rank_stops_the_others_and_is_named() {
 fn worker_killed_by_signal_is_named() {
     for (sig, name) in [("SEGV", "SIGSEGV"), ("KILL", "SIGKILL")] {
         let script = format!("if [ \"$RANK\" = 0 ]; then kill -{sig} $$; fi; exec sleep 60");
-        let r = run(
-            &[
-                "--nproc-per-node",
-                "2",
-                "--master-port",
-                "0",
-                "sh",
-                "-c",
-                &script,
-            ],
-            LIMIT,
-        );
+        let r = run_sh(2, &[], &script, LIMIT);
         assert_eq!(r.code(), Some(1), "{r}");
         assert!(r.stderr.contains("rank       : 0"), "{r}");
         assert!(
@@ -232,36 +209,17 @@ fn restart_after_failure_on_first_attempt() {
     );
 
     // Without restarts the same program fails.
-    let r = run(
-        &[
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "0",
-            "sh",
-            "-c",
-            script,
-        ],
-        LIMIT,
-    );
+    let r = run_sh(2, &[], script, LIMIT);
     assert_eq!(r.code(), Some(1), "{r}");
     assert!(r.stderr.contains("use --max-restarts K"), "{r}");
 }
 
 #[test]
 fn restarts_are_bounded() {
-    let r = run(
-        &[
-            "--nproc-per-node",
-            "1",
-            "--master-port",
-            "0",
-            "--max-restarts",
-            "2",
-            "sh",
-            "-c",
-            "echo attempt $TORCHELASTIC_RESTART_COUNT; exit 5",
-        ],
+    let r = run_sh(
+        1,
+        &["--max-restarts", "2"],
+        "echo attempt $TORCHELASTIC_RESTART_COUNT; exit 5",
         LIMIT,
     );
     assert_eq!(r.code(), Some(1), "{r}");
@@ -396,20 +354,7 @@ fn signals_to_the_launcher_are_forwarded_without_orphans() {
 fn worker_ignoring_sigterm_is_killed_after_the_grace_period() {
     let script = "trap '' TERM; if [ \"$RANK\" = 1 ]; then sleep 0.3; exit 2; fi; \
                   while true; do sleep 0.1; done";
-    let r = run(
-        &[
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "0",
-            "--stop-grace-period",
-            "1",
-            "sh",
-            "-c",
-            script,
-        ],
-        LIMIT,
-    );
+    let r = run_sh(2, &["--stop-grace-period", "1"], script, LIMIT);
     assert_eq!(r.code(), Some(1), "{r}");
     assert!(
         r.stderr

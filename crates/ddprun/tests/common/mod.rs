@@ -115,6 +115,15 @@ pub fn run(args: &[&str], limit: Duration) -> Run {
     Running::start(ddprun(args)).finish(limit)
 }
 
+/// `ddprun --nproc-per-node NPROC --master-port 0 FLAGS sh -c SCRIPT`, finished within `limit`.
+pub fn run_sh(nproc: usize, flags: &[&str], script: &str, limit: Duration) -> Run {
+    let nproc = nproc.to_string();
+    let mut args = vec!["--nproc-per-node", &nproc, "--master-port", "0"];
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&["sh", "-c", script]);
+    run(&args, limit)
+}
+
 /// A TCP port that was free a moment ago.
 pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0")

@@ -59,11 +59,20 @@ impl EnvConfig {
         };
         let port = |default: Option<u16>| -> Result<u16> {
             match get("MASTER_PORT") {
-                Some(v) => v.trim().parse::<u16>().map_err(|_| {
-                    Error::Config(format!(
-                        "MASTER_PORT={v:?} is not a port number (0..=65535)"
-                    ))
-                }),
+                Some(v) => match v.trim().parse::<u16>() {
+                    // Port 0 asks a server for any free port, but then the other ranks cannot
+                    // know it: only a launcher can pick it and pass the real one on.
+                    Ok(0) => Err(Error::Config(
+                        "MASTER_PORT=0: port 0 means \"any free port\", which the other ranks \
+                         cannot learn without a launcher (ddprun --master-port 0 picks one and \
+                         sets MASTER_PORT to it); set a fixed MASTER_PORT such as 29500"
+                            .into(),
+                    )),
+                    Ok(p) => Ok(p),
+                    Err(_) => Err(Error::Config(format!(
+                        "MASTER_PORT={v:?} is not a port number (1..=65535)"
+                    ))),
+                },
                 None => default.ok_or_else(|| Error::Config("MASTER_PORT is not set".into())),
             }
         };
@@ -225,6 +234,17 @@ mod tests {
         ])
         .unwrap_err();
         assert!(e.to_string().contains("MASTER_PORT=\"99999\""), "{e}");
+        let e = cfg(&[
+            ("RANK", "0"),
+            ("WORLD_SIZE", "2"),
+            ("MASTER_ADDR", "h"),
+            ("MASTER_PORT", "0"),
+        ])
+        .unwrap_err();
+        assert!(
+            e.to_string().contains("MASTER_PORT=0") && e.to_string().contains("launcher"),
+            "{e}"
+        );
         let e = cfg(&[("RANK", "x"), ("WORLD_SIZE", "1")]).unwrap_err();
         assert!(e.to_string().contains("RANK=\"x\""), "{e}");
         assert!(cfg(&[])

@@ -10,9 +10,16 @@
 //! the same `TcpStore` queue behind it. Give each user that blocks concurrently its own
 //! connection ([`TcpStore::try_clone`]).
 //!
+//! The handshake proves the shared secret without sending it (see [`super::auth`]) and, when
+//! the client has a secret, checks that the server knows it too: a client with a secret refuses
+//! a server that does not ask for one. When the server closes the connection during the
+//! handshake (it evicts the oldest unauthenticated connections when flooded), the client
+//! reconnects a few times within `connect_timeout`.
+//!
 //! After any I/O failure the connection is considered broken and every later call fails with an
 //! error naming the store address (use [`TcpStore::try_clone`] to open a fresh connection).
 
+use super::auth::{self, Side};
 use super::protocol::{
     read_frame, timeout_to_ms, write_frame, ErrorKind, FrameError, Request, Response, MAX_FRAME,
     MAX_KEY_LEN, MAX_VALUE_LEN, VERSION,
@@ -79,7 +86,12 @@ struct Conn {
     stream: TcpStream,
     /// Why the connection was abandoned, if it was.
     broken: Option<String>,
+    /// The server closed the connection (rather than answering badly or timing out).
+    closed_by_peer: bool,
 }
+
+/// Reconnections after the server closed the connection during the handshake.
+const HANDSHAKE_RETRIES: u32 = 3;
 
 impl std::fmt::Debug for TcpStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -95,40 +107,103 @@ impl TcpStore {
     /// Connect to the store at `addr` (`HOST:PORT`), retrying until `opts.connect_timeout`
     /// while nobody listens there yet, then perform the handshake.
     pub fn connect(addr: &str, opts: StoreOptions) -> Result<TcpStore> {
-        let stream = connect_with_retry(addr, opts.connect_timeout)?;
-        let store_err = |message: String| Error::Store {
+        let start = Instant::now();
+        let mut retries = 0;
+        let mut first_error = None;
+        loop {
+            let window = match first_error {
+                None => opts.connect_timeout,
+                // Reconnecting after an eviction: briefly, and report the first failure if the
+                // server is gone.
+                Some(_) => opts
+                    .connect_timeout
+                    .saturating_sub(start.elapsed())
+                    .min(Duration::from_secs(1)),
+            };
+            let stream = match connect_with_retry(addr, window) {
+                Ok(s) => s,
+                Err(e) => return Err(first_error.unwrap_or(e)),
+            };
+            let store = TcpStore::over(addr, stream, opts.clone())?;
+            match store.handshake() {
+                Ok(()) => return Ok(store),
+                Err(e) => {
+                    let dropped = store.lock().closed_by_peer;
+                    let time_left = start.elapsed() < opts.connect_timeout;
+                    if !dropped || retries >= HANDSHAKE_RETRIES || !time_left {
+                        return Err(first_error.unwrap_or(e));
+                    }
+                    tracing::debug!(addr, "store closed the connection during the handshake; reconnecting: {e}");
+                    retries += 1;
+                    first_error.get_or_insert(e);
+                    std::thread::sleep(Duration::from_millis(20 << retries));
+                }
+            }
+        }
+    }
+
+    fn over(addr: &str, stream: TcpStream, opts: StoreOptions) -> Result<TcpStore> {
+        let local_addr = stream.local_addr().map_err(|e| Error::Store {
             addr: addr.to_string(),
-            message,
-        };
-        let local_addr = stream
-            .local_addr()
-            .map_err(|e| store_err(format!("cannot read the local address: {e}")))?;
+            message: format!("cannot read the local address: {e}"),
+        })?;
         let _ = stream.set_nodelay(true);
-        let store = TcpStore {
+        Ok(TcpStore {
             addr: addr.to_string(),
             local_addr,
             conn: Mutex::new(Conn {
                 stream,
                 broken: None,
+                closed_by_peer: false,
             }),
             opts,
+        })
+    }
+
+    /// Prove the secret without sending it, and check the server's proof (see [`super::auth`]).
+    fn handshake(&self) -> Result<()> {
+        let store_err = |message: String| Error::Store {
+            addr: self.addr.clone(),
+            message,
         };
+        let refused =
+            || store_err("refused this client: wrong or missing shared secret (DDP_STORE_SECRET)".into());
+        let client_nonce =
+            auth::nonce().map_err(|e| store_err(format!("cannot draw a random nonce: {e}")))?;
+        let reply_within = self.opts.connect_timeout.max(Duration::from_secs(1));
         let hello = Request::Hello {
             version: VERSION,
-            secret: store
-                .opts
-                .secret
-                .clone()
-                .map(String::into_bytes)
-                .unwrap_or_default(),
+            nonce: client_nonce.to_vec(),
         };
-        let reply_within = store.opts.connect_timeout.max(Duration::from_secs(1));
-        match store.request(&hello, reply_within)? {
-            Response::Ok => Ok(store),
-            Response::Refused => Err(store_err(
-                "refused this client: wrong or missing shared secret (DDP_STORE_SECRET)".into(),
+        let key = self.opts.secret.as_deref().unwrap_or("").as_bytes();
+        match self.request(&hello, reply_within)? {
+            Response::Ok if self.opts.secret.is_some() => Err(store_err(
+                "the store accepted this client without asking for the shared secret: it runs \
+                 without DDP_STORE_SECRET while this client has one (or it is not your job's \
+                 store), so it cannot be trusted with this job's data"
+                    .into(),
             )),
-            other => Err(unexpected(&store.addr, "handshake", &other)),
+            Response::Ok => Ok(()),
+            Response::Challenge(server_nonce) => {
+                let proof = auth::proof(key, Side::Client, &client_nonce, &server_nonce);
+                match self.request(&Request::Auth { proof }, reply_within)? {
+                    Response::Welcome(theirs)
+                        if auth::verify(key, Side::Server, &client_nonce, &server_nonce, &theirs) =>
+                    {
+                        Ok(())
+                    }
+                    Response::Welcome(_) => Err(store_err(
+                        "the store could not prove that it knows the shared secret \
+                         (DDP_STORE_SECRET): it is not your job's store, or something on the way \
+                         tampered with the handshake"
+                            .into(),
+                    )),
+                    Response::Refused => Err(refused()),
+                    other => Err(unexpected(&self.addr, "authentication", &other)),
+                }
+            }
+            Response::Refused => Err(refused()),
+            other => Err(unexpected(&self.addr, "handshake", &other)),
         }
     }
 
@@ -177,33 +252,35 @@ impl TcpStore {
             .stream
             .set_write_timeout(limit)
             .and_then(|()| conn.stream.set_read_timeout(limit))
-            .map_err(|e| format!("cannot set socket timeouts: {e}"))
+            .map_err(|e| (format!("cannot set socket timeouts: {e}"), false))
             .and_then(|()| {
                 write_frame(&mut conn.stream, &req.encode()).map_err(|e| match e.kind() {
-                    IoKind::WouldBlock | IoKind::TimedOut => format!(
+                    IoKind::WouldBlock | IoKind::TimedOut => (format!(
                         "could not send the request within {reply_within:?} (the store host may be down or unreachable)"
-                    ),
-                    _ => format!("connection lost while sending the request: {e} (did the master exit?)"),
+                    ), false),
+                    _ => (format!("connection lost while sending the request: {e} (did the master exit?)"), true),
                 })
             })
             .and_then(|()| {
                 read_frame(&mut conn.stream, MAX_FRAME).map_err(|e| match e {
-                    FrameError::Closed | FrameError::Truncated { .. } => {
-                        "the store closed the connection (did the master exit?)".to_string()
-                    }
+                    FrameError::Closed | FrameError::Truncated { .. } => (
+                        "the store closed the connection (did the master exit?)".to_string(),
+                        true,
+                    ),
                     FrameError::Io(e)
                         if matches!(e.kind(), IoKind::WouldBlock | IoKind::TimedOut) =>
                     {
-                        format!(
+                        (format!(
                             "no reply within {reply_within:?} (the store host may be down or unreachable)"
-                        )
+                        ), false)
                     }
-                    FrameError::Io(e) => format!("connection lost: {e} (did the master exit?)"),
-                    other => format!("protocol error: {other}"),
+                    FrameError::Io(e) => (format!("connection lost: {e} (did the master exit?)"), true),
+                    other => (format!("protocol error: {other}"), false),
                 })
             })
             .and_then(|body| {
-                Response::decode(&body).map_err(|e| format!("protocol error in the reply: {e}"))
+                Response::decode(&body)
+                    .map_err(|e| (format!("protocol error in the reply: {e}"), false))
             });
         match io_result {
             Ok(Response::Error { kind, message }) => Err(match kind {
@@ -214,13 +291,15 @@ impl TcpStore {
                 },
             }),
             Ok(resp) => Ok(resp),
-            Err(why) => {
+            Err((why, closed)) => {
                 let _ = conn.stream.shutdown(std::net::Shutdown::Both);
                 conn.broken = Some(why.clone());
-                let message = if matches!(req, Request::Hello { .. }) {
+                conn.closed_by_peer = closed;
+                let message = if matches!(req, Request::Hello { .. } | Request::Auth { .. }) {
                     format!(
                         "handshake failed ({why}): is {} really a ddp-rs store \
-                         (MASTER_PORT pointing at another service?)",
+                         (MASTER_PORT pointing at another service?), or is the store flooded \
+                         with connections that never authenticate?",
                         self.addr
                     )
                 } else {
@@ -243,6 +322,7 @@ impl TcpStore {
 fn describe(req: &Request) -> String {
     match req {
         Request::Hello { .. } => "handshake".into(),
+        Request::Auth { .. } => "authentication".into(),
         Request::Set { key, .. }
         | Request::Get { key, .. }
         | Request::Add { key, .. }
@@ -291,13 +371,22 @@ fn timeout_error(keys: Vec<String>, timeout: Duration) -> Error {
 
 /// Connect to `addr`, retrying with backoff while nothing listens there, until `timeout`.
 fn connect_with_retry(addr: &str, timeout: Duration) -> Result<TcpStream> {
-    if addr
-        .rsplit_once(':')
-        .is_none_or(|(host, port)| host.is_empty() || port.parse::<u16>().is_err())
-    {
-        return Err(Error::Config(format!(
-            "invalid store address {addr:?}: expected HOST:PORT (MASTER_ADDR:MASTER_PORT)"
-        )));
+    match addr.rsplit_once(':') {
+        Some((host, port)) if !host.is_empty() && port.parse::<u16>().is_ok() => {
+            if port.parse::<u16>() == Ok(0) {
+                return Err(Error::Config(format!(
+                    "invalid store address {addr:?}: port 0 means \"any free port\" to a server, \
+                     and nothing can connect to it; MASTER_PORT=0 only works with a launcher that \
+                     picks the port and passes it on (ddprun --master-port 0), so set a fixed \
+                     MASTER_PORT such as 29500"
+                )));
+            }
+        }
+        _ => {
+            return Err(Error::Config(format!(
+                "invalid store address {addr:?}: expected HOST:PORT (MASTER_ADDR:MASTER_PORT)"
+            )))
+        }
     }
     let start = Instant::now();
     let deadline = start.checked_add(timeout);

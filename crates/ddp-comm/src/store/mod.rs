@@ -11,14 +11,18 @@
 //! - `prefix`: [`PrefixStore`], a namespace over any store.
 //! - `protocol`: the wire format shared by both sides.
 
+mod auth;
 mod client;
 mod prefix;
 mod protocol;
+mod serve;
 mod server;
 
 pub use client::{StoreOptions, TcpStore};
 pub use prefix::PrefixStore;
-pub use server::StoreServer;
+pub use server::{
+    raise_fd_limit, ServerOptions, StoreServer, DEFAULT_HANDSHAKE_TIMEOUT, MAX_CONNECTIONS_ENV,
+};
 
 use crate::Result;
 use std::time::Duration;

@@ -13,7 +13,8 @@
 //!
 //! | opcode | name          | fields                                                        | reply            |
 //! |--------|---------------|---------------------------------------------------------------|------------------|
-//! | `0x01` | `HELLO`       | magic `b"DDPS"`, version:u16-LE, secret:bytes                 | `OK` / `REFUSED` |
+//! | `0x01` | `HELLO`       | magic `b"DDPS"`, version:u16-LE, client_nonce:bytes           | `OK` / `CHALLENGE` / `ERROR` |
+//! | `0x0a` | `AUTH`        | proof:bytes (HMAC of both nonces, see [`super::auth`])       | `WELCOME` / `REFUSED` |
 //! | `0x02` | `SET`         | key:string, value:bytes                                       | `OK`             |
 //! | `0x03` | `GET`         | key:string, timeout_ms:u64-LE                                 | `VALUE` / `TIMEOUT` |
 //! | `0x04` | `ADD`         | key:string, delta:i64-LE                                      | `INT`            |
@@ -31,6 +32,8 @@
 //! |--------|-----------|-----------------------------------------------------------|
 //! | `0x80` | `OK`      | (none)                                                    |
 //! | `0x81` | `REFUSED` | (none): wrong or missing secret; the server then closes   |
+//! | `0x88` | `CHALLENGE` | server_nonce:bytes: the server has a secret, prove it with `AUTH` |
+//! | `0x89` | `WELCOME` | proof:bytes: the server's proof that it knows the secret too |
 //! | `0x82` | `VALUE`   | value:bytes                                               |
 //! | `0x83` | `INT`     | value:i64-LE                                              |
 //! | `0x84` | `BOOL`    | value:u8 (0 or 1)                                         |
@@ -40,6 +43,14 @@
 //!
 //! The first request on a connection must be `HELLO`, and its frame may be at most
 //! [`MAX_HANDSHAKE_FRAME`] bytes, so unauthenticated peers cannot make the server allocate much.
+//! A server without a secret answers `HELLO` with `OK`. A server with one answers `CHALLENGE`;
+//! the client sends `AUTH` with its proof, and the server answers `WELCOME` with its own proof
+//! (which the client checks) or `REFUSED`. The secret itself never crosses the wire. A server
+//! at its connection limit answers `HELLO` with `ERROR` naming the limit, then closes.
+//!
+//! `HELLO` keeps the layout of version 1 (whose last field was the secret in plain text), so a
+//! server of either version reads the other's version number and answers a mismatch with an
+//! `ERROR` naming both versions instead of hanging.
 //! Counters written by `ADD` are stored as ASCII decimal strings, like PyTorch's `TCPStore`.
 
 use std::io::{self, Read, Write};
@@ -48,13 +59,13 @@ use std::time::Duration;
 /// Largest frame body accepted in either direction (64 MiB).
 pub(crate) const MAX_FRAME: usize = 64 << 20;
 /// Largest frame body accepted before the handshake succeeded.
-pub(crate) const MAX_HANDSHAKE_FRAME: usize = 64 << 10;
+pub(crate) const MAX_HANDSHAKE_FRAME: usize = 4 << 10;
 /// Longest key, in bytes.
 pub(crate) const MAX_KEY_LEN: usize = 4096;
 /// Handshake magic: "ddp-rs store".
 pub(crate) const MAGIC: [u8; 4] = *b"DDPS";
 /// Protocol version spoken by this build.
-pub(crate) const VERSION: u16 = 1;
+pub(crate) const VERSION: u16 = 2;
 /// `timeout_ms` value meaning "no timeout".
 pub(crate) const NO_TIMEOUT: u64 = u64::MAX;
 /// Bytes of a frame that are not the value of a `SET` with a key of [`MAX_KEY_LEN`] bytes.
@@ -70,6 +81,7 @@ mod op {
     pub const DELETE: u8 = 0x07;
     pub const NUM_KEYS: u8 = 0x08;
     pub const CHECK: u8 = 0x09;
+    pub const AUTH: u8 = 0x0a;
 
     pub const OK: u8 = 0x80;
     pub const REFUSED: u8 = 0x81;
@@ -79,14 +91,21 @@ mod op {
     pub const COUNT: u8 = 0x85;
     pub const TIMEOUT: u8 = 0x86;
     pub const ERROR: u8 = 0x87;
+    pub const CHALLENGE: u8 = 0x88;
+    pub const WELCOME: u8 = 0x89;
 }
 
 /// A client → server message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Request {
+    /// `nonce` is the client's nonce (for other versions: whatever their last field holds,
+    /// which the server never looks at).
     Hello {
         version: u16,
-        secret: Vec<u8>,
+        nonce: Vec<u8>,
+    },
+    Auth {
+        proof: Vec<u8>,
     },
     Set {
         key: String,
@@ -132,6 +151,8 @@ pub(crate) enum ErrorKind {
 pub(crate) enum Response {
     Ok,
     Refused,
+    Challenge(Vec<u8>),
+    Welcome(Vec<u8>),
     Value(Vec<u8>),
     Int(i64),
     Bool(bool),
@@ -357,6 +378,7 @@ impl Request {
     pub(crate) fn name(&self) -> &'static str {
         match self {
             Request::Hello { .. } => "handshake",
+            Request::Auth { .. } => "authentication",
             Request::Set { .. } => "set",
             Request::Get { .. } => "get",
             Request::Add { .. } => "add",
@@ -371,11 +393,12 @@ impl Request {
     /// The complete frame, length prefix included.
     pub(crate) fn encode(&self) -> Vec<u8> {
         match self {
-            Request::Hello { version, secret } => Encoder::new(op::HELLO)
+            Request::Hello { version, nonce } => Encoder::new(op::HELLO)
                 .raw(&MAGIC)
                 .raw(&version.to_le_bytes())
-                .bytes(secret)
+                .bytes(nonce)
                 .finish(),
+            Request::Auth { proof } => Encoder::new(op::AUTH).bytes(proof).finish(),
             Request::Set { key, value } => Encoder::new(op::SET)
                 .bytes(key.as_bytes())
                 .bytes(value)
@@ -427,8 +450,21 @@ impl Request {
                     )));
                 }
                 let version = d.u16("version")?;
-                let secret = d.bytes("secret")?;
-                Request::Hello { version, secret }
+                if version != VERSION {
+                    // Another version's layout: the version is all the server needs to answer.
+                    return Ok(Request::Hello {
+                        version,
+                        nonce: Vec::new(),
+                    });
+                }
+                let nonce = d.bytes("client nonce")?;
+                Request::Hello { version, nonce }
+            }
+            op::AUTH => {
+                d.what = "authentication";
+                Request::Auth {
+                    proof: d.bytes("proof")?,
+                }
             }
             op::SET => {
                 d.what = "set request";
@@ -492,6 +528,8 @@ impl Response {
         match self {
             Response::Ok => Encoder::new(op::OK).finish(),
             Response::Refused => Encoder::new(op::REFUSED).finish(),
+            Response::Challenge(n) => Encoder::new(op::CHALLENGE).bytes(n).finish(),
+            Response::Welcome(p) => Encoder::new(op::WELCOME).bytes(p).finish(),
             Response::Value(v) => Encoder::new(op::VALUE).bytes(v).finish(),
             Response::Int(v) => Encoder::new(op::INT).raw(&v.to_le_bytes()).finish(),
             Response::Bool(v) => Encoder::new(op::BOOL).raw(&[*v as u8]).finish(),
@@ -520,6 +558,8 @@ impl Response {
         let resp = match opcode {
             op::OK => Response::Ok,
             op::REFUSED => Response::Refused,
+            op::CHALLENGE => Response::Challenge(d.bytes("server nonce")?),
+            op::WELCOME => Response::Welcome(d.bytes("proof")?),
             op::VALUE => Response::Value(d.bytes("value")?),
             op::INT => Response::Int(d.i64("value")?),
             op::BOOL => match d.u8("value")? {
@@ -576,7 +616,10 @@ mod tests {
         vec![
             Request::Hello {
                 version: VERSION,
-                secret: b"s3cret".to_vec(),
+                nonce: vec![7; 32],
+            },
+            Request::Auth {
+                proof: vec![9; 32],
             },
             Request::Set {
                 key: "rdzv/addr/0".into(),
@@ -609,6 +652,8 @@ mod tests {
         vec![
             Response::Ok,
             Response::Refused,
+            Response::Challenge(vec![1; 32]),
+            Response::Welcome(vec![2; 32]),
             Response::Value(b"v".to_vec()),
             Response::Int(i64::MIN),
             Response::Bool(true),
@@ -690,6 +735,23 @@ mod tests {
         bad_magic.extend_from_slice(b"HTTP");
         let err = Request::decode(&bad_magic).unwrap_err();
         assert!(err.0.contains("not a ddp-rs store client"), "{err}");
+    }
+
+    #[test]
+    fn hello_of_another_version_still_yields_its_version() {
+        // Version 1's HELLO: magic, version 1, the secret in plain text.
+        let mut v1 = vec![op::HELLO];
+        v1.extend_from_slice(&MAGIC);
+        v1.extend_from_slice(&1u16.to_le_bytes());
+        v1.extend_from_slice(&3u32.to_le_bytes());
+        v1.extend_from_slice(b"abc");
+        assert_eq!(
+            Request::decode(&v1).unwrap(),
+            Request::Hello {
+                version: 1,
+                nonce: vec![]
+            }
+        );
     }
 
     #[test]

@@ -1,29 +1,152 @@
-//! [`StoreServer`]: the listening side of the store, hosted by rank 0 or by `ddprun`.
+//! [`StoreServer`]: the listening side of the store, hosted by rank 0 or by `ddprun`, and its
+//! [`ServerOptions`].
 //!
-//! One background thread accepts connections and one thread serves each connection. All
-//! connections share one map behind a mutex; blocking `get`/`wait` sleep on a condition variable
-//! that every `set`, `add` and `compare_set` notifies, so waiting costs no CPU.
+//! One background thread accepts connections and one thread serves each connection (see
+//! `serve`). The number of connections is bounded, so the threads and descriptors are too:
 //!
-//! A peer that breaks the protocol (garbage, oversized or truncated frames, a wrong secret) gets
-//! an error reply where one can still be framed, and its connection is closed; the server never
-//! panics on input and keeps serving everyone else. Dropping the [`StoreServer`] stops the accept
-//! loop, closes every connection (clients blocked in `get` see an error at once) and joins all
-//! threads.
+//! - At most [`ServerOptions::max_connections`] connections are open at once (default: env
+//!   [`MAX_CONNECTIONS_ENV`], else three quarters of the descriptor limit, at most 4096).
+//! - Connections still in their handshake ("pending": not yet authenticated) are capped
+//!   separately ([`ServerOptions::max_pending`]) and must finish the handshake within
+//!   [`ServerOptions::handshake_timeout`] (5 s). When a new connection would exceed either cap,
+//!   the oldest pending connection is closed to make room, preferring one that has not even sent
+//!   a valid `HELLO` yet. Authenticated clients are never evicted: when they alone fill the
+//!   limit, the newcomer gets an error naming the limit, and the server logs it.
+//! - The accept loop never dies. When the process runs out of descriptors (`EMFILE`) it closes
+//!   the oldest pending connection, or, with none, uses a reserved descriptor to accept the next
+//!   connection and answer it with an error naming the descriptor limit; it logs at most one
+//!   line per second per kind of trouble.
+//!
+//! Binding raises the process's soft descriptor limit to its hard limit ([`raise_fd_limit`]),
+//! as Go's runtime does at start-up.
 
-use super::protocol::{
-    self, read_frame, write_frame, ErrorKind, FrameError, Request, Response, MAX_FRAME,
-    MAX_HANDSHAKE_FRAME, VERSION,
-};
+use super::protocol::{ErrorKind, Response};
+use super::serve;
 use crate::{Error, Result};
-use std::collections::HashMap;
-use std::io::{self, ErrorKind as IoKind};
+use std::collections::{BTreeMap, HashMap};
+use std::io::{ErrorKind as IoKind, Read, Write};
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-/// How long an unauthenticated connection may take to send its handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(60);
+/// Environment variable bounding the number of open store connections.
+pub const MAX_CONNECTIONS_ENV: &str = "DDP_STORE_MAX_CONNECTIONS";
+
+/// Default time an unauthenticated connection has to complete its handshake.
+pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Upper bound of the default connection limit.
+const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+
+/// Stack size of a connection thread (it only parses frames and touches the map).
+const CONN_STACK: usize = 256 << 10;
+
+/// How a [`StoreServer`] runs.
+#[derive(Clone)]
+pub struct ServerOptions {
+    /// Shared secret clients must prove they know (see [`super::SECRET_ENV`]); `None` (or an
+    /// empty string) accepts any client.
+    pub secret: Option<String>,
+    /// Most connections open at once. `None`: env [`MAX_CONNECTIONS_ENV`], else three quarters
+    /// of the descriptor limit (after raising it), at most 4096.
+    pub max_connections: Option<usize>,
+    /// Most connections in their handshake at once. `None`: a quarter of `max_connections`
+    /// (at least 8, at most 1024).
+    pub max_pending: Option<usize>,
+    /// Time a connection has to complete its handshake (default 5 s).
+    pub handshake_timeout: Duration,
+}
+
+impl Default for ServerOptions {
+    fn default() -> Self {
+        ServerOptions {
+            secret: None,
+            max_connections: None,
+            max_pending: None,
+            handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+        }
+    }
+}
+
+impl std::fmt::Debug for ServerOptions {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerOptions")
+            .field("secret", &self.secret.as_ref().map(|_| "<redacted>"))
+            .field("max_connections", &self.max_connections)
+            .field("max_pending", &self.max_pending)
+            .field("handshake_timeout", &self.handshake_timeout)
+            .finish()
+    }
+}
+
+/// Raise this process's soft limit on open file descriptors to its hard limit and return the
+/// new soft limit (`None`: unlimited). Failing to raise it is not an error: the current limit is
+/// returned.
+pub fn raise_fd_limit() -> Option<u64> {
+    use rustix::process::{getrlimit, setrlimit, Resource};
+    let lim = getrlimit(Resource::Nofile);
+    let Some(soft) = lim.current else {
+        return None;
+    };
+    // An unlimited hard limit is not a valid soft value on Linux (it must stay below
+    // fs.nr_open); 2^20 is the usual nr_open.
+    let target = lim.maximum.unwrap_or(1 << 20);
+    if target > soft {
+        let raised = rustix::process::Rlimit {
+            current: Some(target),
+            maximum: lim.maximum,
+        };
+        if setrlimit(Resource::Nofile, raised).is_ok() {
+            tracing::debug!(from = soft, to = target, "raised the soft descriptor limit");
+            return Some(target);
+        }
+    }
+    Some(soft)
+}
+
+/// The resolved limits of one server.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Limits {
+    pub(super) max_connections: usize,
+    pub(super) max_pending: usize,
+    pub(super) handshake_timeout: Duration,
+}
+
+impl Limits {
+    fn resolve(opts: &ServerOptions, fd_limit: Option<u64>) -> Result<Limits> {
+        let max_connections = match opts.max_connections {
+            Some(n) => n,
+            None => match std::env::var(MAX_CONNECTIONS_ENV) {
+                Ok(v) => v.trim().parse::<usize>().map_err(|_| {
+                    Error::Config(format!(
+                        "{MAX_CONNECTIONS_ENV}={v:?} is not a positive integer"
+                    ))
+                })?,
+                Err(_) => {
+                    let fds = fd_limit.unwrap_or(u64::MAX);
+                    let usable = fds - fds / 4;
+                    usable.clamp(16, DEFAULT_MAX_CONNECTIONS as u64) as usize
+                }
+            },
+        };
+        if max_connections == 0 {
+            return Err(Error::Config(format!(
+                "the store's connection limit ({MAX_CONNECTIONS_ENV} / ServerOptions::max_connections) \
+                 must be at least 1"
+            )));
+        }
+        let max_pending = opts
+            .max_pending
+            .unwrap_or((max_connections / 4).clamp(8, 1024))
+            .clamp(1, max_connections);
+        Ok(Limits {
+            max_connections,
+            max_pending,
+            handshake_timeout: opts.handshake_timeout.max(Duration::from_millis(1)),
+        })
+    }
+}
 
 /// The store server. Serves until dropped.
 pub struct StoreServer {
@@ -34,29 +157,201 @@ pub struct StoreServer {
     accept_thread: Option<JoinHandle<()>>,
 }
 
-struct Shared {
-    state: Mutex<State>,
+/// What every thread of a server shares.
+pub(super) struct Shared {
+    pub(super) state: Mutex<State>,
     /// Notified on every change of `state.data` and on shutdown.
-    changed: Condvar,
-    secret: Option<Vec<u8>>,
-    local_addr: SocketAddr,
+    pub(super) changed: Condvar,
+    pub(super) secret: Option<Vec<u8>>,
+    pub(super) local_addr: SocketAddr,
+    pub(super) limits: Limits,
+    conns: Mutex<Conns>,
+    pub(super) log_handshake: Throttle,
+    log_accept: Throttle,
+    log_limit: Throttle,
 }
 
+/// The key-value data.
 #[derive(Default)]
-struct State {
-    data: HashMap<String, Vec<u8>>,
-    shutdown: bool,
-    /// A clone of every open connection, so that shutdown can close them.
-    conns: HashMap<u64, TcpStream>,
-    next_conn: u64,
+pub(super) struct State {
+    pub(super) data: HashMap<String, Vec<u8>>,
+    pub(super) shutdown: bool,
+}
+
+/// Where a connection is in its life.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Stage {
+    /// Accepted; no valid `HELLO` yet.
+    Connected,
+    /// Valid `HELLO` received, challenge sent, waiting for the proof.
+    Challenged,
+    /// May use the store.
+    Authenticated,
+}
+
+struct Entry {
+    stream: Arc<TcpStream>,
+    stage: Stage,
+}
+
+/// Every open connection, oldest (lowest id) first.
+#[derive(Default)]
+struct Conns {
+    map: BTreeMap<u64, Entry>,
+    next: u64,
+    pending: usize,
+    authenticated: usize,
     threads: Vec<JoinHandle<()>>,
+    shutdown: bool,
+}
+
+impl Conns {
+    fn forget(&mut self, id: u64) -> Option<Entry> {
+        let e = self.map.remove(&id)?;
+        match e.stage {
+            Stage::Authenticated => self.authenticated -= 1,
+            _ => self.pending -= 1,
+        }
+        Some(e)
+    }
+
+    /// Close the oldest pending connection, preferring one that has not sent a valid `HELLO`.
+    fn evict_oldest_pending(&mut self) -> Option<SocketAddr> {
+        if self.pending == 0 {
+            return None;
+        }
+        let pick = |stage: Stage| {
+            self.map
+                .iter()
+                .find(|(_, e)| e.stage == stage)
+                .map(|(id, _)| *id)
+        };
+        let id = pick(Stage::Connected).or_else(|| pick(Stage::Challenged))?;
+        let e = self.forget(id)?;
+        let _ = e.stream.shutdown(Shutdown::Both);
+        Some(e.stream.peer_addr().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0))))
+    }
+}
+
+/// Logs at most one line per second; counts the ones it swallowed.
+#[derive(Default)]
+pub(super) struct Throttle(Mutex<(Option<Instant>, u64)>);
+
+impl Throttle {
+    pub(super) fn warn(&self, local_addr: SocketAddr, message: impl FnOnce() -> String) {
+        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        let now = Instant::now();
+        if g.0.is_some_and(|last| now.duration_since(last) < Duration::from_secs(1)) {
+            g.1 += 1;
+            return;
+        }
+        let suppressed = std::mem::take(&mut g.1);
+        g.0 = Some(now);
+        drop(g);
+        if suppressed > 0 {
+            tracing::warn!(%local_addr, "{} ({suppressed} similar messages suppressed)", message());
+        } else {
+            tracing::warn!(%local_addr, "{}", message());
+        }
+    }
+}
+
+/// What the accept loop does with a new connection.
+enum Admission {
+    Serve(u64, Arc<TcpStream>),
+    Refuse(TcpStream, String),
+    ShuttingDown,
+}
+
+impl Shared {
+    fn conns(&self) -> MutexGuard<'_, Conns> {
+        self.conns.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    fn limit_message(&self) -> String {
+        format!(
+            "the store is at its connection limit: {} connections are open and authenticated \
+             (set {MAX_CONNECTIONS_ENV} on the store's host to raise the limit, or close idle \
+             clients)",
+            self.limits.max_connections
+        )
+    }
+
+    fn admit(&self, stream: TcpStream) -> Admission {
+        let mut c = self.conns();
+        if c.shutdown {
+            return Admission::ShuttingDown;
+        }
+        let mut evicted = Vec::new();
+        if c.pending >= self.limits.max_pending {
+            evicted.extend(c.evict_oldest_pending());
+        }
+        if c.pending + c.authenticated >= self.limits.max_connections {
+            match c.evict_oldest_pending() {
+                Some(peer) => evicted.push(peer),
+                None => return Admission::Refuse(stream, self.limit_message()),
+            }
+        }
+        let id = c.next;
+        c.next += 1;
+        let stream = Arc::new(stream);
+        c.map.insert(
+            id,
+            Entry {
+                stream: Arc::clone(&stream),
+                stage: Stage::Connected,
+            },
+        );
+        c.pending += 1;
+        let pending = c.pending;
+        drop(c);
+        for peer in evicted {
+            self.log_limit.warn(self.local_addr, || {
+                format!(
+                    "store closes the pending connection from {peer}: {pending} connections are \
+                     in their handshake (limit {}, of {} connections in all)",
+                    self.limits.max_pending, self.limits.max_connections
+                )
+            });
+        }
+        Admission::Serve(id, stream)
+    }
+
+    /// Move connection `id` to `stage`; `false` if it was evicted meanwhile (then it must end).
+    pub(super) fn set_stage(&self, id: u64, stage: Stage) -> bool {
+        let mut c = self.conns();
+        let c = &mut *c;
+        let Some(e) = c.map.get_mut(&id) else {
+            return false;
+        };
+        if stage == Stage::Authenticated && e.stage != Stage::Authenticated {
+            c.pending -= 1;
+            c.authenticated += 1;
+        }
+        e.stage = stage;
+        true
+    }
 }
 
 impl StoreServer {
     /// Listen on `addr` (e.g. `"0.0.0.0:29500"`, or `"127.0.0.1:0"` for any free port) and serve
-    /// in background threads. With `secret`, clients must present the same secret (see
-    /// [`super::SECRET_ENV`]); without, any client is accepted.
+    /// in background threads. With `secret`, clients must prove they know the same secret (see
+    /// [`super::SECRET_ENV`]); without, any client is accepted. Other settings are
+    /// [`ServerOptions`]' defaults.
     pub fn bind(addr: &str, secret: Option<String>) -> Result<StoreServer> {
+        StoreServer::bind_with(
+            addr,
+            ServerOptions {
+                secret,
+                ..ServerOptions::default()
+            },
+        )
+    }
+
+    /// [`StoreServer::bind`] with every setting.
+    pub fn bind_with(addr: &str, opts: ServerOptions) -> Result<StoreServer> {
+        let fd_limit = raise_fd_limit();
+        let limits = Limits::resolve(&opts, fd_limit)?;
         let context = format!("cannot host the store on {addr}");
         let listener = TcpListener::bind(addr).map_err(|e| match e.kind() {
             IoKind::AddrInUse => Error::Io {
@@ -79,6 +374,11 @@ impl StoreServer {
             },
             _ => Error::io(context.clone(), e),
         })?;
+        // A deep accept queue, so that a burst of connections does not make the kernel drop
+        // the SYN of a legitimate client (which would cost it a 1 s retransmission). Calling
+        // listen() again on a listening socket only changes its backlog; the kernel caps it at
+        // net.core.somaxconn.
+        let _ = rustix::net::listen(&listener, 4096);
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io(context.clone(), e))?;
@@ -86,15 +386,23 @@ impl StoreServer {
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
-            secret: secret.map(String::into_bytes),
+            secret: opts
+                .secret
+                .filter(|s| !s.is_empty())
+                .map(String::into_bytes),
             local_addr,
+            limits,
+            conns: Mutex::new(Conns::default()),
+            log_handshake: Throttle::default(),
+            log_accept: Throttle::default(),
+            log_limit: Throttle::default(),
         });
         let accept_shared = Arc::clone(&shared);
         let accept_thread = std::thread::Builder::new()
             .name(format!("ddp-store-accept-{}", local_addr.port()))
             .spawn(move || accept_loop(listener, accept_shared))
             .map_err(|e| Error::io("cannot start the store's accept thread", e))?;
-        tracing::debug!(%local_addr, "store server listening");
+        tracing::debug!(%local_addr, ?limits, fd_limit, "store server listening");
         Ok(StoreServer {
             local_addr,
             shared,
@@ -107,6 +415,11 @@ impl StoreServer {
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
     }
+
+    /// The connection limit in force (see [`ServerOptions::max_connections`]).
+    pub fn max_connections(&self) -> usize {
+        self.shared.limits.max_connections
+    }
 }
 
 impl std::fmt::Debug for StoreServer {
@@ -114,19 +427,21 @@ impl std::fmt::Debug for StoreServer {
         f.debug_struct("StoreServer")
             .field("local_addr", &self.local_addr)
             .field("secret", &self.shared.secret.as_ref().map(|_| "<redacted>"))
+            .field("limits", &self.shared.limits)
             .finish()
     }
 }
 
 impl Drop for StoreServer {
     fn drop(&mut self) {
+        lock(&self.shared.state).shutdown = true;
         let threads = {
-            let mut st = lock(&self.shared.state);
-            st.shutdown = true;
-            for conn in st.conns.values() {
-                let _ = conn.shutdown(Shutdown::Both);
+            let mut c = self.shared.conns();
+            c.shutdown = true;
+            for e in c.map.values() {
+                let _ = e.stream.shutdown(Shutdown::Both);
             }
-            std::mem::take(&mut st.threads)
+            std::mem::take(&mut c.threads)
         };
         self.shared.changed.notify_all();
         // On Linux, shutting down a listening socket wakes a blocked accept() with an error;
@@ -146,7 +461,7 @@ impl Drop for StoreServer {
             let _ = accept.join();
         }
         // The accept loop has exited, so no thread is added after this.
-        let late = std::mem::take(&mut lock(&self.shared.state).threads);
+        let late = std::mem::take(&mut self.shared.conns().threads);
         for t in threads.into_iter().chain(late) {
             let _ = t.join();
         }
@@ -154,363 +469,133 @@ impl Drop for StoreServer {
     }
 }
 
-fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
     // A panic while holding the lock cannot leave the map half-updated (every update is a single
     // map operation), so a poisoned lock is still usable.
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
+fn is_out_of_fds(e: &std::io::Error) -> bool {
+    matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
+}
+
+/// A descriptor held in reserve, so that the accept loop can still accept (and refuse) one
+/// connection when the process is out of descriptors.
+fn reserve_fd() -> Option<std::fs::File> {
+    std::fs::File::open("/dev/null").ok()
+}
+
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
+    let mut reserve = reserve_fd();
     loop {
         let accepted = listener.accept();
-        if lock(&shared.state).shutdown {
+        if shared.conns().shutdown {
             return;
         }
         let (stream, peer) = match accepted {
             Ok(x) => x,
+            Err(e) if is_out_of_fds(&e) => {
+                let fds = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+                let limit = fds.map_or("unlimited".to_string(), |n| n.to_string());
+                let evicted = shared.conns().evict_oldest_pending();
+                shared.log_accept.warn(shared.local_addr, || {
+                    format!(
+                        "store accept failed: {e} (this process's descriptor limit, ulimit -n, \
+                         is {limit}); {}; raise the limit or lower {MAX_CONNECTIONS_ENV}",
+                        match evicted {
+                            Some(p) => format!("closed the pending connection from {p}"),
+                            None => "refusing new connections".to_string(),
+                        }
+                    )
+                });
+                if evicted.is_none() {
+                    // Free the reserve to accept one connection and refuse it, so the backlog
+                    // moves and the client learns why instead of timing out.
+                    drop(reserve.take());
+                    if let Ok((s, _)) = listener.accept() {
+                        refuse(
+                            s,
+                            &format!(
+                                "the store's host is out of file descriptors (ulimit -n is \
+                                 {limit}); raise it or lower {MAX_CONNECTIONS_ENV} there"
+                            ),
+                        );
+                    }
+                    reserve = reserve_fd();
+                }
+                // Give the closed connections' threads time to release their descriptors.
+                std::thread::sleep(Duration::from_millis(5));
+                continue;
+            }
             Err(e) => {
-                // Transient (aborted handshake, out of file descriptors...): back off and retry.
-                tracing::warn!(local_addr = %shared.local_addr, "store accept failed: {e}");
-                std::thread::sleep(Duration::from_millis(50));
+                // Transient (aborted handshake, ...): back off briefly and retry.
+                shared
+                    .log_accept
+                    .warn(shared.local_addr, || format!("store accept failed: {e}"));
+                std::thread::sleep(Duration::from_millis(5));
                 continue;
             }
         };
-        let _ = stream.set_nodelay(true);
-        let Ok(clone) = stream.try_clone() else {
-            continue;
-        };
-        let mut st = lock(&shared.state);
-        if st.shutdown {
-            return;
+        if reserve.is_none() {
+            reserve = reserve_fd();
         }
-        let id = st.next_conn;
-        st.next_conn += 1;
-        st.conns.insert(id, clone);
-        st.threads.retain(|t| !t.is_finished());
+        let _ = stream.set_nodelay(true);
+        let (id, stream) = match shared.admit(stream) {
+            Admission::Serve(id, stream) => (id, stream),
+            Admission::ShuttingDown => return,
+            Admission::Refuse(stream, why) => {
+                shared.log_limit.warn(shared.local_addr, || {
+                    format!("store refuses a connection from {peer}: {why}")
+                });
+                refuse(stream, &why);
+                continue;
+            }
+        };
         let conn_shared = Arc::clone(&shared);
         let spawned = std::thread::Builder::new()
             .name(format!("ddp-store-conn-{id}"))
+            .stack_size(CONN_STACK)
             .spawn(move || {
-                serve_connection(stream, peer, &conn_shared);
-                lock(&conn_shared.state).conns.remove(&id);
+                serve::serve_connection(&stream, peer, &conn_shared, id);
+                conn_shared.conns().forget(id);
             });
+        let mut c = shared.conns();
+        c.threads.retain(|t| !t.is_finished());
         match spawned {
-            Ok(handle) => st.threads.push(handle),
+            Ok(handle) => c.threads.push(handle),
             Err(e) => {
-                tracing::warn!("store cannot start a thread for {peer}: {e}");
-                if let Some(c) = st.conns.remove(&id) {
-                    let _ = c.shutdown(Shutdown::Both);
+                if let Some(e2) = c.forget(id) {
+                    let _ = e2.stream.shutdown(Shutdown::Both);
                 }
+                drop(c);
+                shared.log_accept.warn(shared.local_addr, || {
+                    format!("store cannot start a thread for {peer}: {e}")
+                });
             }
         }
     }
 }
 
-/// Compare two secrets in time independent of where they differ.
-pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    let mut diff = (a.len() ^ b.len()) as u64;
-    for i in 0..a.len().max(b.len()) {
-        let x = a.get(i).copied().unwrap_or(0);
-        let y = b.get(i).copied().unwrap_or(0);
-        diff |= u64::from(x ^ y);
-    }
-    // Keep the optimiser from turning the loop into an early exit.
-    std::hint::black_box(diff) == 0
-}
-
-fn send(stream: &mut TcpStream, resp: &Response) -> io::Result<()> {
-    write_frame(stream, &resp.encode())
-}
-
-fn error_reply(kind: ErrorKind, message: impl Into<String>) -> Response {
-    Response::Error {
-        kind,
-        message: message.into(),
-    }
-}
-
-fn serve_connection(mut stream: TcpStream, peer: SocketAddr, shared: &Shared) {
-    if !handshake(&mut stream, peer, shared) {
-        return;
-    }
-    loop {
-        let body = match read_frame(&mut stream, MAX_FRAME) {
-            Ok(body) => body,
-            Err(FrameError::Closed) => return,
-            Err(e) => {
-                if !lock(&shared.state).shutdown {
-                    tracing::warn!(%peer, "store closes a connection: {e}");
-                    if matches!(e, FrameError::TooLarge { .. } | FrameError::Empty) {
-                        let _ = send(
-                            &mut stream,
-                            &error_reply(ErrorKind::Store, format!("bad frame: {e}")),
-                        );
-                    }
-                }
-                return;
+/// Answer a connection the server will not serve with an `ERROR` frame, then close it without
+/// a reset (so the client reads the reason): drain what it sent, send, shut down writing.
+fn refuse(stream: TcpStream, why: &str) {
+    let _ = stream.set_nonblocking(true);
+    let mut s = &stream;
+    let mut sink = [0u8; 1024];
+    let drain = |s: &mut &TcpStream, sink: &mut [u8]| {
+        for _ in 0..8 {
+            match s.read(sink) {
+                Ok(n) if n > 0 => {}
+                _ => break,
             }
-        };
-        let resp = match Request::decode(&body) {
-            Ok(Request::Hello { .. }) => error_reply(
-                ErrorKind::Store,
-                "unexpected second handshake on an established connection",
-            ),
-            Ok(req) => match execute(shared, req) {
-                Some(resp) => resp,
-                None => return, // shutting down: just close
-            },
-            Err(e) => {
-                tracing::warn!(%peer, "store got a malformed request: {e}");
-                error_reply(ErrorKind::Store, format!("malformed request: {e}"))
-            }
-        };
-        if send(&mut stream, &resp).is_err() {
-            return;
-        }
-    }
-}
-
-/// Read and check the `HELLO`; returns whether the connection may go on.
-fn handshake(stream: &mut TcpStream, peer: SocketAddr, shared: &Shared) -> bool {
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
-    let body = match read_frame(stream, MAX_HANDSHAKE_FRAME) {
-        Ok(body) => body,
-        Err(FrameError::Closed) => return false,
-        Err(e) => {
-            tracing::warn!(%peer, "store drops a connection before its handshake: {e}");
-            if matches!(e, FrameError::TooLarge { .. } | FrameError::Empty) {
-                let _ = send(
-                    stream,
-                    &error_reply(ErrorKind::Store, format!("bad handshake frame: {e}")),
-                );
-            }
-            return false;
         }
     };
-    match Request::decode(&body) {
-        Ok(Request::Hello { version, secret }) => {
-            if version != VERSION {
-                let msg = format!(
-                    "protocol version mismatch: the store speaks v{VERSION}, this client v{version} \
-                     (mixing ddp-rs versions?)"
-                );
-                tracing::warn!(%peer, "store refuses a client: {msg}");
-                let _ = send(stream, &error_reply(ErrorKind::Store, msg));
-                return false;
-            }
-            if let Some(expected) = &shared.secret {
-                if !constant_time_eq(expected, &secret) {
-                    tracing::warn!(%peer, "store refuses a client with a wrong or missing secret");
-                    let _ = send(stream, &Response::Refused);
-                    return false;
-                }
-            }
-            let _ = stream.set_read_timeout(None);
-            send(stream, &Response::Ok).is_ok()
-        }
-        Ok(other) => {
-            tracing::warn!(%peer, "store drops a client that sent {} before its handshake", other.name());
-            let _ = send(
-                stream,
-                &error_reply(ErrorKind::Store, "expected a handshake first"),
-            );
-            false
-        }
-        Err(e) => {
-            tracing::warn!(%peer, "store drops a connection with a bad handshake: {e}");
-            let _ = send(
-                stream,
-                &error_reply(ErrorKind::Store, format!("bad handshake: {e}")),
-            );
-            false
-        }
-    }
-}
-
-/// Run one request against the shared map. `None` means the server is shutting down.
-fn execute(shared: &Shared, req: Request) -> Option<Response> {
-    let mut st = lock(&shared.state);
-    if st.shutdown {
-        return None;
-    }
-    let resp = match req {
-        Request::Hello { .. } => unreachable!("handled by serve_connection"),
-        Request::Set { key, value } => {
-            st.data.insert(key, value);
-            shared.changed.notify_all();
-            Response::Ok
-        }
-        Request::Get { key, timeout_ms } => {
-            let (guard, missing) = wait_for(shared, st, &[key.as_str()], timeout_ms);
-            let guard = guard?;
-            if missing.is_empty() {
-                Response::Value(guard.data[&key].clone())
-            } else {
-                Response::Timeout(missing)
-            }
-        }
-        Request::Wait { keys, timeout_ms } => {
-            let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
-            let (guard, missing) = wait_for(shared, st, &refs, timeout_ms);
-            let _guard = guard?;
-            if missing.is_empty() {
-                Response::Ok
-            } else {
-                Response::Timeout(missing)
-            }
-        }
-        Request::Add { key, delta } => {
-            let current = match st.data.get(&key) {
-                None => Ok(0),
-                Some(raw) => parse_counter(raw),
-            };
-            match current.and_then(|cur| {
-                cur.checked_add(delta)
-                    .ok_or_else(|| format!("{cur} + {delta} overflows a 64-bit integer"))
-            }) {
-                Ok(new) => {
-                    st.data.insert(key, new.to_string().into_bytes());
-                    shared.changed.notify_all();
-                    Response::Int(new)
-                }
-                Err(why) => error_reply(
-                    ErrorKind::InvalidArgument,
-                    format!("cannot add {delta} to store key {key:?}: {why}"),
-                ),
-            }
-        }
-        Request::CompareSet {
-            key,
-            expected,
-            desired,
-        } => match st.data.get_mut(&key) {
-            Some(current) if *current == expected => {
-                *current = desired.clone();
-                shared.changed.notify_all();
-                Response::Value(desired)
-            }
-            Some(current) => Response::Value(current.clone()),
-            None if expected.is_empty() => {
-                st.data.insert(key, desired.clone());
-                shared.changed.notify_all();
-                Response::Value(desired)
-            }
-            None => Response::Value(Vec::new()),
-        },
-        Request::Delete { key } => Response::Bool(st.data.remove(&key).is_some()),
-        Request::NumKeys => Response::Count(st.data.len() as u64),
-        Request::Check { key } => Response::Bool(st.data.contains_key(&key)),
+    drain(&mut s, &mut sink);
+    let reply = Response::Error {
+        kind: ErrorKind::Store,
+        message: why.to_string(),
     };
-    Some(resp)
-}
-
-fn parse_counter(raw: &[u8]) -> std::result::Result<i64, String> {
-    std::str::from_utf8(raw)
-        .ok()
-        .and_then(|s| s.trim().parse::<i64>().ok())
-        .ok_or_else(|| {
-            const SHOWN: usize = 64;
-            let shown = String::from_utf8_lossy(&raw[..raw.len().min(SHOWN)]);
-            let more = if raw.len() > SHOWN { "..." } else { "" };
-            format!("its value {shown:?}{more} is not an integer")
-        })
-}
-
-/// Wait until all `keys` exist or the timeout passes. Returns the guard (`None` on shutdown) and
-/// the keys still missing (empty on success).
-fn wait_for<'a>(
-    shared: &'a Shared,
-    mut st: MutexGuard<'a, State>,
-    keys: &[&str],
-    timeout_ms: u64,
-) -> (Option<MutexGuard<'a, State>>, Vec<String>) {
-    let deadline =
-        protocol::timeout_from_ms(timeout_ms).and_then(|t| Instant::now().checked_add(t));
-    loop {
-        if st.shutdown {
-            return (None, Vec::new());
-        }
-        let missing: Vec<String> = keys
-            .iter()
-            .filter(|k| !st.data.contains_key(**k))
-            .map(|k| k.to_string())
-            .collect();
-        if missing.is_empty() {
-            return (Some(st), missing);
-        }
-        st = match deadline {
-            None => shared.changed.wait(st).unwrap_or_else(|p| p.into_inner()),
-            Some(deadline) => {
-                let now = Instant::now();
-                if now >= deadline {
-                    return (Some(st), missing);
-                }
-                shared
-                    .changed
-                    .wait_timeout(st, deadline - now)
-                    .unwrap_or_else(|p| p.into_inner())
-                    .0
-            }
-        };
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use std::io::Read;
-
-    #[test]
-    fn constant_time_eq_compares_exactly() {
-        assert!(constant_time_eq(b"", b""));
-        assert!(constant_time_eq(b"abc", b"abc"));
-        assert!(!constant_time_eq(b"abc", b"abd"));
-        assert!(!constant_time_eq(b"abc", b"ab"));
-        assert!(!constant_time_eq(b"", b"a"));
-        assert!(!constant_time_eq(b"a\0", b"a"));
-    }
-
-    #[test]
-    fn counters_parse_like_pytorch() {
-        assert_eq!(parse_counter(b"42"), Ok(42));
-        assert_eq!(parse_counter(b" -3\n"), Ok(-3));
-        let err = parse_counter(b"abc").unwrap_err();
-        assert!(err.contains("\"abc\" is not an integer"), "{err}");
-        let err = parse_counter(&[0xff; 100]).unwrap_err();
-        assert!(err.ends_with("... is not an integer"), "{err}");
-    }
-
-    #[test]
-    fn drop_joins_threads_and_frees_the_port() {
-        let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
-        let addr = server.local_addr();
-        // An idle connection that never sends its handshake must not keep the server alive.
-        let mut idle = TcpStream::connect(addr).unwrap();
-        idle.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
-        std::thread::sleep(Duration::from_millis(50));
-        let start = Instant::now();
-        drop(server);
-        assert!(
-            start.elapsed() < Duration::from_secs(2),
-            "drop took {:?}",
-            start.elapsed()
-        );
-        let mut buf = [0u8; 1];
-        assert!(
-            matches!(idle.read(&mut buf), Ok(0) | Err(_)),
-            "connection must be closed"
-        );
-        // The port is free again.
-        let again = StoreServer::bind(&addr.to_string(), None).unwrap();
-        assert_eq!(again.local_addr(), addr);
-    }
-
-    #[test]
-    fn drop_of_a_server_on_the_unspecified_address_is_prompt() {
-        let server = StoreServer::bind("0.0.0.0:0", None).unwrap();
-        assert!(server.local_addr().ip().is_unspecified());
-        let start = Instant::now();
-        drop(server);
-        assert!(start.elapsed() < Duration::from_secs(2));
-    }
+    let _ = s.write_all(&reply.encode());
+    let _ = stream.shutdown(Shutdown::Write);
+    drain(&mut s, &mut sink);
 }

@@ -326,23 +326,52 @@ fn wrong_or_missing_secret_is_refused_and_others_keep_working() {
 }
 
 #[test]
-fn a_server_without_secret_accepts_any_client() {
+fn a_server_without_secret_accepts_clients_without_one_but_not_with_one() {
     bounded(T, || {
         let (_server, addr) = server(None);
-        let with = TcpStore::connect(&addr, opts(Some("whatever"))).unwrap();
-        let without = client(&addr);
-        with.set("k", b"v").unwrap();
-        assert_eq!(without.get("k").unwrap(), b"v");
+        let a = client(&addr);
+        let b = client(&addr);
+        a.set("k", b"v").unwrap();
+        assert_eq!(b.get("k").unwrap(), b"v");
+        // A client with a secret wants the server to prove it knows it: a server that does not
+        // ask for one cannot, so the client refuses it.
+        let err = TcpStore::connect(&addr, opts(Some("whatever"))).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("without asking for the shared secret"),
+            "{err}"
+        );
     });
 }
 
-fn raw_hello(secret: &[u8]) -> Vec<u8> {
+/// A version-2 `HELLO` with a fixed client nonce.
+fn raw_hello_v2(nonce: &[u8; 32]) -> Vec<u8> {
     let mut body = vec![0x01];
     body.extend_from_slice(b"DDPS");
-    body.extend_from_slice(&1u16.to_le_bytes());
-    body.extend_from_slice(&(secret.len() as u32).to_le_bytes());
-    body.extend_from_slice(secret);
+    body.extend_from_slice(&2u16.to_le_bytes());
+    body.extend_from_slice(&32u32.to_le_bytes());
+    body.extend_from_slice(nonce);
     frame(&body)
+}
+
+/// Authenticate a raw connection with `secret`: HELLO, CHALLENGE, AUTH, WELCOME.
+fn raw_authenticate(s: &mut TcpStream, secret: &[u8]) {
+    use hmac::{Hmac, Mac};
+    let nonce = [5u8; 32];
+    s.write_all(&raw_hello_v2(&nonce)).unwrap();
+    let challenge = raw_reply(s).expect("a challenge");
+    assert_eq!(challenge[0], 0x88, "CHALLENGE");
+    let server_nonce = &challenge[5..];
+    let mut mac = Hmac::<sha2::Sha256>::new_from_slice(secret).unwrap();
+    mac.update(b"ddp-store-v2 client\0");
+    mac.update(&nonce);
+    mac.update(server_nonce);
+    let proof = mac.finalize().into_bytes();
+    let mut body = vec![0x0a];
+    body.extend_from_slice(&32u32.to_le_bytes());
+    body.extend_from_slice(&proof);
+    s.write_all(&frame(&body)).unwrap();
+    assert_eq!(raw_reply(s).unwrap()[0], 0x89, "WELCOME");
 }
 
 fn frame(body: &[u8]) -> Vec<u8> {
@@ -408,24 +437,21 @@ fn garbage_never_takes_the_server_down() {
 
         // Same after a successful handshake.
         let mut s = raw_connect(&addr);
-        s.write_all(&raw_hello(b"s")).unwrap();
-        assert_eq!(raw_reply(&mut s).unwrap(), [0x80], "OK to the handshake");
+        raw_authenticate(&mut s, b"s");
         s.write_all(&u32::MAX.to_le_bytes()).unwrap();
         assert_eq!(raw_reply(&mut s).unwrap()[0], 0x87);
         assert_closed(&mut s);
 
         // A truncated frame followed by EOF.
         let mut s = raw_connect(&addr);
-        s.write_all(&raw_hello(b"s")).unwrap();
-        assert_eq!(raw_reply(&mut s).unwrap(), [0x80]);
+        raw_authenticate(&mut s, b"s");
         s.write_all(&[100, 0, 0, 0, 0x02, 1, 0]).unwrap();
         s.shutdown(std::net::Shutdown::Write).unwrap();
         assert_closed(&mut s);
 
         // An unknown opcode and a malformed body: error replies, the connection stays usable.
         let mut s = raw_connect(&addr);
-        s.write_all(&raw_hello(b"s")).unwrap();
-        assert_eq!(raw_reply(&mut s).unwrap(), [0x80]);
+        raw_authenticate(&mut s, b"s");
         s.write_all(&frame(&[0x7e, 1, 2, 3])).unwrap();
         let reply = raw_reply(&mut s).unwrap();
         assert_eq!(reply[0], 0x87);

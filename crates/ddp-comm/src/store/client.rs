@@ -91,7 +91,7 @@ struct Conn {
 }
 
 /// Reconnections after the server closed the connection during the handshake.
-const HANDSHAKE_RETRIES: u32 = 3;
+const HANDSHAKE_RETRIES: u32 = 4;
 
 impl std::fmt::Debug for TcpStore {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -136,7 +136,7 @@ impl TcpStore {
                     tracing::debug!(addr, "store closed the connection during the handshake; reconnecting: {e}");
                     retries += 1;
                     first_error.get_or_insert(e);
-                    std::thread::sleep(Duration::from_millis(20 << retries));
+                    std::thread::sleep(Duration::from_millis(10 << retries));
                 }
             }
         }

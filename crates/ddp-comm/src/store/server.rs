@@ -215,22 +215,45 @@ impl Conns {
         Some(e)
     }
 
-    /// Close the oldest pending connection, preferring one that has not sent a valid `HELLO`.
+    /// Close the oldest pending connection, preferring, in this order: one that has sent
+    /// nothing (or hung up), one whose first bytes wait unread, one waiting for its proof.
     fn evict_oldest_pending(&mut self) -> Option<SocketAddr> {
         if self.pending == 0 {
             return None;
         }
-        let pick = |stage: Stage| {
-            self.map
-                .iter()
-                .find(|(_, e)| e.stage == stage)
-                .map(|(id, _)| *id)
-        };
-        let id = pick(Stage::Connected).or_else(|| pick(Stage::Challenged))?;
+        let (mut with_data, mut challenged) = (None, None);
+        let mut idle = None;
+        for (id, e) in &self.map {
+            match e.stage {
+                Stage::Connected if sent_nothing(&e.stream) => {
+                    idle = Some(*id);
+                    break;
+                }
+                Stage::Connected => {
+                    with_data.get_or_insert(*id);
+                }
+                Stage::Challenged => {
+                    challenged.get_or_insert(*id);
+                }
+                Stage::Authenticated => {}
+            }
+        }
+        let id = idle.or(with_data).or(challenged)?;
         let e = self.forget(id)?;
         let _ = e.stream.shutdown(Shutdown::Both);
         Some(e.stream.peer_addr().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0))))
     }
+}
+
+/// Whether the peer has sent nothing yet on `stream` (or hung up): such a connection is the
+/// cheapest to drop, and a client whose `HELLO` already arrived is not.
+fn sent_nothing(stream: &TcpStream) -> bool {
+    use rustix::net::{recv, RecvFlags};
+    let mut byte = [0u8; 1];
+    !matches!(
+        recv(stream, &mut byte[..], RecvFlags::PEEK | RecvFlags::DONTWAIT),
+        Ok((n, _)) if n > 0
+    )
 }
 
 /// Logs at most one line per second; counts the ones it swallowed.
@@ -479,6 +502,17 @@ fn is_out_of_fds(e: &std::io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::EMFILE | libc::ENFILE))
 }
 
+/// Whether a connection waits in the accept queue (waits up to 100 ms for one).
+fn connection_waiting(listener: &TcpListener) -> bool {
+    use rustix::event::{poll, PollFd, PollFlags, Timespec};
+    let mut fds = [PollFd::new(listener, PollFlags::IN)];
+    let timeout = Timespec {
+        tv_sec: 0,
+        tv_nsec: 100_000_000,
+    };
+    matches!(poll(&mut fds, Some(&timeout)), Ok(n) if n > 0)
+}
+
 /// A descriptor held in reserve, so that the accept loop can still accept (and refuse) one
 /// connection when the process is out of descriptors.
 fn reserve_fd() -> Option<std::fs::File> {
@@ -495,6 +529,11 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         let (stream, peer) = match accepted {
             Ok(x) => x,
             Err(e) if is_out_of_fds(&e) => {
+                // accept() fails with EMFILE even when no connection is waiting: act only when
+                // one is, and otherwise wait for one (or for the descriptors to free up).
+                if !connection_waiting(&listener) {
+                    continue;
+                }
                 let fds = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
                 let limit = fds.map_or("unlimited".to_string(), |n| n.to_string());
                 let evicted = shared.conns().evict_oldest_pending();
@@ -523,8 +562,10 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     }
                     reserve = reserve_fd();
                 }
-                // Give the closed connections' threads time to release their descriptors.
-                std::thread::sleep(Duration::from_millis(5));
+                // Give the closed connection's thread time to release its descriptor.
+                if evicted.is_some() {
+                    std::thread::sleep(Duration::from_millis(5));
+                }
                 continue;
             }
             Err(e) => {

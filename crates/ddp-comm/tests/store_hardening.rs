@@ -392,6 +392,7 @@ impl Drop for ChildServer {
 fn legit_join(addr: &str, i: usize) -> Duration {
     let start = Instant::now();
     let s = TcpStore::connect(addr, opts(Some(SECRET))).unwrap();
+    eprintln!("DBG join {i} connected after {:?}", start.elapsed());
     let key = format!("join/{i}");
     s.set(&key, b"here").unwrap();
     assert_eq!(s.get(&key).unwrap(), b"here");

@@ -66,7 +66,7 @@ pub(crate) fn verify(
 /// A fresh nonce from the operating system's random source.
 pub(crate) fn nonce() -> std::io::Result<[u8; NONCE_LEN]> {
     let mut n = [0u8; NONCE_LEN];
-    getrandom::getrandom(&mut n).map_err(std::io::Error::other)?;
+    getrandom::getrandom(&mut n).map_err(|e| std::io::Error::other(e.to_string()))?;
     Ok(n)
 }
 

@@ -50,8 +50,14 @@ impl Read for Deadline<'_> {
 }
 
 /// Serve connection `id` until it closes, fails or the server shuts down.
-pub(super) fn serve_connection(stream: &TcpStream, peer: SocketAddr, shared: &Shared, id: u64) {
-    if !handshake(stream, peer, shared, id) {
+pub(super) fn serve_connection(
+    stream: &TcpStream,
+    peer: SocketAddr,
+    shared: &Shared,
+    id: u64,
+    until: Instant,
+) {
+    if !handshake(stream, peer, shared, id, until) {
         return;
     }
     let _ = stream.set_read_timeout(None);
@@ -129,8 +135,13 @@ fn read_handshake_frame(
 }
 
 /// Run the handshake; returns whether the connection is authenticated and may go on.
-fn handshake(stream: &TcpStream, peer: SocketAddr, shared: &Shared, id: u64) -> bool {
-    let until = Instant::now() + shared.limits.handshake_timeout;
+fn handshake(
+    stream: &TcpStream,
+    peer: SocketAddr,
+    shared: &Shared,
+    id: u64,
+    until: Instant,
+) -> bool {
     match handshake_steps(stream, until, shared, id) {
         Ok(()) => true,
         Err(None) => false,

@@ -155,6 +155,7 @@ pub struct StoreServer {
     /// A second handle on the listening socket, used to wake the accept loop on drop.
     listener: TcpListener,
     accept_thread: Option<JoinHandle<()>>,
+    greeter_thread: Option<JoinHandle<()>>,
 }
 
 /// What every thread of a server shares.
@@ -166,6 +167,8 @@ pub(super) struct Shared {
     pub(super) local_addr: SocketAddr,
     pub(super) limits: Limits,
     conns: Mutex<Conns>,
+    /// Connections that have sent nothing yet wait here, without a thread (see `greeter`).
+    poller: rustix::fd::OwnedFd,
     pub(super) log_handshake: Throttle,
     log_accept: Throttle,
     log_limit: Throttle,
@@ -181,8 +184,10 @@ pub(super) struct State {
 /// Where a connection is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Stage {
-    /// Accepted; no valid `HELLO` yet.
+    /// Accepted, nothing received yet: watched by the greeter, no thread.
     Connected,
+    /// Bytes arrived: a thread reads the `HELLO`.
+    Greeted,
     /// Valid `HELLO` received, challenge sent, waiting for the proof.
     Challenged,
     /// May use the store.
@@ -192,6 +197,8 @@ pub(super) enum Stage {
 struct Entry {
     stream: Arc<TcpStream>,
     stage: Stage,
+    peer: SocketAddr,
+    since: Instant,
 }
 
 /// Every open connection, oldest (lowest id) first.
@@ -205,6 +212,14 @@ struct Conns {
     shutdown: bool,
 }
 
+impl Entry {
+    /// Close the connection: at once when no thread holds it, else by waking its thread.
+    fn close(self) -> SocketAddr {
+        let _ = self.stream.shutdown(Shutdown::Both);
+        self.peer
+    }
+}
+
 impl Conns {
     fn forget(&mut self, id: u64) -> Option<Entry> {
         let e = self.map.remove(&id)?;
@@ -216,12 +231,14 @@ impl Conns {
     }
 
     /// Close the oldest pending connection, preferring, in this order: one that has sent
-    /// nothing (or hung up), one whose first bytes wait unread, one waiting for its proof.
-    fn evict_oldest_pending(&mut self) -> Option<SocketAddr> {
+    /// nothing (or hung up), one whose first bytes wait unread, one whose thread reads its
+    /// `HELLO`, one waiting for its proof. Returns its peer and whether its descriptor is closed
+    /// already (no thread held it).
+    fn evict_oldest_pending(&mut self) -> Option<(SocketAddr, bool)> {
         if self.pending == 0 {
             return None;
         }
-        let (mut with_data, mut challenged) = (None, None);
+        let (mut with_data, mut greeted, mut challenged) = (None, None, None);
         let mut idle = None;
         for (id, e) in &self.map {
             match e.stage {
@@ -232,16 +249,19 @@ impl Conns {
                 Stage::Connected => {
                     with_data.get_or_insert(*id);
                 }
+                Stage::Greeted => {
+                    greeted.get_or_insert(*id);
+                }
                 Stage::Challenged => {
                     challenged.get_or_insert(*id);
                 }
                 Stage::Authenticated => {}
             }
         }
-        let id = idle.or(with_data).or(challenged)?;
+        let id = idle.or(with_data).or(greeted).or(challenged)?;
         let e = self.forget(id)?;
-        let _ = e.stream.shutdown(Shutdown::Both);
-        Some(e.stream.peer_addr().unwrap_or(SocketAddr::from(([0, 0, 0, 0], 0))))
+        let closed = e.stage == Stage::Connected && Arc::strong_count(&e.stream) == 1;
+        Some((e.close(), closed))
     }
 }
 
@@ -300,7 +320,7 @@ impl Shared {
         )
     }
 
-    fn admit(&self, stream: TcpStream) -> Admission {
+    fn admit(&self, stream: TcpStream, peer: SocketAddr) -> Admission {
         let mut c = self.conns();
         if c.shutdown {
             return Admission::ShuttingDown;
@@ -311,7 +331,7 @@ impl Shared {
         }
         if c.pending + c.authenticated >= self.limits.max_connections {
             match c.evict_oldest_pending() {
-                Some(peer) => evicted.push(peer),
+                Some(e) => evicted.push(e),
                 None => return Admission::Refuse(stream, self.limit_message()),
             }
         }
@@ -323,12 +343,14 @@ impl Shared {
             Entry {
                 stream: Arc::clone(&stream),
                 stage: Stage::Connected,
+                peer,
+                since: Instant::now(),
             },
         );
         c.pending += 1;
         let pending = c.pending;
         drop(c);
-        for peer in evicted {
+        for (peer, _) in evicted {
             self.log_limit.warn(self.local_addr, || {
                 format!(
                     "store closes the pending connection from {peer}: {pending} connections are \
@@ -405,7 +427,11 @@ impl StoreServer {
         let local_addr = listener
             .local_addr()
             .map_err(|e| Error::io(context.clone(), e))?;
-        let wake = listener.try_clone().map_err(|e| Error::io(context, e))?;
+        let wake = listener
+            .try_clone()
+            .map_err(|e| Error::io(context.clone(), e))?;
+        let poller = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
+            .map_err(|e| Error::io(context, e.into()))?;
         let shared = Arc::new(Shared {
             state: Mutex::new(State::default()),
             changed: Condvar::new(),
@@ -416,6 +442,7 @@ impl StoreServer {
             local_addr,
             limits,
             conns: Mutex::new(Conns::default()),
+            poller,
             log_handshake: Throttle::default(),
             log_accept: Throttle::default(),
             log_limit: Throttle::default(),
@@ -425,12 +452,18 @@ impl StoreServer {
             .name(format!("ddp-store-accept-{}", local_addr.port()))
             .spawn(move || accept_loop(listener, accept_shared))
             .map_err(|e| Error::io("cannot start the store's accept thread", e))?;
+        let greeter_shared = Arc::clone(&shared);
+        let greeter_thread = std::thread::Builder::new()
+            .name(format!("ddp-store-greeter-{}", local_addr.port()))
+            .spawn(move || greeter(&greeter_shared))
+            .map_err(|e| Error::io("cannot start the store's greeter thread", e))?;
         tracing::debug!(%local_addr, ?limits, fd_limit, "store server listening");
         Ok(StoreServer {
             local_addr,
             shared,
             listener: wake,
             accept_thread: Some(accept_thread),
+            greeter_thread: Some(greeter_thread),
         })
     }
 
@@ -483,11 +516,15 @@ impl Drop for StoreServer {
             }
             let _ = accept.join();
         }
+        if let Some(greeter) = self.greeter_thread.take() {
+            let _ = greeter.join();
+        }
         // The accept loop has exited, so no thread is added after this.
         let late = std::mem::take(&mut self.shared.conns().threads);
         for t in threads.into_iter().chain(late) {
             let _ = t.join();
         }
+        self.shared.conns().map.clear();
         tracing::debug!(local_addr = %self.local_addr, "store server stopped");
     }
 }
@@ -537,6 +574,8 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 let fds = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
                 let limit = fds.map_or("unlimited".to_string(), |n| n.to_string());
                 let evicted = shared.conns().evict_oldest_pending();
+                let still_open = matches!(evicted, Some((_, false)));
+                let evicted = evicted.map(|(peer, _)| peer);
                 shared.log_accept.warn(shared.local_addr, || {
                     format!(
                         "store accept failed: {e} (this process's descriptor limit, ulimit -n, \
@@ -563,7 +602,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                     reserve = reserve_fd();
                 }
                 // Give the closed connection's thread time to release its descriptor.
-                if evicted.is_some() {
+                if still_open {
                     std::thread::sleep(Duration::from_millis(5));
                 }
                 continue;
@@ -581,7 +620,7 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
             reserve = reserve_fd();
         }
         let _ = stream.set_nodelay(true);
-        let (id, stream) = match shared.admit(stream) {
+        let (id, stream) = match shared.admit(stream, peer) {
             Admission::Serve(id, stream) => (id, stream),
             Admission::ShuttingDown => return,
             Admission::Refuse(stream, why) => {
@@ -592,25 +631,111 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
                 continue;
             }
         };
-        let conn_shared = Arc::clone(&shared);
-        let spawned = std::thread::Builder::new()
-            .name(format!("ddp-store-conn-{id}"))
-            .stack_size(CONN_STACK)
-            .spawn(move || {
-                serve::serve_connection(&stream, peer, &conn_shared, id);
-                conn_shared.conns().forget(id);
+        // No thread yet: the greeter starts one when the first bytes arrive.
+        use rustix::event::epoll;
+        let watched = epoll::add(
+            &shared.poller,
+            &*stream,
+            epoll::EventData::new_u64(id),
+            epoll::EventFlags::IN | epoll::EventFlags::RDHUP,
+        );
+        if let Err(e) = watched {
+            shared.conns().forget(id);
+            shared.log_accept.warn(shared.local_addr, || {
+                format!("store cannot watch the connection from {peer}: {e}")
             });
-        let mut c = shared.conns();
-        c.threads.retain(|t| !t.is_finished());
-        match spawned {
-            Ok(handle) => c.threads.push(handle),
-            Err(e) => {
-                if let Some(e2) = c.forget(id) {
-                    let _ = e2.stream.shutdown(Shutdown::Both);
+        }
+    }
+}
+
+/// Watches the connections that have sent nothing yet: starts a thread for each one whose
+/// first bytes arrive, drops the ones that hung up, and closes the ones past the handshake
+/// deadline. An idle connection thus costs one descriptor and no thread.
+fn greeter(shared: &Arc<Shared>) {
+    use rustix::event::{epoll, Timespec};
+    let mut events: Vec<epoll::Event> = Vec::with_capacity(256);
+    let tick = Timespec {
+        tv_sec: 0,
+        tv_nsec: 100_000_000,
+    };
+    let mut last_sweep = Instant::now();
+    loop {
+        events.clear();
+        let _ = epoll::wait(
+            &shared.poller,
+            rustix::buffer::spare_capacity(&mut events),
+            Some(&tick),
+        );
+        if shared.conns().shutdown {
+            return;
+        }
+        for ev in &events {
+            let id = ev.data.u64();
+            let mut c = shared.conns();
+            let Some(e) = c.map.get_mut(&id) else {
+                continue;
+            };
+            if e.stage != Stage::Connected {
+                continue;
+            }
+            let _ = epoll::delete(&shared.poller, &*e.stream);
+            if sent_nothing(&e.stream) {
+                // Hung up (or failed) without a word.
+                c.forget(id);
+                continue;
+            }
+            e.stage = Stage::Greeted;
+            let (stream, peer) = (Arc::clone(&e.stream), e.peer);
+            let until = e.since + shared.limits.handshake_timeout;
+            let conn_shared = Arc::clone(shared);
+            let spawned = std::thread::Builder::new()
+                .name(format!("ddp-store-conn-{id}"))
+                .stack_size(CONN_STACK)
+                .spawn(move || {
+                    serve::serve_connection(&stream, peer, &conn_shared, id, until);
+                    conn_shared.conns().forget(id);
+                });
+            let live = c.pending + c.authenticated;
+            if c.threads.len() > 2 * live + 64 {
+                c.threads.retain(|t| !t.is_finished());
+            }
+            match spawned {
+                Ok(handle) => c.threads.push(handle),
+                Err(err) => {
+                    if let Some(e) = c.forget(id) {
+                        e.close();
+                    }
+                    drop(c);
+                    shared.log_accept.warn(shared.local_addr, || {
+                        format!("store cannot start a thread for {peer}: {err}")
+                    });
                 }
-                drop(c);
-                shared.log_accept.warn(shared.local_addr, || {
-                    format!("store cannot start a thread for {peer}: {e}")
+            }
+        }
+        if last_sweep.elapsed() >= Duration::from_millis(100) {
+            last_sweep = Instant::now();
+            let timeout = shared.limits.handshake_timeout;
+            let mut c = shared.conns();
+            let late: Vec<u64> = c
+                .map
+                .iter()
+                .filter(|(_, e)| e.stage == Stage::Connected && e.since.elapsed() >= timeout)
+                .map(|(id, _)| *id)
+                .collect();
+            let n = late.len();
+            let first = late.first().and_then(|id| c.map.get(id)).map(|e| e.peer);
+            for id in late {
+                if let Some(e) = c.forget(id) {
+                    e.close();
+                }
+            }
+            drop(c);
+            if let Some(peer) = first {
+                shared.log_handshake.warn(shared.local_addr, || {
+                    format!(
+                        "store drops {n} connection(s) (first from {peer}) that sent nothing \
+                         within the {timeout:?} handshake deadline"
+                    )
                 });
             }
         }

@@ -343,7 +343,7 @@ impl ChildServer {
             .env("DDP_STORE_MAX_CONNECTIONS", max_connections.to_string())
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
+            .stderr(Stdio::null())
             .spawn()
             .unwrap();
         let stdin = child.stdin.take();
@@ -392,7 +392,6 @@ impl Drop for ChildServer {
 fn legit_join(addr: &str, i: usize) -> Duration {
     let start = Instant::now();
     let s = TcpStore::connect(addr, opts(Some(SECRET))).unwrap();
-    eprintln!("DBG join {i} connected after {:?}", start.elapsed());
     let key = format!("join/{i}");
     s.set(&key, b"here").unwrap();
     assert_eq!(s.get(&key).unwrap(), b"here");
@@ -536,15 +535,12 @@ fn running_out_of_descriptors_is_survived_and_named() {
         // first, and the accept loop must live through EMFILE.
         let mut child = ChildServer::start(64, 1000);
         let addr = child.addr.clone();
-        eprintln!("child at {addr}");
         let mut clients = Vec::new();
         let err = loop {
-            let t = Instant::now();
             match TcpStore::connect(&addr, opts(Some(SECRET))) {
                 Ok(c) => clients.push(c),
                 Err(e) => break e.to_string(),
             }
-            eprintln!("client {} in {:?}", clients.len(), t.elapsed());
             assert!(clients.len() < 64, "more connections than descriptors");
         };
         assert!(

@@ -134,7 +134,6 @@ impl TcpStore {
                         return Err(first_error.unwrap_or(e));
                     }
                     tracing::debug!(addr, "store closed the connection during the handshake; reconnecting: {e}");
-                    eprintln!("DBG retry {retries} after {:?}: {e}", start.elapsed());
                     retries += 1;
                     first_error.get_or_insert(e);
                     std::thread::sleep(Duration::from_millis(10 << retries));

@@ -71,6 +71,9 @@ pub(crate) const NO_TIMEOUT: u64 = u64::MAX;
 /// Bytes of a frame that are not the value of a `SET` with a key of [`MAX_KEY_LEN`] bytes.
 pub(crate) const MAX_VALUE_LEN: usize = MAX_FRAME - MAX_KEY_LEN - 16;
 
+/// Opcode of `HELLO` (the greeter peeks at it before a thread reads the frame).
+pub(crate) const HELLO_OPCODE: u8 = op::HELLO;
+
 mod op {
     pub const HELLO: u8 = 0x01;
     pub const SET: u8 = 0x02;

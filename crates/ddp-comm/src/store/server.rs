@@ -20,7 +20,7 @@
 //! Binding raises the process's soft descriptor limit to its hard limit ([`raise_fd_limit`]),
 //! as Go's runtime does at start-up.
 
-use super::protocol::{ErrorKind, Response};
+use super::protocol::{ErrorKind, Response, HELLO_OPCODE, MAGIC, MAX_HANDSHAKE_FRAME};
 use super::serve;
 use crate::{Error, Result};
 use std::collections::{BTreeMap, HashMap};
@@ -38,6 +38,9 @@ pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// Upper bound of the default connection limit.
 const DEFAULT_MAX_CONNECTIONS: usize = 4096;
+
+/// Threads accepting connections.
+const ACCEPT_THREADS: usize = 2;
 
 /// Stack size of a connection thread (it only parses frames and touches the map).
 const CONN_STACK: usize = 256 << 10;
@@ -154,7 +157,7 @@ pub struct StoreServer {
     shared: Arc<Shared>,
     /// A second handle on the listening socket, used to wake the accept loop on drop.
     listener: TcpListener,
-    accept_thread: Option<JoinHandle<()>>,
+    accept_threads: Vec<JoinHandle<()>>,
     greeter_thread: Option<JoinHandle<()>>,
 }
 
@@ -215,7 +218,9 @@ struct Conns {
 impl Entry {
     /// Close the connection: at once when no thread holds it, else by waking its thread.
     fn close(self) -> SocketAddr {
-        let _ = self.stream.shutdown(Shutdown::Both);
+        if Arc::strong_count(&self.stream) > 1 {
+            let _ = self.stream.shutdown(Shutdown::Both);
+        }
         self.peer
     }
 }
@@ -231,8 +236,8 @@ impl Conns {
     }
 
     /// Close the oldest pending connection, preferring, in this order: one that has sent
-    /// nothing (or hung up), one whose first bytes wait unread, one whose thread reads its
-    /// `HELLO`, one waiting for its proof. Returns its peer and whether its descriptor is closed
+    /// nothing, hung up or sent what cannot be a `HELLO`; one whose `HELLO` waits unread; one
+    /// whose thread reads its `HELLO`; one waiting for its proof. Returns its peer and whether its descriptor is closed
     /// already (no thread held it).
     fn evict_oldest_pending(&mut self) -> Option<(SocketAddr, bool)> {
         if self.pending == 0 {
@@ -242,7 +247,7 @@ impl Conns {
         let mut idle = None;
         for (id, e) in &self.map {
             match e.stage {
-                Stage::Connected if sent_nothing(&e.stream) => {
+                Stage::Connected if !matches!(first_bytes(&e.stream), FirstBytes::Plausible) => {
                     idle = Some(*id);
                     break;
                 }
@@ -265,15 +270,74 @@ impl Conns {
     }
 }
 
-/// Whether the peer has sent nothing yet on `stream` (or hung up): such a connection is the
-/// cheapest to drop, and a client whose `HELLO` already arrived is not.
-fn sent_nothing(stream: &TcpStream) -> bool {
+/// What the first bytes of a connection say about it.
+enum FirstBytes {
+    /// Nothing to read after all.
+    NotYet,
+    /// End of stream or an error: nothing to answer.
+    HungUp,
+    /// Cannot be a `HELLO`: the reply to send before closing.
+    Garbage(String),
+    /// A `HELLO` as far as can be seen: a thread reads it.
+    Plausible,
+}
+
+/// Peek at the frame header, opcode and magic of a new connection's first frame.
+fn first_bytes(stream: &TcpStream) -> FirstBytes {
     use rustix::net::{recv, RecvFlags};
-    let mut byte = [0u8; 1];
-    !matches!(
-        recv(stream, &mut byte[..], RecvFlags::PEEK | RecvFlags::DONTWAIT),
-        Ok((n, _)) if n > 0
-    )
+    let mut head = [0u8; 9];
+    let n = match recv(stream, &mut head[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
+        Ok((0, _)) => return FirstBytes::HungUp,
+        Ok((n, _)) => n,
+        Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => return FirstBytes::NotYet,
+        Err(_) => return FirstBytes::HungUp,
+    };
+    if n >= 4 {
+        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
+        if len == 0 {
+            return FirstBytes::Garbage("bad handshake frame: empty frame (no opcode)".into());
+        }
+        if len > MAX_HANDSHAKE_FRAME {
+            return FirstBytes::Garbage(format!(
+                "bad handshake frame: frame of {len} bytes exceeds the limit of \
+                 {MAX_HANDSHAKE_FRAME} bytes"
+            ));
+        }
+    }
+    if n >= 5 && head[4] != HELLO_OPCODE {
+        return FirstBytes::Garbage("expected a handshake first".into());
+    }
+    if n >= 9 && head[5..9] != MAGIC {
+        return FirstBytes::Garbage(format!(
+            "bad handshake: magic {:02x?}, expected {MAGIC:02x?} (not a ddp-rs store client)",
+            &head[5..9]
+        ));
+    }
+    FirstBytes::Plausible
+}
+
+/// Send `why` as an `ERROR` frame on a connection about to be closed (without blocking), and
+/// read what the peer sent so that closing does not reset the connection before it reads it.
+fn reject(stream: &TcpStream, why: &str) {
+    use rustix::net::{recv, send, RecvFlags, SendFlags};
+    let reply = Response::Error {
+        kind: ErrorKind::Store,
+        message: why.to_string(),
+    }
+    .encode();
+    let mut sink = [0u8; 4096];
+    let mut drain = || {
+        for _ in 0..4 {
+            match recv(stream, &mut sink[..], RecvFlags::DONTWAIT) {
+                Ok((n, _)) if n > 0 => {}
+                _ => break,
+            }
+        }
+    };
+    drain();
+    let _ = send(stream, &reply, SendFlags::DONTWAIT | SendFlags::NOSIGNAL);
+    let _ = stream.shutdown(Shutdown::Write);
+    drain();
 }
 
 /// Logs at most one line per second; counts the ones it swallowed.
@@ -447,11 +511,27 @@ impl StoreServer {
             log_accept: Throttle::default(),
             log_limit: Throttle::default(),
         });
-        let accept_shared = Arc::clone(&shared);
-        let accept_thread = std::thread::Builder::new()
-            .name(format!("ddp-store-accept-{}", local_addr.port()))
-            .spawn(move || accept_loop(listener, accept_shared))
-            .map_err(|e| Error::io("cannot start the store's accept thread", e))?;
+        // Two accept loops on the one socket, so that a flood of connections made from several
+        // threads does not outpace accepting on a loaded machine (every connection waiting in
+        // the accept queue delays the ones behind it).
+        let mut listeners = Vec::with_capacity(ACCEPT_THREADS);
+        for _ in 1..ACCEPT_THREADS {
+            listeners.push(
+                listener
+                    .try_clone()
+                    .map_err(|e| Error::io("cannot share the store's listening socket", e))?,
+            );
+        }
+        listeners.push(listener);
+        let mut accept_threads = Vec::with_capacity(ACCEPT_THREADS);
+        for listener in listeners {
+            let accept_shared = Arc::clone(&shared);
+            let thread = std::thread::Builder::new()
+                .name(format!("ddp-store-accept-{}", local_addr.port()))
+                .spawn(move || accept_loop(listener, accept_shared))
+                .map_err(|e| Error::io("cannot start the store's accept thread", e))?;
+            accept_threads.push(thread);
+        }
         let greeter_shared = Arc::clone(&shared);
         let greeter_thread = std::thread::Builder::new()
             .name(format!("ddp-store-greeter-{}", local_addr.port()))
@@ -462,7 +542,7 @@ impl StoreServer {
             local_addr,
             shared,
             listener: wake,
-            accept_thread: Some(accept_thread),
+            accept_threads,
             greeter_thread: Some(greeter_thread),
         })
     }
@@ -510,7 +590,7 @@ impl Drop for StoreServer {
                 SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
             });
         }
-        if let Some(accept) = self.accept_thread.take() {
+        for accept in std::mem::take(&mut self.accept_threads) {
             if !accept.is_finished() {
                 let _ = TcpStream::connect_timeout(&wake_addr, Duration::from_millis(200));
             }
@@ -559,12 +639,10 @@ fn reserve_fd() -> Option<std::fs::File> {
 fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
     let mut reserve = reserve_fd();
     loop {
-        let accepted = listener.accept();
-        if shared.conns().shutdown {
-            return;
-        }
-        let (stream, peer) = match accepted {
+        let (stream, peer) = match listener.accept() {
             Ok(x) => x,
+            // Drop shuts the listener down, which fails accept().
+            Err(_) if shared.conns().shutdown => return,
             Err(e) if is_out_of_fds(&e) => {
                 // accept() fails with EMFILE even when no connection is waiting: act only when
                 // one is, and otherwise wait for one (or for the descriptors to free up).
@@ -619,7 +697,6 @@ fn accept_loop(listener: TcpListener, shared: Arc<Shared>) {
         if reserve.is_none() {
             reserve = reserve_fd();
         }
-        let _ = stream.set_nodelay(true);
         let (id, stream) = match shared.admit(stream, peer) {
             Admission::Serve(id, stream) => (id, stream),
             Admission::ShuttingDown => return,
@@ -669,24 +746,50 @@ fn greeter(shared: &Arc<Shared>) {
         if shared.conns().shutdown {
             return;
         }
-        for ev in &events {
-            let id = ev.data.u64();
+        // Under the lock only bookkeeping; threads start after it is released, so the accept
+        // loop never waits for a thread to be created.
+        let mut greeted = Vec::new();
+        {
             let mut c = shared.conns();
-            let Some(e) = c.map.get_mut(&id) else {
-                continue;
-            };
-            if e.stage != Stage::Connected {
-                continue;
+            for ev in &events {
+                let id = ev.data.u64();
+                let Some(e) = c.map.get_mut(&id) else {
+                    continue;
+                };
+                if e.stage != Stage::Connected {
+                    continue;
+                }
+                let verdict = first_bytes(&e.stream);
+                if matches!(verdict, FirstBytes::NotYet) {
+                    continue;
+                }
+                let _ = epoll::delete(&shared.poller, &*e.stream);
+                match verdict {
+                    FirstBytes::NotYet => unreachable!(),
+                    FirstBytes::HungUp => {
+                        c.forget(id);
+                        continue;
+                    }
+                    FirstBytes::Garbage(why) => {
+                        // Answered here, without a thread: floods of junk cost little.
+                        reject(&e.stream, &why);
+                        let peer = e.peer;
+                        c.forget(id);
+                        shared.log_handshake.warn(shared.local_addr, || {
+                            format!("store drops the connection from {peer}: {why}")
+                        });
+                        continue;
+                    }
+                    FirstBytes::Plausible => {}
+                }
+                e.stage = Stage::Greeted;
+                let until = e.since + shared.limits.handshake_timeout;
+                greeted.push((id, Arc::clone(&e.stream), e.peer, until));
             }
-            let _ = epoll::delete(&shared.poller, &*e.stream);
-            if sent_nothing(&e.stream) {
-                // Hung up (or failed) without a word.
-                c.forget(id);
-                continue;
-            }
-            e.stage = Stage::Greeted;
-            let (stream, peer) = (Arc::clone(&e.stream), e.peer);
-            let until = e.since + shared.limits.handshake_timeout;
+        }
+        let mut handles = Vec::with_capacity(greeted.len());
+        for (id, stream, peer, until) in greeted {
+            let _ = stream.set_nodelay(true);
             let conn_shared = Arc::clone(shared);
             let spawned = std::thread::Builder::new()
                 .name(format!("ddp-store-conn-{id}"))
@@ -695,22 +798,25 @@ fn greeter(shared: &Arc<Shared>) {
                     serve::serve_connection(&stream, peer, &conn_shared, id, until);
                     conn_shared.conns().forget(id);
                 });
-            let live = c.pending + c.authenticated;
-            if c.threads.len() > 2 * live + 64 {
-                c.threads.retain(|t| !t.is_finished());
-            }
             match spawned {
-                Ok(handle) => c.threads.push(handle),
+                Ok(handle) => handles.push(handle),
                 Err(err) => {
-                    if let Some(e) = c.forget(id) {
+                    if let Some(e) = shared.conns().forget(id) {
                         e.close();
                     }
-                    drop(c);
                     shared.log_accept.warn(shared.local_addr, || {
                         format!("store cannot start a thread for {peer}: {err}")
                     });
                 }
             }
+        }
+        if !handles.is_empty() {
+            let mut c = shared.conns();
+            let live = c.pending + c.authenticated;
+            if c.threads.len() > 2 * live + 64 {
+                c.threads.retain(|t| !t.is_finished());
+            }
+            c.threads.extend(handles);
         }
         if last_sweep.elapsed() >= Duration::from_millis(100) {
             last_sweep = Instant::now();

@@ -128,15 +128,27 @@ fn the_secret_never_crosses_the_wire() {
         assert_eq!(good.get("proxied-key").unwrap(), b"proxied-value");
         let wrong = "wrong horse battery staple";
         let err = TcpStore::connect(&proxy, opts(Some(wrong))).unwrap_err();
-        assert!(err.to_string().contains("wrong or missing shared secret"), "{err}");
+        assert!(
+            err.to_string().contains("wrong or missing shared secret"),
+            "{err}"
+        );
         drop(good);
         std::thread::sleep(Duration::from_millis(200));
         let wire = wire.lock().unwrap();
         // The capture works: it holds the handshake magic and the data.
         assert!(contains(&wire, b"DDPS") && contains(&wire, b"proxied-value"));
-        assert!(!contains(&wire, SECRET.as_bytes()), "the secret went over the wire");
-        assert!(!contains(&wire, wrong.as_bytes()), "a wrong secret went over the wire");
-        assert!(!contains(&wire, b"horse"), "part of a secret went over the wire");
+        assert!(
+            !contains(&wire, SECRET.as_bytes()),
+            "the secret went over the wire"
+        );
+        assert!(
+            !contains(&wire, wrong.as_bytes()),
+            "a wrong secret went over the wire"
+        );
+        assert!(
+            !contains(&wire, b"horse"),
+            "part of a secret went over the wire"
+        );
     });
 }
 
@@ -258,10 +270,16 @@ fn pending_connections_make_room_and_the_limit_is_named() {
         std::thread::sleep(Duration::from_millis(50));
         // Two pending already: the oldest makes room for c.
         let _c = join().unwrap();
-        assert!(closed_within(&mut idle1, Duration::from_secs(2)), "oldest idle evicted");
+        assert!(
+            closed_within(&mut idle1, Duration::from_secs(2)),
+            "oldest idle evicted"
+        );
         // 3 authenticated + 1 pending = the limit: the pending one makes room for d.
         let _d = join().unwrap();
-        assert!(closed_within(&mut idle2, Duration::from_secs(2)), "idle evicted for d");
+        assert!(
+            closed_within(&mut idle2, Duration::from_secs(2)),
+            "idle evicted for d"
+        );
         // 4 authenticated: nobody is evicted, the newcomer is told why.
         let err = join().unwrap_err().to_string();
         assert!(
@@ -496,7 +514,10 @@ fn a_flood_of_idle_and_garbage_connections_does_not_delay_a_legitimate_join() {
             during.len() == 10 && flood_open_during_joins && opened_during_joins >= 1000,
             "joins did not overlap the flood"
         );
-        assert!(evicted.load(Ordering::Relaxed) > 0, "the server never evicted an idle one");
+        assert!(
+            evicted.load(Ordering::Relaxed) > 0,
+            "the server never evicted an idle one"
+        );
         // "Not delayed by more than a second": against a baseline taken on this (possibly
         // loaded) machine just before the flood.
         for d in &during {
@@ -516,9 +537,14 @@ fn a_flood_of_idle_and_garbage_connections_does_not_delay_a_legitimate_join() {
             }
             assert!(clients.len() <= 100, "more clients than the limit of 100");
         };
-        assert!(clients.len() >= 90, "refused after {} clients: {err}", clients.len());
         assert!(
-            err.contains("connection limit: 100 connections") && err.contains("DDP_STORE_MAX_CONNECTIONS"),
+            clients.len() >= 90,
+            "refused after {} clients: {err}",
+            clients.len()
+        );
+        assert!(
+            err.contains("connection limit: 100 connections")
+                && err.contains("DDP_STORE_MAX_CONNECTIONS"),
             "{err}"
         );
         clients.truncate(10);

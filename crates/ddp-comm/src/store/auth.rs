@@ -43,7 +43,12 @@ fn mac(secret: &[u8], side: Side, client_nonce: &[u8], server_nonce: &[u8]) -> H
 }
 
 /// The proof `side` sends.
-pub(crate) fn proof(secret: &[u8], side: Side, client_nonce: &[u8], server_nonce: &[u8]) -> Vec<u8> {
+pub(crate) fn proof(
+    secret: &[u8],
+    side: Side,
+    client_nonce: &[u8],
+    server_nonce: &[u8],
+) -> Vec<u8> {
     mac(secret, side, client_nonce, server_nonce)
         .finalize()
         .into_bytes()
@@ -81,8 +86,14 @@ mod tests {
         assert_eq!(p.len(), 32);
         assert!(verify(b"s3cret", Side::Client, &cn, &sn, &p));
         assert!(!verify(b"s3creT", Side::Client, &cn, &sn, &p));
-        assert!(!verify(b"s3cret", Side::Server, &cn, &sn, &p), "sides differ");
-        assert!(!verify(b"s3cret", Side::Client, &sn, &cn, &p), "nonces are ordered");
+        assert!(
+            !verify(b"s3cret", Side::Server, &cn, &sn, &p),
+            "sides differ"
+        );
+        assert!(
+            !verify(b"s3cret", Side::Client, &sn, &cn, &p),
+            "nonces are ordered"
+        );
         assert!(!verify(b"s3cret", Side::Client, &cn, &sn, &p[..31]));
         assert!(!verify(b"s3cret", Side::Client, &cn, &sn, b""));
         assert_ne!(nonce().unwrap(), nonce().unwrap());

@@ -133,7 +133,10 @@ impl TcpStore {
                     if !dropped || retries >= HANDSHAKE_RETRIES || !time_left {
                         return Err(first_error.unwrap_or(e));
                     }
-                    tracing::debug!(addr, "store closed the connection during the handshake; reconnecting: {e}");
+                    tracing::debug!(
+                        addr,
+                        "store closed the connection during the handshake; reconnecting: {e}"
+                    );
                     retries += 1;
                     first_error.get_or_insert(e);
                     std::thread::sleep(Duration::from_millis(10 << retries));
@@ -166,8 +169,11 @@ impl TcpStore {
             addr: self.addr.clone(),
             message,
         };
-        let refused =
-            || store_err("refused this client: wrong or missing shared secret (DDP_STORE_SECRET)".into());
+        let refused = || {
+            store_err(
+                "refused this client: wrong or missing shared secret (DDP_STORE_SECRET)".into(),
+            )
+        };
         let client_nonce =
             auth::nonce().map_err(|e| store_err(format!("cannot draw a random nonce: {e}")))?;
         let reply_within = self.opts.connect_timeout.max(Duration::from_secs(1));
@@ -188,7 +194,13 @@ impl TcpStore {
                 let proof = auth::proof(key, Side::Client, &client_nonce, &server_nonce);
                 match self.request(&Request::Auth { proof }, reply_within)? {
                     Response::Welcome(theirs)
-                        if auth::verify(key, Side::Server, &client_nonce, &server_nonce, &theirs) =>
+                        if auth::verify(
+                            key,
+                            Side::Server,
+                            &client_nonce,
+                            &server_nonce,
+                            &theirs,
+                        ) =>
                     {
                         Ok(())
                     }

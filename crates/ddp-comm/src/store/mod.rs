@@ -3,11 +3,26 @@
 //! Ranks find each other through it (each publishes its listening address, then reads the
 //! others'), and the launcher uses it to count arriving nodes. Semantics follow PyTorch's
 //! `TCPStore`: `get` and `wait` block until the keys exist or the timeout passes, `add` is an
-//! atomic counter, `compare_set` is an atomic swap. An optional shared secret
-//! (`DDP_STORE_SECRET`) makes the server refuse clients that do not know it.
+//! atomic counter, `compare_set` is an atomic swap.
 //!
-//! - `server`: [`StoreServer`], the listening side (hosted by rank 0 or by `ddprun`).
+//! An optional shared secret (`DDP_STORE_SECRET`) makes the server refuse clients that do not
+//! know it. The secret never crosses the wire: the client proves it knows it by an HMAC-SHA256
+//! over a nonce of each side, and the server proves it back, so a client with a secret also
+//! refuses a server that does not know it (`auth`). The data itself is not encrypted: keep the
+//! store on a trusted network, as with PyTorch's.
+//!
+//! Anyone who can reach the port can connect, so the server bounds what a connection costs
+//! before it authenticates: at most `DDP_STORE_MAX_CONNECTIONS` connections (default: three
+//! quarters of the descriptor limit, at most 4096), unauthenticated ones capped separately and
+//! evicted oldest (and silent or garbage ones) first, a 5 s handshake deadline, no thread for a
+//! connection until it sends something, and an accept loop that survives running out of
+//! descriptors. A client refused at the limit gets an error naming it. See `server`.
+//!
+//! - `server`: [`StoreServer`] and [`ServerOptions`], the listening side (hosted by rank 0 or by
+//!   `ddprun`): limits, accept loops and the greeter that watches silent connections.
+//! - `serve`: one connection's handshake and requests.
 //! - `client`: [`TcpStore`], the connecting side.
+//! - `auth`: the challenge-response proof of the secret.
 //! - `prefix`: [`PrefixStore`], a namespace over any store.
 //! - `protocol`: the wire format shared by both sides.
 

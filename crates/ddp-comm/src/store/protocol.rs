@@ -621,9 +621,7 @@ mod tests {
                 version: VERSION,
                 nonce: vec![7; 32],
             },
-            Request::Auth {
-                proof: vec![9; 32],
-            },
+            Request::Auth { proof: vec![9; 32] },
             Request::Set {
                 key: "rdzv/addr/0".into(),
                 value: vec![0, 1, 2, 255],

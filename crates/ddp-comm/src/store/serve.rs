@@ -109,7 +109,12 @@ fn read_handshake_frame(
     let body = match read_frame(&mut r, MAX_HANDSHAKE_FRAME) {
         Ok(body) => body,
         Err(FrameError::Closed) => return Err(None),
-        Err(FrameError::Io(e)) if matches!(e.kind(), io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut) => {
+        Err(FrameError::Io(e))
+            if matches!(
+                e.kind(),
+                io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut
+            ) =>
+        {
             return Err(Some(format!(
                 "no complete handshake within {:?}",
                 shared.limits.handshake_timeout
@@ -177,7 +182,10 @@ fn handshake_steps(
                 stream,
                 &error_reply(ErrorKind::Store, "expected a handshake first"),
             );
-            return Err(Some(format!("it sent {} before its handshake", other.name())));
+            return Err(Some(format!(
+                "it sent {} before its handshake",
+                other.name()
+            )));
         }
     };
     let Some(secret) = &shared.secret else {
@@ -359,9 +367,9 @@ fn wait_for<'a>(
 mod tests {
     use super::super::StoreServer;
     use super::*;
+    use std::io::Read;
     use std::net::TcpStream;
     use std::time::Duration;
-    use std::io::Read;
 
     #[test]
     fn counters_parse_like_pytorch() {

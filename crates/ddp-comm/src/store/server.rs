@@ -348,7 +348,9 @@ impl Throttle {
     pub(super) fn warn(&self, local_addr: SocketAddr, message: impl FnOnce() -> String) {
         let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
         let now = Instant::now();
-        if g.0.is_some_and(|last| now.duration_since(last) < Duration::from_secs(1)) {
+        if g.0
+            .is_some_and(|last| now.duration_since(last) < Duration::from_secs(1))
+        {
             g.1 += 1;
             return;
         }

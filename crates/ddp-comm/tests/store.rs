@@ -671,3 +671,24 @@ fn prefix_stores_are_isolated_and_nest() {
         assert_eq!(a.timeout(), base.timeout());
     });
 }
+
+#[test]
+fn port_zero_fails_at_once_saying_why() {
+    bounded(T, || {
+        // MASTER_PORT=0 without a launcher: nothing can ever listen on port 0, so retrying until
+        // the connect timeout would only hide the mistake.
+        let start = Instant::now();
+        let err = TcpStore::connect("127.0.0.1:0", opts(None)).unwrap_err();
+        assert!(
+            start.elapsed() < Duration::from_secs(1),
+            "{:?}",
+            start.elapsed()
+        );
+        assert!(matches!(err, Error::Config(_)), "{err}");
+        let msg = err.to_string();
+        assert!(
+            msg.contains("port 0") && msg.contains("MASTER_PORT"),
+            "{msg}"
+        );
+    });
+}

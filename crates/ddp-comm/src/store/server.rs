@@ -89,9 +89,8 @@ impl std::fmt::Debug for ServerOptions {
 pub fn raise_fd_limit() -> Option<u64> {
     use rustix::process::{getrlimit, setrlimit, Resource};
     let lim = getrlimit(Resource::Nofile);
-    let Some(soft) = lim.current else {
-        return None;
-    };
+    // `None`: unlimited already.
+    let soft = lim.current?;
     // An unlimited hard limit is not a valid soft value on Linux (it must stay below
     // fs.nr_open); 2^20 is the usual nr_open.
     let target = lim.maximum.unwrap_or(1 << 20);

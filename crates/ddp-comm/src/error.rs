@@ -53,6 +53,14 @@ pub enum Error {
         remote: String,
     },
 
+    /// The process group shut down (dropped, or its thread ended) before an operation ran.
+    #[error("{0}: the process group shut down before it ran")]
+    Shutdown(String),
+
+    /// A bug in the communication core (e.g. a panic on the group's thread), not an I/O error.
+    #[error("internal error: {0}")]
+    Internal(String),
+
     /// The group was aborted earlier; carries the original cause.
     #[error("process group aborted: {0}")]
     Aborted(Box<Error>),

@@ -23,6 +23,8 @@ pub struct Work<T> {
 /// The completing side of a [`Work`]; completes it with an error if dropped unused.
 pub(crate) struct Completer<T> {
     slot: Option<Arc<Slot<T>>>,
+    /// The collective, for the error when dropped unused.
+    what: String,
 }
 
 /// A new pending work handle (for `what`, used in timeout messages) and its completer.
@@ -34,9 +36,12 @@ pub(crate) fn pending<T>(what: String) -> (Work<T>, Completer<T>) {
     (
         Work {
             slot: slot.clone(),
+            what: what.clone(),
+        },
+        Completer {
+            slot: Some(slot),
             what,
         },
-        Completer { slot: Some(slot) },
     )
 }
 
@@ -52,10 +57,7 @@ impl<T> Completer<T> {
 impl<T> Drop for Completer<T> {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            *slot.value.lock().unwrap() = Some(Err(Error::Io {
-                context: "collective".into(),
-                message: "the process group shut down before this work ran".into(),
-            }));
+            *slot.value.lock().unwrap() = Some(Err(Error::Shutdown(self.what.clone())));
             slot.ready.notify_all();
         }
     }

@@ -9,7 +9,7 @@
 mod common;
 
 use common::{check_every_collective, run_ranks, run_ranks_on_hosts, run_ranks_with};
-use ddp_comm::{Backend, ProcessGroup, ReduceOp};
+use ddp_comm::{ProcessGroup, ReduceOp};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
@@ -21,7 +21,7 @@ fn check_world(world: usize) {
 /// Ranks on simulated hosts (`hosts[rank]`): the group must be hierarchical.
 fn check_hosts(hosts: &'static [usize]) {
     run_ranks_on_hosts(hosts, Duration::from_secs(60), None, |pg| {
-        assert_eq!(pg.backend(), Backend::Hierarchical, "{}", pg.topology());
+        assert_eq!(pg.topology().name(), "hierarchical", "{}", pg.topology());
         check_group(pg);
     });
 }

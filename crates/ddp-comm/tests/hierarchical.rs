@@ -5,19 +5,19 @@
 mod common;
 
 use common::{assert_bit_identical, random_float_all_reduces, run_ranks_on_hosts};
-use ddp_comm::{Backend, Error, ReduceOp};
+use ddp_comm::{Error, ReduceOp};
 use std::time::{Duration, Instant};
 
 #[test]
 fn auto_picks_the_topology_from_the_hosts_and_subgroups_pick_again() {
     let t = Duration::from_secs(30);
     let got = run_ranks_on_hosts(&[0, 1, 1, 0, 1], t, None, |pg| {
-        let whole = (pg.backend(), pg.topology().to_string());
+        let whole = (pg.topology().name(), pg.topology().to_string());
         // Subgroups: one host (shm), the two leaders (one rank per host: tcp), both hosts.
         let sub = |ranks: &[usize]| {
             pg.new_group(ranks)
                 .unwrap()
-                .map(|g| (g.backend(), g.topology().to_string()))
+                .map(|g| (g.topology().name(), g.topology().to_string()))
         };
         (whole, sub(&[1, 2, 4]), sub(&[0, 1]), sub(&[0, 1, 3]))
     });
@@ -25,26 +25,26 @@ fn auto_picks_the_topology_from_the_hosts_and_subgroups_pick_again() {
         assert_eq!(
             whole,
             (
-                Backend::Hierarchical,
+                "hierarchical",
                 "hierarchical: 2 hosts x [2, 3] ranks, shm inside a host, tcp between".into()
             )
         );
         let on_host1 = [1, 2, 4].contains(&rank);
         assert_eq!(
             one_host,
-            on_host1.then(|| (Backend::Shm, "shm: 3 ranks on one host".into()))
+            on_host1.then(|| ("shm", "shm: 3 ranks on one host".into()))
         );
         assert_eq!(
             leaders,
-            (rank < 2).then(|| (Backend::Tcp, "tcp: 2 ranks, full mesh".into()))
+            (rank < 2).then(|| ("tcp", "tcp: 2 ranks, full mesh".into()))
         );
         assert_eq!(
             both.map(|b| b.0),
-            [0, 1, 3].contains(&rank).then_some(Backend::Hierarchical)
+            [0, 1, 3].contains(&rank).then_some("hierarchical")
         );
     }
-    let got = run_ranks_on_hosts(&[0, 1, 2], t, None, |pg| pg.backend());
-    assert_eq!(got, [Backend::Tcp; 3]);
+    let got = run_ranks_on_hosts(&[0, 1, 2], t, None, |pg| pg.topology().name());
+    assert_eq!(got, ["tcp"; 3]);
 }
 
 /// Random (inexact) floats: the reduction order matters, and every rank must still end with

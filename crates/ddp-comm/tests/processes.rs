@@ -35,7 +35,11 @@ fn worker() {
     })
     .unwrap();
     if let Ok(want) = std::env::var("DDP_TEST_TOPOLOGY") {
-        assert!(pg.topology().starts_with(&want), "{}", pg.topology());
+        assert!(
+            pg.topology().to_string().starts_with(&want),
+            "{}",
+            pg.topology()
+        );
     }
     let rank = pg.rank();
     let fail = |e: ddp_comm::Error| -> ! {

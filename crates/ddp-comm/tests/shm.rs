@@ -29,7 +29,7 @@ fn check_world(world: usize) {
         None,
         Backend::Shm,
         move |pg| {
-            assert_eq!(pg.backend(), Backend::Shm);
+            assert_eq!(pg.topology().name(), "shm");
             check_every_collective(&pg, 31 + world as u64);
         },
     );
@@ -63,13 +63,13 @@ fn shm_world_5_matches_reference() {
 #[test]
 fn auto_picks_shm_on_one_host_and_tcp_stays_available() {
     let got = run_ranks_on(3, Duration::from_secs(30), None, Backend::Auto, |pg| {
-        pg.backend()
+        pg.topology().name()
     });
-    assert_eq!(got, [Backend::Shm; 3]);
+    assert_eq!(got, ["shm"; 3]);
     let got = run_ranks_on(2, Duration::from_secs(30), None, Backend::Tcp, |pg| {
-        pg.backend()
+        pg.topology().name()
     });
-    assert_eq!(got, [Backend::Tcp; 2]);
+    assert_eq!(got, ["tcp"; 2]);
     assert_eq!(Backend::parse("SHM"), Some(Backend::Shm));
     assert_eq!(Backend::parse("gloo"), Some(Backend::Tcp));
     assert_eq!(Backend::parse("nccl"), None);
@@ -99,7 +99,7 @@ fn subgroups_get_their_own_segment() {
         let low = pg.new_group(&[0, 1]).unwrap();
         let high = pg.new_group(&[2, 3]).unwrap();
         let g = low.or(high).expect("every rank is in one subgroup");
-        assert_eq!(g.backend(), Backend::Shm);
+        assert_eq!(g.topology().name(), "shm");
         let mut v = vec![pg.rank() as i64; 100_000];
         g.all_reduce(&mut v, ReduceOp::Sum).unwrap();
         let want = if pg.rank() < 2 { 1 } else { 5 };
@@ -143,7 +143,7 @@ fn a_peer_that_left_is_named_without_waiting_for_the_timeout() {
 fn raw_transport_orders_messages_and_checks_lengths() {
     use ddp_comm::store::{Store, StoreOptions, StoreServer, TcpStore};
     use ddp_comm::transport::shm::ShmTransport;
-    use ddp_comm::transport::{Fingerprint, OpKind, Recv, Send, Transport};
+    use ddp_comm::transport::{Fingerprint, OpKind, RecvFrom, SendTo, Transport};
     use ddp_comm::DType;
     let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
     let addr = server.local_addr().to_string();
@@ -183,13 +183,15 @@ fn raw_transport_orders_messages_and_checks_lengths() {
                     if rank == 0 {
                         let data: Vec<Vec<u8>> =
                             sizes.iter().enumerate().map(|(k, &n)| msg(k, n)).collect();
-                        let mut sends: Vec<Send<'_>> =
-                            data.iter().map(|d| Send { to: 1, data: d }).collect();
+                        let mut sends: Vec<SendTo<'_>> =
+                            data.iter().map(|d| SendTo { to: 1, data: d }).collect();
                         t.exchange(&mut sends, &mut []).unwrap();
                     } else {
                         let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xAA; n]).collect();
-                        let mut recvs: Vec<Recv<'_>> =
-                            bufs.iter_mut().map(|b| Recv { from: 0, buf: b }).collect();
+                        let mut recvs: Vec<RecvFrom<'_>> = bufs
+                            .iter_mut()
+                            .map(|b| RecvFrom { from: 0, buf: b })
+                            .collect();
                         t.exchange(&mut [], &mut recvs).unwrap();
                         for (k, b) in bufs.iter().enumerate() {
                             assert!(
@@ -256,7 +258,7 @@ fn worker() {
         }
     };
     if std::env::var("DDP_BACKEND").as_deref() == Ok("shm") {
-        assert_eq!(pg.backend(), Backend::Shm);
+        assert_eq!(pg.topology().name(), "shm");
     }
     let rank = pg.rank();
     let fail = |e: ddp_comm::Error| -> ! {
@@ -323,7 +325,7 @@ fn worker() {
             let mut v = vec![pg.rank() as i64 + 1; 100_000];
             pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
             assert!(v.iter().all(|&x| x == 3));
-            println!("BACKEND {:?}", pg.backend());
+            println!("BACKEND {}", pg.topology().name());
         }
         "stall" => {
             if rank == 1 {
@@ -442,7 +444,7 @@ fn no_room_in_dev_shm_falls_back_to_tcp_or_fails_clearly() {
     {
         let (code, out) = finish(child, deadline);
         assert_eq!(code, Some(0), "auto: rank {rank}: {out}");
-        assert!(out.contains("BACKEND Tcp"), "auto: rank {rank}: {out}");
+        assert!(out.contains("BACKEND tcp"), "auto: rank {rank}: {out}");
     }
     for (rank, child) in spawn_workers("shm", 2, 0..2, "fallback", std::slice::from_ref(&huge))
         .into_iter()

@@ -4,7 +4,7 @@
 
 use super::{bytes, bytes_mut};
 use crate::dtype::Element;
-use crate::transport::{Recv, Send, Transport};
+use crate::transport::{RecvFrom, SendTo, Transport};
 use crate::Result;
 
 /// Gather every rank's `input` into `output` (length `input.len() * p`) on `root`, in rank order.
@@ -18,7 +18,7 @@ pub fn gather<T: Element>(
     match output {
         Some(out) if r == root => {
             let n = input.len();
-            let mut recvs: Vec<Recv<'_>> = Vec::with_capacity(p - 1);
+            let mut recvs: Vec<RecvFrom<'_>> = Vec::with_capacity(p - 1);
             let mut rest = &mut out[..n * p];
             for i in 0..p {
                 let (block, tail) = rest.split_at_mut(n);
@@ -26,7 +26,7 @@ pub fn gather<T: Element>(
                 if i == r {
                     block.copy_from_slice(input);
                 } else {
-                    recvs.push(Recv {
+                    recvs.push(RecvFrom {
                         from: i,
                         buf: bytes_mut(block),
                     });
@@ -49,9 +49,9 @@ pub fn scatter<T: Element>(
     match input {
         Some(inp) if r == root => {
             let n = output.len();
-            let mut sends: Vec<Send<'_>> = (0..p)
+            let mut sends: Vec<SendTo<'_>> = (0..p)
                 .filter(|&i| i != r)
-                .map(|i| Send {
+                .map(|i| SendTo {
                     to: i,
                     data: bytes(&inp[i * n..(i + 1) * n]),
                 })
@@ -68,14 +68,14 @@ pub fn scatter<T: Element>(
 pub fn all_to_all<T: Element>(t: &mut dyn Transport, input: &[T], output: &mut [T]) -> Result<()> {
     let (r, p) = (t.rank(), t.size());
     let n = input.len() / p;
-    let mut sends: Vec<Send<'_>> = (0..p)
+    let mut sends: Vec<SendTo<'_>> = (0..p)
         .filter(|&j| j != r)
-        .map(|j| Send {
+        .map(|j| SendTo {
             to: j,
             data: bytes(&input[j * n..(j + 1) * n]),
         })
         .collect();
-    let mut recvs: Vec<Recv<'_>> = Vec::with_capacity(p - 1);
+    let mut recvs: Vec<RecvFrom<'_>> = Vec::with_capacity(p - 1);
     let mut rest = output;
     for i in 0..p {
         let (block, tail) = rest.split_at_mut(n);
@@ -83,7 +83,7 @@ pub fn all_to_all<T: Element>(t: &mut dyn Transport, input: &[T], output: &mut [
         if i == r {
             block.copy_from_slice(&input[r * n..(r + 1) * n]);
         } else {
-            recvs.push(Recv {
+            recvs.push(RecvFrom {
                 from: i,
                 buf: bytes_mut(block),
             });

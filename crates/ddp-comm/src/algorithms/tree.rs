@@ -4,7 +4,7 @@
 
 use super::{bytes, bytes_mut};
 use crate::dtype::{Element, ReduceOp};
-use crate::transport::{Send, Transport};
+use crate::transport::{SendTo, Transport};
 use crate::Result;
 
 /// Broadcast `buf` from `root` to every rank.
@@ -30,7 +30,7 @@ pub fn broadcast<T: Element>(t: &mut dyn Transport, buf: &mut [T], root: usize) 
     }
     if !children.is_empty() {
         let data = bytes(buf);
-        let mut sends: Vec<Send<'_>> = children.iter().map(|&to| Send { to, data }).collect();
+        let mut sends: Vec<SendTo<'_>> = children.iter().map(|&to| SendTo { to, data }).collect();
         t.exchange(&mut sends, &mut [])?;
     }
     Ok(())

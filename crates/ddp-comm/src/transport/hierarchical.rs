@@ -1,5 +1,5 @@
 //! The transport of a group whose ranks run on several hosts, some host with two or more:
-//! backend `auto` picks it ([`super::shm::connect_auto`]). It owns three views of the group:
+//! backend `auto` picks it ([`crate::backend::select`]). It owns three views of the group:
 //!
 //! ```text
 //!            host 0                          host 1
@@ -27,10 +27,11 @@
 //! back to TCP (the hosts would then run different all-reduces): initialization fails, and
 //! `DDP_BACKEND=tcp` is the way around it.
 
-use super::shm::{HostLayout, ShmTransport};
+use super::shm::ShmTransport;
 use super::subset::Subset;
 use super::tcp::TcpTransport;
-use super::{Fingerprint, Recv, Send, Transport};
+use super::{Fingerprint, RecvFrom, SendTo, Transport};
+use crate::host::HostLayout;
 use crate::store::{PrefixStore, Store};
 use crate::{Error, Result};
 use std::net::IpAddr;
@@ -106,13 +107,17 @@ impl HierarchicalTransport {
         )
     }
 
-    /// `hierarchical: 2 hosts x [2, 3] ranks, shm inside a host, tcp between`.
-    pub fn describe(&self) -> String {
-        format!(
-            "hierarchical: {} hosts x {:?} ranks, shm inside a host, tcp between",
-            self.per_host.len(),
-            self.per_host
-        )
+    /// Ranks per host, by host index.
+    pub fn per_host(&self) -> &[usize] {
+        &self.per_host
+    }
+
+    /// Log a warning when a collective waits `every` for its peers, and again every `every`
+    /// (`None`: never), on the mesh and on this host's shared memory (naming group ranks).
+    pub fn set_warn_after(&mut self, every: Option<Duration>) {
+        self.mesh.set_warn_after(every);
+        self.local
+            .set_warn_after(every, Some(self.local_ranks.clone()));
     }
 
     /// `e`, from the local transport, with its ranks renumbered to group ranks (texts from the
@@ -167,16 +172,12 @@ impl Transport for HierarchicalTransport {
         self.local.begin(fp, deadline);
     }
 
-    fn exchange(&mut self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
+    fn exchange(&mut self, sends: &mut [SendTo<'_>], recvs: &mut [RecvFrom<'_>]) -> Result<()> {
         self.mesh.exchange(sends, recvs)
     }
 
     fn abort(&mut self, cause: &Error) {
         self.mesh.abort(cause);
         self.local.abort(cause);
-    }
-
-    fn hierarchical(&mut self) -> Option<&mut HierarchicalTransport> {
-        Some(self)
     }
 }

@@ -1,5 +1,6 @@
 //! Transports move bytes between the ranks of one group; algorithms are written against the
-//! [`Transport`] trait only, so a new transport (shared memory, NCCL) needs no algorithm change.
+//! [`Transport`] trait only, so a new transport needs no algorithm change. Which collective runs
+//! on which transport is the business of the backends above ([`crate::backend`]).
 //!
 //! Every message carries the [`Fingerprint`] of the collective that sent it; the receiving side
 //! compares it with its own and fails with [`Error::Mismatch`](crate::Error::Mismatch) (naming
@@ -9,6 +10,7 @@
 //! - [`tcp`]: a full mesh of TCP connections, one per pair of ranks (works across hosts).
 //! - [`shm`]: per-pair rings in one shared-memory segment (ranks on one host), plus the hooks of
 //!   the direct shared-memory paths (all-reduce, large reduce-scatter).
+//! - `stall`: the warning a collective logs while it waits long (which ranks have not arrived).
 //! - [`hierarchical`]: ranks on several hosts: the TCP mesh, plus shared memory inside each host
 //!   and a leaders-only view of the mesh for the hierarchical all-reduce.
 //! - [`subset`]: some ranks of a transport as a group of their own (renumbered), for running
@@ -16,6 +18,7 @@
 
 pub mod hierarchical;
 pub mod shm;
+pub(crate) mod stall;
 pub mod subset;
 pub mod tcp;
 
@@ -200,13 +203,13 @@ impl Fingerprint {
 }
 
 /// One receive of a [`Transport::exchange`].
-pub struct Recv<'a> {
+pub struct RecvFrom<'a> {
     pub from: usize,
     pub buf: &'a mut [u8],
 }
 
 /// One send of a [`Transport::exchange`].
-pub struct Send<'a> {
+pub struct SendTo<'a> {
     pub to: usize,
     pub data: &'a [u8],
 }
@@ -215,7 +218,7 @@ pub struct Send<'a> {
 ///
 /// Messages between a pair of ranks are delivered in order; each receive must be matched by a
 /// send of exactly the same length on the peer (a length difference is a mismatch error).
-pub trait Transport: std::marker::Send {
+pub trait Transport: Send {
     /// This process's rank within the group.
     fn rank(&self) -> usize;
     /// Number of ranks in the group.
@@ -224,32 +227,20 @@ pub trait Transport: std::marker::Send {
     fn begin(&mut self, fp: Fingerprint, deadline: Instant);
     /// Perform all `sends` and `recvs` concurrently (so that a ring step cannot deadlock) and
     /// return when all are complete. Fails naming the peer on close, abort, mismatch or timeout.
-    fn exchange(&mut self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()>;
+    fn exchange(&mut self, sends: &mut [SendTo<'_>], recvs: &mut [RecvFrom<'_>]) -> Result<()>;
     /// Tell every peer this group is broken (best effort) and fail all later operations with `cause`.
     fn abort(&mut self, cause: &crate::Error);
 
-    /// The shared-memory transport behind this one, if it is one (enables the algorithms of
-    /// [`crate::algorithms::shm_direct`]).
-    fn shm(&mut self) -> Option<&mut shm::ShmTransport> {
-        None
-    }
-
-    /// The hierarchical transport behind this one, if it is one (enables
-    /// [`crate::algorithms::hierarchical`]).
-    fn hierarchical(&mut self) -> Option<&mut hierarchical::HierarchicalTransport> {
-        None
-    }
-
     /// Send `data` to `to`.
     fn send(&mut self, to: usize, data: &[u8]) -> Result<()> {
-        self.exchange(&mut [Send { to, data }], &mut [])
+        self.exchange(&mut [SendTo { to, data }], &mut [])
     }
     /// Receive exactly `buf.len()` bytes from `from`.
     fn recv(&mut self, from: usize, buf: &mut [u8]) -> Result<()> {
-        self.exchange(&mut [], &mut [Recv { from, buf }])
+        self.exchange(&mut [], &mut [RecvFrom { from, buf }])
     }
     /// Send `data` to `to` while receiving `buf` from `from`.
     fn send_recv(&mut self, to: usize, data: &[u8], from: usize, buf: &mut [u8]) -> Result<()> {
-        self.exchange(&mut [Send { to, data }], &mut [Recv { from, buf }])
+        self.exchange(&mut [SendTo { to, data }], &mut [RecvFrom { from, buf }])
     }
 }

@@ -10,7 +10,7 @@
 //! Messages travel on the parent's connections, tagged with the parent's current fingerprint;
 //! errors name parent ranks. Aborting the subset aborts the parent.
 
-use super::{Fingerprint, Recv, Send, Transport};
+use super::{Fingerprint, RecvFrom, SendTo, Transport};
 use crate::{Error, Result};
 use std::time::Instant;
 
@@ -55,17 +55,17 @@ impl Transport for Subset<'_> {
         self.parent.begin(fp, deadline);
     }
 
-    fn exchange(&mut self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
+    fn exchange(&mut self, sends: &mut [SendTo<'_>], recvs: &mut [RecvFrom<'_>]) -> Result<()> {
         let mut s = Vec::with_capacity(sends.len());
         for x in sends.iter() {
-            s.push(Send {
+            s.push(SendTo {
                 to: self.parent_rank(x.to, "send to")?,
                 data: x.data,
             });
         }
         let mut r = Vec::with_capacity(recvs.len());
         for x in recvs.iter_mut() {
-            r.push(Recv {
+            r.push(RecvFrom {
                 from: self.parent_rank(x.from, "receive from")?,
                 buf: &mut *x.buf,
             });

@@ -16,7 +16,10 @@
 //! The address a rank publishes is the one it reaches the store from, or that of the interface
 //! named by `DDP_SOCKET_IFNAME` ([`interface_ip`]).
 
-use super::{decode_header, encode_header, Fingerprint, OpKind, Recv, Send, Transport, HEADER_LEN};
+use super::stall::StallWarning;
+use super::{
+    decode_header, encode_header, Fingerprint, OpKind, RecvFrom, SendTo, Transport, HEADER_LEN,
+};
 use crate::dtype::DType;
 use crate::store::Store;
 use crate::{Error, Result};
@@ -52,6 +55,7 @@ pub struct TcpTransport {
     fp: Fingerprint,
     deadline: Instant,
     timeout: Duration,
+    stall: StallWarning,
 }
 
 /// Progress of one send within an exchange.
@@ -215,7 +219,14 @@ impl TcpTransport {
             },
             deadline,
             timeout,
+            stall: StallWarning::default(),
         })
+    }
+
+    /// Log a warning when a collective waits `every` for its peers, and again every `every`
+    /// (`None`: never; see [`super::stall`]).
+    pub fn set_warn_after(&mut self, every: Option<Duration>) {
+        self.stall = StallWarning::new(every, None);
     }
 
     fn peer(&self, r: usize) -> Result<&Peer> {
@@ -373,9 +384,10 @@ impl Transport for TcpTransport {
     fn begin(&mut self, fp: Fingerprint, deadline: Instant) {
         self.fp = fp;
         self.deadline = deadline;
+        self.stall.start();
     }
 
-    fn exchange(&mut self, sends: &mut [Send<'_>], recvs: &mut [Recv<'_>]) -> Result<()> {
+    fn exchange(&mut self, sends: &mut [SendTo<'_>], recvs: &mut [RecvFrom<'_>]) -> Result<()> {
         let mut sst: Vec<SendState> = sends
             .iter()
             .map(|s| SendState {
@@ -482,9 +494,8 @@ impl Transport for TcpTransport {
                 continue;
             }
             // Nothing moved for a while: sleep in poll(2) until a socket is ready or the deadline.
-            let now = Instant::now();
-            if now >= self.deadline {
-                let waiting: Vec<usize> = recvs
+            let waiting = || -> Vec<usize> {
+                recvs
                     .iter()
                     .zip(&rst)
                     .filter(|(_, st)| st.done < st.total)
@@ -496,7 +507,13 @@ impl Transport for TcpTransport {
                             .filter(|(_, st)| st.done < st.total)
                             .map(|(s, _)| s.to),
                     )
-                    .collect();
+                    .collect()
+            };
+            self.stall
+                .check(&self.fp, self.rank, self.timeout, waiting);
+            let now = Instant::now();
+            if now >= self.deadline {
+                let waiting = waiting();
                 let peer = waiting.first().copied().unwrap_or(self.rank);
                 return Err(self.fail(
                     peer,

@@ -1,0 +1,62 @@
+//! The shared-memory backend: ranks on one host. All-reduce and large reduce-scatters go
+//! straight through the segment ([`crate::algorithms::shm_direct`]); every other collective
+//! runs the flat algorithms over the segment's message rings.
+
+use super::{flat, with_element, CollectiveBackend, HostBuf, HostSlice, Topology};
+use crate::algorithms::{shm_direct, AllReduceAlgorithm};
+use crate::dtype::ReduceOp;
+use crate::transport::shm::ShmTransport;
+use crate::transport::Transport;
+use crate::Result;
+
+/// One shared-memory segment among the group's ranks, with its fast paths.
+pub struct ShmBackend {
+    shm: ShmTransport,
+    algorithm: AllReduceAlgorithm,
+}
+
+impl ShmBackend {
+    /// Run collectives over `shm`; a forced `algorithm` skips the all-reduce fast path.
+    pub fn new(shm: ShmTransport, algorithm: AllReduceAlgorithm) -> Self {
+        ShmBackend { shm, algorithm }
+    }
+}
+
+impl CollectiveBackend for ShmBackend {
+    fn topology(&self) -> Topology {
+        Topology::Shm {
+            ranks: self.shm.size(),
+        }
+    }
+
+    fn transport(&mut self) -> &mut dyn Transport {
+        &mut self.shm
+    }
+
+    fn all_reduce(&mut self, buf: HostBuf<'_>, op: ReduceOp) -> Result<()> {
+        let algo = self.algorithm;
+        with_element!(buf.dtype(), T => {
+            if algo == AllReduceAlgorithm::Auto {
+                shm_direct::all_reduce::<T>(&mut self.shm, buf.typed(), op)
+            } else {
+                flat::all_reduce::<T>(&mut self.shm, buf.typed(), op, algo)
+            }
+        })
+    }
+
+    fn reduce_scatter(
+        &mut self,
+        input: HostSlice<'_>,
+        output: HostBuf<'_>,
+        op: ReduceOp,
+    ) -> Result<()> {
+        with_element!(input.dtype(), T => {
+            let (input, output) = (input.typed::<T>(), output.typed::<T>());
+            flat::check_len("reduce_scatter input", input.len(), output.len() * self.shm.size())?;
+            if shm_direct::reduce_scatter(&mut self.shm, input, output, op)? {
+                return Ok(());
+            }
+            flat::reduce_scatter(&mut self.shm, input, output, op)
+        })
+    }
+}

@@ -1,0 +1,270 @@
+//! Process groups: who is in a job, and the public collective API.
+//!
+//! [`init_process_group`] ([`init`]) resolves rank and world size (env or explicit), hosts or
+//! joins the rendezvous store, selects the group's backend ([`crate::backend::select`]: TCP
+//! mesh, shared memory, or for a group spanning hosts the hierarchical one; see
+//! [`ProcessGroup::topology`]) and starts the group's background thread ([`engine`]). Every
+//! collective is a job queued to that thread, so collectives on one group complete in the
+//! order issued and compute continues while `*_async` ones run. A failed collective aborts the
+//! group: peers are told (their pending and later collectives fail with an error naming this
+//! rank), and every later call on this group fails with [`Error::Aborted`] carrying the cause.
+//!
+//! Each collective ([`collectives`]) has a blocking form over slices and an `*_async` form over
+//! owned `Vec`s returning a [`Work`]. Subgroups come from [`ProcessGroup::new_group`].
+
+mod collectives;
+mod engine;
+mod init;
+
+pub use crate::backend::{Backend, Topology};
+pub use init::{init_process_group, InitOptions, DEFAULT_TIMEOUT, SOCKET_IFNAME_ENV};
+
+use crate::backend::{select, BackendPlan, CollectiveBackend};
+use crate::dtype::{DType, ReduceOp};
+use crate::store::{PrefixStore, Store, StoreServer};
+use crate::transport::{Fingerprint, OpKind};
+use crate::work::{self, Work};
+use crate::{Error, Result};
+use engine::{CollectiveFn, Engine, Job};
+use init::{check_membership, GroupPlan};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc;
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+struct Inner {
+    rank: usize,
+    size: usize,
+    /// Group rank → rank in the default (world) group.
+    global_ranks: Vec<usize>,
+    jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    thread: Mutex<Option<JoinHandle<()>>>,
+    /// Store namespaced for this group; subgroups namespace further.
+    store: Arc<dyn Store>,
+    /// Keeps the store server alive when this process hosts it.
+    _server: Option<Arc<StoreServer>>,
+    subgroups: AtomicU64,
+    /// How this group was connected (subgroups connect the same way, on their own store).
+    plan: BackendPlan,
+    /// What the backend resolved to.
+    topology: Topology,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.jobs.lock().unwrap().take();
+        if let Some(t) = self.thread.lock().unwrap().take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// A group of ranks that run collectives together. Cheap to clone (shared handle).
+#[derive(Clone)]
+pub struct ProcessGroup {
+    inner: Arc<Inner>,
+    timeout: Duration,
+}
+
+impl std::fmt::Debug for ProcessGroup {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ProcessGroup")
+            .field("rank", &self.inner.rank)
+            .field("size", &self.inner.size)
+            .field("global_ranks", &self.inner.global_ranks)
+            .finish()
+    }
+}
+
+impl ProcessGroup {
+    /// Check membership, select the backend and start the engine thread.
+    fn connect(plan: GroupPlan) -> Result<ProcessGroup> {
+        let GroupPlan {
+            backend: plan,
+            global_ranks,
+            server,
+        } = plan;
+        let (rank, size) = (plan.rank, plan.size);
+        check_membership(&*plan.store, rank, size, plan.timeout, server.is_some())?;
+        let backend = select(&plan)?;
+        let topology = backend.topology();
+        tracing::debug!("rank {rank} of a group of global ranks {global_ranks:?}: {topology}");
+        let (tx, thread) =
+            Engine::start(backend, size, format!("ddp-comm-r{}", global_ranks[rank]))?;
+        let timeout = plan.timeout;
+        Ok(ProcessGroup {
+            inner: Arc::new(Inner {
+                rank,
+                size,
+                global_ranks,
+                jobs: Mutex::new(Some(tx)),
+                thread: Mutex::new(Some(thread)),
+                store: plan.store.clone(),
+                _server: server,
+                subgroups: AtomicU64::new(0),
+                plan,
+                topology,
+            }),
+            timeout,
+        })
+    }
+
+    /// This process's rank in the group.
+    pub fn rank(&self) -> usize {
+        self.inner.rank
+    }
+
+    /// Number of ranks in the group.
+    pub fn size(&self) -> usize {
+        self.inner.size
+    }
+
+    /// The rank in the default group of this group's rank `group_rank`.
+    pub fn global_rank(&self, group_rank: usize) -> Option<usize> {
+        self.inner.global_ranks.get(group_rank).copied()
+    }
+
+    /// This group's rank of the default group's rank `global_rank`, if it is a member.
+    pub fn group_rank(&self, global_rank: usize) -> Option<usize> {
+        self.inner
+            .global_ranks
+            .iter()
+            .position(|&g| g == global_rank)
+    }
+
+    /// The store this group uses (namespaced to the group).
+    pub fn store(&self) -> &Arc<dyn Store> {
+        &self.inner.store
+    }
+
+    /// The backend this group was asked for (`auto` unless set; what it resolved to is
+    /// [`ProcessGroup::topology`]).
+    pub fn backend(&self) -> Backend {
+        self.inner.plan.backend
+    }
+
+    /// What the backend resolved to; displays e.g. as `tcp: 4 ranks, full mesh`,
+    /// `shm: 3 ranks on one host` or
+    /// `hierarchical: 2 hosts x [2, 2] ranks, shm inside a host, tcp between`.
+    pub fn topology(&self) -> &Topology {
+        &self.inner.topology
+    }
+
+    /// The timeout of collectives issued through this handle.
+    pub fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    /// A handle to the same group whose collectives use `timeout`.
+    pub fn with_timeout(&self, timeout: Duration) -> ProcessGroup {
+        ProcessGroup {
+            inner: self.inner.clone(),
+            timeout,
+        }
+    }
+
+    /// Create a subgroup of `ranks` (this group's numbering; sorted, as in PyTorch). Every rank
+    /// of this group must call it with the same ranks, in the same order of `new_group` calls;
+    /// members get `Some(group)`, others `None`.
+    pub fn new_group(&self, ranks: &[usize]) -> Result<Option<ProcessGroup>> {
+        let mut ranks = ranks.to_vec();
+        ranks.sort_unstable();
+        if ranks.windows(2).any(|w| w[0] == w[1]) {
+            return Err(Error::InvalidArgument(format!(
+                "new_group: duplicate ranks in {ranks:?}"
+            )));
+        }
+        if let Some(&bad) = ranks.iter().find(|&&r| r >= self.size()) {
+            return Err(Error::InvalidArgument(format!(
+                "new_group: rank {bad} is not in this group of size {}",
+                self.size()
+            )));
+        }
+        let k = self.inner.subgroups.fetch_add(1, Ordering::SeqCst);
+        let Some(my) = ranks.iter().position(|&r| r == self.rank()) else {
+            return Ok(None);
+        };
+        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
+            format!("group{k}"),
+            self.inner.store.clone(),
+        ));
+        let global = ranks.iter().map(|&r| self.inner.global_ranks[r]).collect();
+        let p = &self.inner.plan;
+        ProcessGroup::connect(GroupPlan {
+            backend: BackendPlan {
+                store,
+                rank: my,
+                size: ranks.len(),
+                local_ip: p.local_ip,
+                timeout: p.timeout,
+                backend: p.backend,
+                algorithm: p.algorithm,
+                host_id: p.host_id.clone(),
+                warn_after: p.warn_after,
+            },
+            global_ranks: global,
+            server: None,
+        })
+        .map(Some)
+    }
+
+    fn fingerprint(
+        &self,
+        op: OpKind,
+        dtype: DType,
+        reduce: Option<ReduceOp>,
+        count: usize,
+        root: Option<usize>,
+    ) -> Fingerprint {
+        Fingerprint {
+            seq: 0,
+            op,
+            dtype,
+            reduce,
+            count: count as u64,
+            root: root.map_or(Fingerprint::NO_ROOT, |r| r as u32),
+        }
+    }
+
+    fn check_root(&self, root: usize) -> Result<()> {
+        if root >= self.size() {
+            return Err(Error::InvalidArgument(format!(
+                "root rank {root} is not in this group of size {}",
+                self.size()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Queue `f` on the group's thread; the returned work completes with its result.
+    fn spawn<R: Send + 'static>(
+        &self,
+        fp: Fingerprint,
+        f: impl FnOnce(&mut dyn CollectiveBackend) -> Result<R> + Send + 'static,
+    ) -> Work<R> {
+        let (work, done) = work::pending::<R>(format!("{fp} on rank {}", self.rank()));
+        let timeout = self.timeout;
+        let job: Job =
+            Box::new(move |engine: &mut Engine| done.complete(engine.run(fp, timeout, f)));
+        if let Some(tx) = self.inner.jobs.lock().unwrap().as_ref() {
+            // A send error drops the job, which completes the work with an error.
+            let _ = tx.send(job);
+        }
+        work
+    }
+
+    /// Run `f` on the group's thread (after everything queued before it) and wait for it.
+    fn blocking<R: Send + 'static>(
+        &self,
+        fp: Fingerprint,
+        f: impl FnOnce(&mut dyn CollectiveBackend) -> Result<R> + Send,
+    ) -> Result<R> {
+        let boxed: CollectiveFn<'_, R> = Box::new(f);
+        // SAFETY: `f` may borrow the caller's buffers. We wait below until the work completes,
+        // which happens only after `f` ran or was dropped unrun (its completer fires on drop),
+        // so the borrows never outlive this call.
+        let boxed: CollectiveFn<'static, R> = unsafe { std::mem::transmute(boxed) };
+        self.spawn(fp, boxed).wait()
+    }
+}

@@ -51,6 +51,8 @@
 //! frameworks (a burn or tch adapter would be a sibling crate), and candle version bumps touch only
 //! this crate.
 
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 pub mod alloc;
 pub mod checkpoint;
 mod data_parallel;

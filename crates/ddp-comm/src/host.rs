@@ -12,9 +12,7 @@ use std::time::Duration;
 /// `/dev/shm` (containers on one machine with separate `/dev/shm` mounts differ).
 pub fn host_id() -> String {
     use std::os::unix::fs::MetadataExt;
-    let host = std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|s| s.trim().to_string())
-        .unwrap_or_default();
+    let host = hostname();
     let boot = std::fs::read_to_string("/proc/sys/kernel/random/boot_id")
         .map(|s| s.trim().to_string())
         .unwrap_or_default();
@@ -23,6 +21,13 @@ pub fn host_id() -> String {
         // No shared memory here: an id no other process shares, so `auto` picks TCP.
         Err(_) => format!("{host}/{boot}/no-shm/{}", std::process::id()),
     }
+}
+
+/// This host's name (empty if unknown).
+pub fn hostname() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|s| s.trim().to_string())
+        .unwrap_or_default()
 }
 
 /// Which host every rank of a group runs on, decided once by rank 0 from the host ids every
@@ -138,33 +143,13 @@ pub fn host_layout(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::{StoreOptions, StoreServer, TcpStore};
-    use std::sync::Arc;
-
-    fn store(server: &StoreServer) -> Arc<dyn Store> {
-        let opts = StoreOptions {
-            secret: None,
-            timeout: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(10),
-        };
-        Arc::new(TcpStore::connect(&server.local_addr().to_string(), opts).unwrap())
-    }
+    use crate::testing::run_with_store;
 
     #[test]
     fn host_layout_numbers_hosts_by_lowest_rank_and_names_a_remote_rank() {
-        let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
         let ids = ["a/boot", "b/boot", "a/boot", "c/boot", "b/boot"];
-        let out: Vec<_> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..5)
-                .map(|r| {
-                    let st = store(&server);
-                    s.spawn(move || {
-                        host_layout(&*st, r, 5, ids[r], Duration::from_secs(10)).unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let t = Duration::from_secs(10);
+        let out = run_with_store(5, t, |r, st| host_layout(&*st, r, 5, ids[r], t).unwrap());
         for l in &out {
             assert_eq!(l, &out[0]);
             assert_eq!(l.host_of, [0, 1, 0, 2, 1]);
@@ -172,7 +157,7 @@ mod tests {
             let v = l.mismatch.as_deref().expect("mismatch detected");
             assert!(v.contains("rank 1") && v.contains("b/boot"), "{v}");
         }
-        let one = host_layout(&*store(&server), 0, 1, "x", Duration::from_secs(1)).unwrap();
-        assert_eq!((one.host_of, one.mismatch), (vec![0], None));
+        let one = run_with_store(1, t, |r, st| host_layout(&*st, r, 1, "x", t).unwrap());
+        assert_eq!((&one[0].host_of, &one[0].mismatch), (&vec![0], &None));
     }
 }

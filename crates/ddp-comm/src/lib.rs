@@ -19,6 +19,8 @@
 //! - [`error`]: the error type.
 //! - [`testing`]: running N ranks as threads of one process, for tests.
 
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 pub mod algorithms;
 pub mod backend;
 pub mod dtype;

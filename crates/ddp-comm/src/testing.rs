@@ -1,13 +1,16 @@
-//! Test support: run a closure on `world` ranks of a real process group, one thread per rank,
-//! in this process (a store server on `127.0.0.1:0`, then real TCP sockets or shared memory).
+//! Test support, the one threads-as-ranks harness of the workspace: run a closure on `world`
+//! ranks of a real process group, one thread per rank, in this process (a store server on
+//! `127.0.0.1:0`, then real TCP sockets or shared memory): [`run_ranks`], [`run_local_group`],
+//! [`run_ranks_configured`]; or, below process groups, on `world` threads sharing a store
+//! ([`run_with_store`]).
 //!
 //! Used by this workspace's tests, and meant for users testing their own distributed code the
 //! way PyTorch's `MultiProcessTestCase` is used: every collective runs for real, and every
 //! rank's group has a timeout, so a bug shows up as an error naming the rank, not as a hang.
 
 use crate::algorithms::AllReduceAlgorithm;
-use crate::process_group::Backend;
-use crate::store::{StoreOptions, StoreServer, TcpStore};
+use crate::backend::Backend;
+use crate::store::{Store, StoreOptions, StoreServer, TcpStore};
 use crate::{init_process_group, InitOptions, ProcessGroup};
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,6 +48,39 @@ pub fn run_local_group<R: Send>(
     cfg: LocalGroup,
     f: impl Fn(ProcessGroup) -> R + Sync,
 ) -> Vec<R> {
+    let configure = |_: usize, opts: &mut InitOptions| {
+        opts.backend = Some(cfg.backend);
+        opts.allreduce_algorithm = cfg.algorithm;
+    };
+    run_ranks_configured(world, cfg.timeout, configure, f)
+}
+
+/// Run `f(pg)` on `world` ranks (threads), each rank's [`InitOptions`] (a store client,
+/// `rank`, `world`, `timeout`) adjusted by `configure(rank, options)` first; results by rank.
+/// Panics (naming the rank) if a rank's group cannot be created or a rank's closure panics.
+pub fn run_ranks_configured<R: Send>(
+    world: usize,
+    timeout: Duration,
+    configure: impl Fn(usize, &mut InitOptions) + Sync,
+    f: impl Fn(ProcessGroup) -> R + Sync,
+) -> Vec<R> {
+    run_with_store(world, timeout, |rank, store| {
+        let mut opts = InitOptions::with_store(store, rank, world);
+        opts.timeout = timeout;
+        configure(rank, &mut opts);
+        let pg = init_process_group(opts).unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
+        f(pg)
+    })
+}
+
+/// The harness under the others: one store server on `127.0.0.1:0`, and `f(rank, store)` on
+/// `world` threads, each with its own client (`timeout` for every request); results by rank.
+/// For tests of what lies below a process group (transports, host detection).
+pub fn run_with_store<R: Send>(
+    world: usize,
+    timeout: Duration,
+    f: impl Fn(usize, Arc<dyn Store>) -> R + Sync,
+) -> Vec<R> {
     let server = StoreServer::bind("127.0.0.1:0", None).expect("test store server");
     let addr = server.local_addr().to_string();
     let out = std::thread::scope(|s| {
@@ -56,18 +92,12 @@ pub fn run_local_group<R: Send>(
                         addr,
                         StoreOptions {
                             secret: None,
-                            timeout: cfg.timeout,
-                            connect_timeout: cfg.timeout,
+                            timeout,
+                            connect_timeout: timeout,
                         },
                     )
                     .unwrap_or_else(|e| panic!("rank {rank}: store: {e}"));
-                    let mut opts = InitOptions::with_store(Arc::new(store), rank, world);
-                    opts.timeout = cfg.timeout;
-                    opts.backend = Some(cfg.backend);
-                    opts.allreduce_algorithm = cfg.algorithm;
-                    let pg = init_process_group(opts)
-                        .unwrap_or_else(|e| panic!("rank {rank}: init: {e}"));
-                    f(pg)
+                    f(rank, Arc::new(store))
                 })
             })
             .collect();

@@ -8,7 +8,8 @@
 mod common;
 
 use common::{
-    expect_all_fail, finish, kill_one_mid_loop, spawn_workers, stalled_rank_1_times_out_naming_it,
+    expect_all_fail, finish, free_port, guard, kill_one_mid_loop, spawn_workers,
+    stalled_rank_1_is_warned_about, stalled_rank_1_times_out_naming_it,
 };
 
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
@@ -28,12 +29,18 @@ fn worker() {
         let rank: usize = std::env::var("RANK").unwrap().parse().unwrap();
         format!("test-host-{}", hosts.split(',').nth(rank).unwrap())
     });
-    let pg = init_process_group(InitOptions {
+    common::log_to_stderr();
+    let pg = match init_process_group(InitOptions {
         timeout,
         host_id,
         ..Default::default()
-    })
-    .unwrap();
+    }) {
+        Ok(pg) => pg,
+        Err(e) => {
+            println!("INIT ERROR: {e}");
+            std::process::exit(5)
+        }
+    };
     if let Ok(want) = std::env::var("DDP_TEST_TOPOLOGY") {
         assert!(
             pg.topology().to_string().starts_with(&want),
@@ -91,6 +98,14 @@ fn worker() {
                 Ok(()) => println!("NO ERROR"),
             }
         }
+        "once" => {
+            // Keep the store (hosted by rank 0) up for a duplicate that joins late.
+            let mut buf = vec![1i64; 100];
+            pg.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+            println!("OK");
+            std::thread::sleep(Duration::from_secs(8));
+        }
+        "stall_warn" => common::stall_warn_mode(&pg),
         other => panic!("unknown mode {other}"),
     }
 }
@@ -135,4 +150,40 @@ fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
 #[test]
 fn stalled_peer_times_out_naming_it() {
     stalled_rank_1_times_out_naming_it("tcp");
+}
+
+#[test]
+fn stalled_peer_is_warned_about_while_waiting() {
+    stalled_rank_1_is_warned_about("tcp");
+}
+
+/// Two processes started with the same `RANK` over TCP: the second to join is told so, naming
+/// both processes (as on shared memory), instead of failing later with a bare
+/// `Connection reset by peer`; rank 0 and the first one run normally.
+#[test]
+fn duplicate_rank_is_named() {
+    let env = [("MASTER_PORT", free_port().to_string())];
+    let mut children = spawn_workers("tcp", 2, 0..2, "once", &env);
+    children.extend(spawn_workers("tcp", 2, 1..2, "once", &env));
+    let _guard = guard(&children);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let outs: Vec<_> = children.into_iter().map(|c| finish(c, deadline)).collect();
+    assert_eq!(outs[0].0, Some(0), "rank 0: {}", outs[0].1);
+    let named = outs[1..]
+        .iter()
+        .filter(|(code, out)| {
+            *code == Some(5)
+                && out.contains("rank 1 (world size 2) was claimed by pid")
+                && out.contains("two processes were given the same rank")
+        })
+        .count();
+    let ran = outs[1..]
+        .iter()
+        .filter(|(code, _)| *code == Some(0))
+        .count();
+    assert_eq!(
+        (named, ran),
+        (1, 1),
+        "the two processes of rank 1: {outs:?}"
+    );
 }

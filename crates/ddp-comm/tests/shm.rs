@@ -12,7 +12,7 @@ mod common;
 use common::{
     assert_bit_identical, check_all, check_every_collective, expect_all_fail, finish,
     kill_one_mid_loop, random_float_all_reduces, run_ranks_on, sizes, spawn_workers,
-    stalled_rank_1_times_out_naming_it,
+    stalled_rank_1_is_warned_about, stalled_rank_1_times_out_naming_it,
 };
 use ddp_comm::algorithms::AllReduceAlgorithm;
 use ddp_comm::process_group::Backend;
@@ -141,77 +141,53 @@ fn a_peer_that_left_is_named_without_waiting_for_the_timeout() {
 /// than the ring (wrap-around, odd lengths), and a length mismatch naming both sides.
 #[test]
 fn raw_transport_orders_messages_and_checks_lengths() {
-    use ddp_comm::store::{Store, StoreOptions, StoreServer, TcpStore};
+    use ddp_comm::testing::run_with_store;
     use ddp_comm::transport::shm::ShmTransport;
     use ddp_comm::transport::{Fingerprint, OpKind, RecvFrom, SendTo, Transport};
     use ddp_comm::DType;
-    let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
-    let addr = server.local_addr().to_string();
-    let results: Vec<String> = std::thread::scope(|sc| {
-        let hs: Vec<_> = (0..2)
-            .map(|rank| {
-                let addr = addr.clone();
-                sc.spawn(move || {
-                    let opts = StoreOptions {
-                        secret: None,
-                        timeout: Duration::from_secs(20),
-                        connect_timeout: Duration::from_secs(20),
-                    };
-                    let store = TcpStore::connect(&addr, opts).unwrap();
-                    let mut t = ShmTransport::connect(
-                        &store as &dyn Store,
-                        rank,
-                        2,
-                        Duration::from_secs(20),
-                    )
-                    .unwrap();
-                    let ring = t.geometry().unwrap().ring_cap;
-                    let fp = |seq| Fingerprint {
-                        seq,
-                        op: OpKind::Broadcast,
-                        dtype: DType::U8,
-                        reduce: None,
-                        count: 0,
-                        root: 0,
-                    };
-                    let deadline = Instant::now() + Duration::from_secs(20);
-                    let msg = |k: usize, n: usize| -> Vec<u8> {
-                        (0..n).map(|i| (i * 7 + k) as u8).collect()
-                    };
-                    let sizes = [3 * ring + 17, 0, 5, ring - 1];
-                    t.begin(fp(0), deadline);
-                    if rank == 0 {
-                        let data: Vec<Vec<u8>> =
-                            sizes.iter().enumerate().map(|(k, &n)| msg(k, n)).collect();
-                        let mut sends: Vec<SendTo<'_>> =
-                            data.iter().map(|d| SendTo { to: 1, data: d }).collect();
-                        t.exchange(&mut sends, &mut []).unwrap();
-                    } else {
-                        let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xAA; n]).collect();
-                        let mut recvs: Vec<RecvFrom<'_>> = bufs
-                            .iter_mut()
-                            .map(|b| RecvFrom { from: 0, buf: b })
-                            .collect();
-                        t.exchange(&mut [], &mut recvs).unwrap();
-                        for (k, b) in bufs.iter().enumerate() {
-                            assert!(
-                                *b == msg(k, sizes[k]),
-                                "message {k} corrupted or out of order"
-                            );
-                        }
-                    }
-                    // Rank 1 expects 10 bytes, rank 0 sends 12.
-                    t.begin(fp(1), deadline);
-                    if rank == 0 {
-                        t.send(1, &[1; 12]).unwrap();
-                        String::new()
-                    } else {
-                        t.recv(0, &mut [0; 10]).unwrap_err().to_string()
-                    }
-                })
-            })
-            .collect();
-        hs.into_iter().map(|h| h.join().unwrap()).collect()
+    let t20 = Duration::from_secs(20);
+    let results = run_with_store(2, t20, |rank, store| {
+        let mut t = ShmTransport::connect(&*store, rank, 2, t20).unwrap();
+        let ring = t.geometry().unwrap().ring_cap;
+        let fp = |seq| Fingerprint {
+            seq,
+            op: OpKind::Broadcast,
+            dtype: DType::U8,
+            reduce: None,
+            count: 0,
+            root: 0,
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let msg = |k: usize, n: usize| -> Vec<u8> { (0..n).map(|i| (i * 7 + k) as u8).collect() };
+        let sizes = [3 * ring + 17, 0, 5, ring - 1];
+        t.begin(fp(0), deadline);
+        if rank == 0 {
+            let data: Vec<Vec<u8>> = sizes.iter().enumerate().map(|(k, &n)| msg(k, n)).collect();
+            let mut sends: Vec<SendTo<'_>> =
+                data.iter().map(|d| SendTo { to: 1, data: d }).collect();
+            t.exchange(&mut sends, &mut []).unwrap();
+        } else {
+            let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0xAA; n]).collect();
+            let mut recvs: Vec<RecvFrom<'_>> = bufs
+                .iter_mut()
+                .map(|b| RecvFrom { from: 0, buf: b })
+                .collect();
+            t.exchange(&mut [], &mut recvs).unwrap();
+            for (k, b) in bufs.iter().enumerate() {
+                assert!(
+                    *b == msg(k, sizes[k]),
+                    "message {k} corrupted or out of order"
+                );
+            }
+        }
+        // Rank 1 expects 10 bytes, rank 0 sends 12.
+        t.begin(fp(1), deadline);
+        if rank == 0 {
+            t.send(1, &[1; 12]).unwrap();
+            String::new()
+        } else {
+            t.recv(0, &mut [0; 10]).unwrap_err().to_string()
+        }
     });
     let e = &results[1];
     assert!(
@@ -247,6 +223,7 @@ fn worker() {
     let mode = std::env::var("DDP_TEST_MODE").expect("DDP_TEST_MODE");
     let timeout =
         Duration::from_secs(std::env::var("DDP_TEST_TIMEOUT").map_or(30, |v| v.parse().unwrap()));
+    common::log_to_stderr();
     let pg = match init_process_group(InitOptions {
         timeout,
         ..Default::default()
@@ -334,6 +311,7 @@ fn worker() {
             let mut buf = vec![1i64; 100];
             expect_error(pg.all_reduce(&mut buf, ReduceOp::Sum));
         }
+        "stall_warn" => common::stall_warn_mode(&pg),
         other => panic!("unknown mode {other}"),
     }
 }
@@ -463,4 +441,9 @@ fn no_room_in_dev_shm_falls_back_to_tcp_or_fails_clearly() {
 #[test]
 fn stalled_peer_times_out_naming_it() {
     stalled_rank_1_times_out_naming_it("shm");
+}
+
+#[test]
+fn stalled_peer_is_warned_about_while_waiting() {
+    stalled_rank_1_is_warned_about("shm");
 }

@@ -11,6 +11,8 @@
 //! - [`summary`]: the root-cause report of a failure.
 //! - [`agent`]: the control loop tying them together (supervision, stopping, restarts).
 
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
 pub mod agent;
 pub mod cli;
 pub mod output;

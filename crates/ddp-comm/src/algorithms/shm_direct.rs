@@ -195,13 +195,16 @@ unsafe fn cross_memory<T: Element>(
         // claimed it); the temporaries hold the peers' inputs.
         let own = unsafe { input.add(start) };
         let (dest, at) = match seg {
+            // SAFETY: `start + len <= n_in`, inside the output (see above).
             None => (unsafe { output.add(start) }, start),
+            // SAFETY: `within + len <= seg`, inside this rank's output segment.
             Some(_) if owner == r => (unsafe { output.add(within) }, within),
             Some(_) => (result.as_mut_ptr(), within),
         };
         let inputs: Vec<*const T> = (0..p)
             .map(|j| if j == r { own } else { temps[j].as_ptr() })
             .collect();
+        // SAFETY: every input and `dest` hold `len` elements nobody else writes (see above).
         unsafe { reduce_to(&inputs, &[dest], len, op, p) };
         let targets = match seg {
             None => (0..p).filter(|&j| j != r).collect(),
@@ -268,7 +271,7 @@ fn pipelined<T: Element>(
         (start + s.start, s.len())
     };
     // Sub-chunk `j` of `rank`'s slot for global block `g`.
-    // SAFETY (of the `add`): `j < p`, inside the slot of `p * sub_bytes` bytes.
+    // SAFETY: (of the `add`) `j < p`, inside the slot of `p * sub_bytes` bytes.
     let sub_at = |rank: usize, g: u64, j: usize| unsafe {
         t.fast_slot(rank, g).add(j * geo.sub_bytes) as *mut T
     };
@@ -298,6 +301,7 @@ fn pipelined<T: Element>(
             let inputs: Vec<*const T> = (0..p)
                 .map(|j| {
                     if j == r {
+                        // SAFETY: `off + len <= n`, inside our buffer.
                         unsafe { data.add(off) as *const T }
                     } else {
                         sub_at(j, g, r) as *const T
@@ -338,10 +342,14 @@ unsafe fn reduce_to<T: Element>(
     op: ReduceOp,
     p: usize,
 ) {
-    match T::DTYPE {
-        DType::F16 => reduce_half::<f16>(cast(inputs), cast_mut(outs), len, op, p),
-        DType::BF16 => reduce_half::<bf16>(cast(inputs), cast_mut(outs), len, op, p),
-        _ => reduce_native(inputs, outs, len, op, p),
+    // SAFETY: the caller's guarantees, passed on (the casts keep the element size: `T` is
+    // `f16`/`bf16` in the half arms).
+    unsafe {
+        match T::DTYPE {
+            DType::F16 => reduce_half::<f16>(cast(inputs), cast_mut(outs), len, op, p),
+            DType::BF16 => reduce_half::<bf16>(cast(inputs), cast_mut(outs), len, op, p),
+            _ => reduce_native(inputs, outs, len, op, p),
+        }
     }
 }
 
@@ -353,6 +361,10 @@ fn cast_mut<T, U>(ptrs: &[*mut T]) -> Vec<*mut U> {
     ptrs.iter().map(|&q| q as *mut U).collect()
 }
 
+/// [`reduce_to`] for element types reduced natively.
+///
+/// # Safety
+/// As [`reduce_to`].
 unsafe fn reduce_native<T: Element>(
     inputs: &[*const T],
     outs: &[*mut T],
@@ -365,15 +377,22 @@ unsafe fn reduce_native<T: Element>(
     while start < len {
         let k = PIECE_ELEMS.min(len - start);
         let a = &mut acc[..k];
-        a.copy_from_slice(std::slice::from_raw_parts(inputs[0].add(start), k));
+        // SAFETY: `start + k <= len`; every input is valid for `len` elements (caller).
+        a.copy_from_slice(unsafe { std::slice::from_raw_parts(inputs[0].add(start), k) });
         for &inp in &inputs[1..] {
-            T::reduce_into(a, std::slice::from_raw_parts(inp.add(start), k), op);
+            // SAFETY: as above.
+            T::reduce_into(
+                a,
+                unsafe { std::slice::from_raw_parts(inp.add(start), k) },
+                op,
+            );
         }
         if op == ReduceOp::Avg {
             T::div_by(a, p);
         }
         for &out in outs {
-            std::ptr::copy_nonoverlapping(a.as_ptr(), out.add(start), k);
+            // SAFETY: every output is valid for `len` elements (caller); `acc` is ours.
+            unsafe { std::ptr::copy_nonoverlapping(a.as_ptr(), out.add(start), k) };
         }
         start += k;
     }
@@ -427,6 +446,10 @@ fn f32_to_bf16(src: &[f32], dst: &mut [u16]) {
     }
 }
 
+/// [`reduce_to`] for 16-bit floats, accumulated in `f32`.
+///
+/// # Safety
+/// As [`reduce_to`].
 unsafe fn reduce_half<H: Half>(
     inputs: Vec<*const H>,
     outs: Vec<*mut H>,
@@ -441,18 +464,27 @@ unsafe fn reduce_half<H: Half>(
     while start < len {
         let k = PIECE_ELEMS.min(len - start);
         let (a, b) = (&mut acc[..k], &mut tmp[..k]);
-        H::widen(std::slice::from_raw_parts(inputs[0].add(start), k), a);
+        // SAFETY: `start + k <= len`; every input is valid for `len` elements (caller).
+        H::widen(
+            unsafe { std::slice::from_raw_parts(inputs[0].add(start), k) },
+            a,
+        );
         for &inp in &inputs[1..] {
-            H::widen(std::slice::from_raw_parts(inp.add(start), k), b);
+            // SAFETY: as above.
+            H::widen(unsafe { std::slice::from_raw_parts(inp.add(start), k) }, b);
             f32::reduce_into(a, b, op);
         }
         if op == ReduceOp::Avg {
             f32::div_by(a, p);
         }
-        let first = std::slice::from_raw_parts_mut(outs[0].add(start), k);
+        // SAFETY: every output is valid for `len` elements and written by no one else (caller).
+        let first = unsafe { std::slice::from_raw_parts_mut(outs[0].add(start), k) };
         H::narrow(a, first);
         for &out in &outs[1..] {
-            std::ptr::copy_nonoverlapping(outs[0].add(start) as *const H, out.add(start), k);
+            // SAFETY: as above; the first output's piece is complete.
+            unsafe {
+                std::ptr::copy_nonoverlapping(outs[0].add(start) as *const H, out.add(start), k)
+            };
         }
         start += k;
     }
@@ -511,6 +543,7 @@ mod tests {
         let c: Vec<f32> = vec![1.0; n];
         let mut copy = vec![0f32; n];
         let ins = [a.as_ptr(), b.as_ptr(), c.as_ptr()];
+        // SAFETY: every pointer is valid for `n` elements; this thread is the only user.
         unsafe {
             reduce_to(
                 &ins,
@@ -526,6 +559,7 @@ mod tests {
         assert_eq!(a, copy);
         let x: Vec<bf16> = (0..n).map(|i| bf16::from_f32((i % 100) as f32)).collect();
         let mut y: Vec<bf16> = vec![bf16::from_f32(0.5); n];
+        // SAFETY: as above.
         unsafe {
             reduce_to(
                 &[x.as_ptr(), y.as_ptr()],

@@ -12,6 +12,7 @@ use crate::store::{PrefixStore, Store, StoreOptions, StoreServer, TcpStore};
 use crate::transport::stall::warn_after_from_env;
 use crate::{Error, Result};
 use std::net::{IpAddr, Ipv4Addr};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -290,9 +291,10 @@ fn rendezvous(opts: &InitOptions, secret: Option<String>) -> Result<Rendezvous> 
     })
 }
 
-/// First rendezvous step: every rank announces itself with its world size and waits for all
-/// others, so that a missing rank or a world-size disagreement is reported (on every rank that
-/// sees it, naming the ranks) before any transport is built.
+/// First rendezvous step: every rank claims its rank, announces itself with its world size and
+/// waits for all others, so that a rank given to two processes (the second to claim it fails,
+/// naming both, as on shared memory), a missing rank or a world-size disagreement is reported
+/// (on every rank that sees it, naming the ranks) before any transport is built.
 /// `hosting`: this process serves the store, so on a mismatch it lingers (up to 2 s) until the
 /// other arrived ranks have read the verdict.
 pub(super) fn check_membership(
@@ -304,6 +306,7 @@ pub(super) fn check_membership(
 ) -> Result<()> {
     const MISMATCH: &str = "members/mismatch";
     const SEEN: &str = "members/mismatch_seen";
+    claim_rank(store, rank, size)?;
     store.set(&format!("members/{rank}"), size.to_string().as_bytes())?;
     let deadline = Instant::now() + timeout;
     let mut missing: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
@@ -355,6 +358,31 @@ pub(super) fn check_membership(
         }
         std::thread::sleep(Duration::from_millis(5));
     }
+}
+
+/// Claim `rank` in the store: fails, naming both processes, if another process claimed it.
+fn claim_rank(store: &dyn Store, rank: usize, size: usize) -> Result<()> {
+    static CLAIMS: AtomicU64 = AtomicU64::new(0);
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos();
+    let who = format!(
+        "pid {} on host {:?}",
+        std::process::id(),
+        crate::host::hostname()
+    );
+    // The first line makes the claim unique (threads of one process claim too, in tests).
+    let mine = format!("{now}-{}\n{who}", CLAIMS.fetch_add(1, Ordering::Relaxed));
+    let got = store.compare_set(&format!("members/{rank}/claim"), b"", mine.as_bytes())?;
+    if got != mine.as_bytes() {
+        let theirs = String::from_utf8_lossy(&got);
+        let theirs = theirs.split_once('\n').map_or(&*theirs, |(_, w)| w);
+        return Err(Error::Config(format!(
+            "rank {rank} (world size {size}) was claimed by {theirs} and again by {who}: two processes were given the same rank?"
+        )));
+    }
+    Ok(())
 }
 
 fn explicit_rank_world(

@@ -509,8 +509,7 @@ impl Transport for TcpTransport {
                     )
                     .collect()
             };
-            self.stall
-                .check(&self.fp, self.rank, self.timeout, waiting);
+            self.stall.check(&self.fp, self.rank, self.timeout, waiting);
             let now = Instant::now();
             if now >= self.deadline {
                 let waiting = waiting();
@@ -597,6 +596,7 @@ pub fn interface_ip(name: &str) -> Result<IpAddr> {
         // SAFETY: a node of the list from getifaddrs; name is a C string, addr may be null.
         let ifa = unsafe { &*cur };
         cur = ifa.ifa_next;
+        // SAFETY: `ifa_name` of a getifaddrs node is a NUL-terminated C string.
         let ifname = unsafe { std::ffi::CStr::from_ptr(ifa.ifa_name) }.to_string_lossy();
         if !names.contains(&ifname.to_string()) {
             names.push(ifname.to_string());
@@ -607,6 +607,7 @@ pub fn interface_ip(name: &str) -> Result<IpAddr> {
         // SAFETY: the family says which sockaddr type the pointer refers to.
         match i32::from(unsafe { (*ifa.ifa_addr).sa_family }) {
             libc::AF_INET => {
+                // SAFETY: an AF_INET address is a sockaddr_in.
                 let sin = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in) };
                 found = Some(IpAddr::from(
                     u32::from_be(sin.sin_addr.s_addr).to_be_bytes(),
@@ -614,6 +615,7 @@ pub fn interface_ip(name: &str) -> Result<IpAddr> {
                 break;
             }
             libc::AF_INET6 if v6.is_none() => {
+                // SAFETY: an AF_INET6 address is a sockaddr_in6.
                 let sin6 = unsafe { &*(ifa.ifa_addr as *const libc::sockaddr_in6) };
                 let ip = std::net::Ipv6Addr::from(sin6.sin6_addr.s6_addr);
                 if !ip.is_unicast_link_local() {

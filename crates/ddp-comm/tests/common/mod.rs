@@ -1,19 +1,20 @@
-//! Shared test harness: run a closure on `world` ranks, one thread each, every rank with its own
-//! process group over real TCP sockets on loopback ([`run_ranks`], [`run_ranks_with`]) or over
-//! another backend ([`run_ranks_on`]).
+//! Shared test support: shorthands over `ddp_comm::testing`'s threads-as-ranks harness (a
+//! closure on `world` ranks, one thread each, every rank with its own process group over real
+//! TCP sockets on loopback: [`run_ranks`], [`run_ranks_with`]; or another backend:
+//! [`run_ranks_on`], [`run_ranks_on_hosts`]), a sequential reference of every collective, and
+//! worker processes (this test binary re-executed with the torchrun environment).
 #![allow(dead_code)]
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 use ddp_comm::algorithms::AllReduceAlgorithm;
 use ddp_comm::process_group::Backend;
-use ddp_comm::store::{StoreOptions, StoreServer, TcpStore};
-use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
 use ddp_comm::{Element, ReduceOp};
+use ddp_comm::{InitOptions, ProcessGroup};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Start `world` process groups (ranks as threads) and run `f(pg)` on each; results by rank.
@@ -76,45 +77,14 @@ pub fn run_ranks_on_hosts<R: Send + 'static>(
 }
 
 /// Start `world` groups (ranks as threads), each rank's options adjusted by `configure(rank,
-/// options)`, and run `f(pg)` on each; results by rank.
+/// options)`, and run `f(pg)` on each; results by rank ([`ddp_comm::testing`]'s harness).
 pub fn run_ranks_configured<R: Send + 'static>(
     world: usize,
     timeout: Duration,
     configure: impl Fn(usize, &mut InitOptions) + Send + Sync + 'static,
     f: impl Fn(ProcessGroup) -> R + Send + Sync + 'static,
 ) -> Vec<R> {
-    let server = StoreServer::bind("127.0.0.1:0", None).expect("store server");
-    let addr = server.local_addr().to_string();
-    let f = Arc::new(f);
-    let configure = Arc::new(configure);
-    let handles: Vec<_> = (0..world)
-        .map(|rank| {
-            let (f, configure) = (f.clone(), configure.clone());
-            let addr = addr.clone();
-            std::thread::spawn(move || {
-                let store = TcpStore::connect(
-                    &addr,
-                    StoreOptions {
-                        secret: None,
-                        timeout,
-                        connect_timeout: timeout,
-                    },
-                )
-                .expect("store client");
-                let mut opts = InitOptions::with_store(Arc::new(store), rank, world);
-                opts.timeout = timeout;
-                configure(rank, &mut opts);
-                let pg = init_process_group(opts).expect("init_process_group");
-                f(pg)
-            })
-        })
-        .collect();
-    let out = handles
-        .into_iter()
-        .map(|h| h.join().expect("rank thread panicked"))
-        .collect();
-    drop(server);
-    out
+    ddp_comm::testing::run_ranks_configured(world, timeout, configure, f)
 }
 
 // ----- sequential reference for every collective -------------------------------------------
@@ -619,5 +589,58 @@ pub fn expect_all_fail(backend: &str, mode: &str, world: usize, must_contain: &[
                 "{mode}: rank {rank} must mention {s:?}: {out}"
             );
         }
+    }
+}
+
+/// Worker side: log `tracing` events (warnings and up, unless `RUST_LOG` says otherwise) to
+/// stderr without colours, so that tests can read them.
+pub fn log_to_stderr() {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(false)
+        .try_init();
+}
+
+/// Worker side of [`stalled_rank_1_is_warned_about`]: an all-reduce (#0), then rank 1 sleeps
+/// 4 s before the next one (#1); prints `OK` when both completed.
+pub fn stall_warn_mode(pg: &ProcessGroup) {
+    let mut buf = vec![1i64; 100];
+    pg.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    if pg.rank() == 1 {
+        std::thread::sleep(Duration::from_secs(4));
+    }
+    pg.all_reduce(&mut buf, ReduceOp::Sum).unwrap();
+    println!("OK");
+}
+
+/// Two workers of `backend` in mode `stall_warn` with `DDP_WARN_AFTER_SECS=1`: while rank 1
+/// sleeps, rank 0 must log (more than once) a warning naming the collective, its sequence
+/// number and rank 1; then both finish.
+pub fn stalled_rank_1_is_warned_about(backend: &str) {
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let env = [("DDP_WARN_AFTER_SECS", "1".to_string())];
+    let children = spawn_workers(backend, 2, 0..2, "stall_warn", &env);
+    let _guard = guard(&children);
+    let outs: Vec<_> = children.into_iter().map(|c| finish(c, deadline)).collect();
+    for (rank, (code, out)) in outs.iter().enumerate() {
+        assert_eq!(*code, Some(0), "rank {rank}: {out}");
+        assert!(out.contains("OK"), "rank {rank}: {out}");
+    }
+    let out = &outs[0].1;
+    let warnings: Vec<&str> = out
+        .lines()
+        .filter(|l| l.contains("still waiting"))
+        .collect();
+    assert!(warnings.len() >= 2, "rank 0 must warn, and repeat: {out}");
+    for w in &warnings {
+        assert!(
+            w.contains("WARN")
+                && w.contains("all_reduce(sum, i64 x 100) #1 on rank 0")
+                && w.contains("rank(s) [1]"),
+            "the warning must name the collective, its sequence number and rank 1: {w}"
+        );
     }
 }

@@ -92,6 +92,7 @@ pub fn bind_cpu(rank: usize, size: usize) -> Result<Option<usize>> {
     let local_world = env_usize("LOCAL_WORLD_SIZE")?.unwrap_or(size);
     // SAFETY: a zeroed cpu_set_t is valid; sched_getaffinity fills it for this thread.
     let mut set: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+    // SAFETY: `set` is a valid cpu_set_t of the size passed; pid 0 is the calling thread.
     let ok =
         unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) }
             == 0;
@@ -99,6 +100,7 @@ pub fn bind_cpu(rank: usize, size: usize) -> Result<Option<usize>> {
         return Ok(None);
     }
     let allowed: Vec<usize> = (0..libc::CPU_SETSIZE as usize)
+        // SAFETY: `c < CPU_SETSIZE`, within the set.
         .filter(|&c| unsafe { libc::CPU_ISSET(c, &set) })
         .collect();
     if allowed.is_empty() || local_world > allowed.len() {

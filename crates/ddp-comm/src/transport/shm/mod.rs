@@ -416,9 +416,8 @@ impl Drop for ShmTransport {
 mod tests {
     use super::rings::MSG_MAGIC;
     use super::*;
-    use crate::store::{StoreOptions, StoreServer, TcpStore};
+    use crate::testing::run_with_store;
     use crate::transport::{decode_header, encode_header};
-    use std::sync::Arc;
 
     fn fp(seq: u64, count: u64) -> Fingerprint {
         Fingerprint {
@@ -442,29 +441,10 @@ mod tests {
         assert!(decode_header(MSG_MAGIC, &bad).is_none());
     }
 
-    fn store(server: &StoreServer) -> Arc<dyn Store> {
-        let opts = StoreOptions {
-            secret: None,
-            timeout: Duration::from_secs(10),
-            connect_timeout: Duration::from_secs(10),
-        };
-        Arc::new(TcpStore::connect(&server.local_addr().to_string(), opts).unwrap())
-    }
-
     #[test]
     fn published_fingerprints_are_read_back_and_compared() {
-        let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
-        let mut ts: Vec<ShmTransport> = std::thread::scope(|s| {
-            let hs: Vec<_> = (0..2)
-                .map(|r| {
-                    let st = store(&server);
-                    s.spawn(move || {
-                        ShmTransport::connect(&*st, r, 2, Duration::from_secs(10)).unwrap()
-                    })
-                })
-                .collect();
-            hs.into_iter().map(|h| h.join().unwrap()).collect()
-        });
+        let t = Duration::from_secs(10);
+        let mut ts = run_with_store(2, t, |r, st| ShmTransport::connect(&*st, r, 2, t).unwrap());
         assert_eq!(ts[0].peer_fp(1), None, "nothing published yet");
         let deadline = Instant::now() + Duration::from_secs(5);
         ts[0].begin(fp(3, 10), deadline);

@@ -236,6 +236,7 @@ impl Segment {
     pub(crate) fn create(world: usize, geo: Geometry) -> Result<Segment> {
         sweep_stale_segments();
         let layout = Layout::new(world, geo);
+        // SAFETY: an all-zero statvfs is a valid value of this plain C struct.
         let mut st: libc::statvfs = unsafe { std::mem::zeroed() };
         // SAFETY: statvfs fills `st` for a NUL-terminated path.
         if unsafe { libc::statvfs(c"/dev/shm".as_ptr(), &mut st) } == 0 {

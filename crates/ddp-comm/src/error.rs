@@ -4,6 +4,7 @@
 //! operation of the group (a broken group stays broken), and each of them must be able to say
 //! which peer, which collective and which sequence number failed.
 
+use crate::transport::Fingerprint;
 use std::time::Duration;
 
 /// Result alias used throughout `ddp-comm`.
@@ -33,24 +34,36 @@ pub enum Error {
     Timeout { what: String, timeout: Duration },
 
     /// A peer rank died, closed its connection, or aborted the group.
-    #[error("{op} #{seq} failed: peer rank {peer} {reason}")]
+    #[error("{fingerprint} #{} failed: peer rank {peer} {reason}", .fingerprint.seq)]
     PeerFailed {
+        /// The peer's rank in the group.
         peer: usize,
-        op: String,
-        seq: u64,
+        /// The collective that failed (with its sequence number).
+        fingerprint: Fingerprint,
+        /// What the peer did, in words ("closed its connection ...", "aborted the group: ...").
         reason: String,
     },
 
     /// Ranks issued different collectives (op, dtype, element count or root differ).
     #[error(
-        "collective mismatch at #{seq}: rank {rank} issued {local} but rank {peer} issued {remote}"
+        "collective mismatch at #{}: rank {rank} issued {} but rank {peer} issued {}",
+        .local.seq,
+        describe(Some(.local), .local.seq, .local_bytes),
+        describe(.remote.as_ref(), .local.seq, .remote_bytes)
     )]
     Mismatch {
-        seq: u64,
+        /// This rank.
         rank: usize,
-        local: String,
+        /// What this rank issued.
+        local: Fingerprint,
+        /// The bytes this rank expected, when the mismatch is in a message.
+        local_bytes: Option<u64>,
+        /// The other rank.
         peer: usize,
-        remote: String,
+        /// What the peer issued; `None` when only its buffer is known.
+        remote: Option<Fingerprint>,
+        /// The bytes the peer sent or registered, when known.
+        remote_bytes: Option<u64>,
     },
 
     /// The process group shut down (dropped, or its thread ended) before an operation ran.
@@ -64,6 +77,22 @@ pub enum Error {
     /// The group was aborted earlier; carries the original cause.
     #[error("process group aborted: {0}")]
     Aborted(Box<Error>),
+}
+
+/// One side of a [`Error::Mismatch`]: `all_reduce(sum, f32 x 10) [40 bytes]`, with ` #seq`
+/// when the sequence number differs from this rank's `seq`, or `a buffer of N bytes`.
+fn describe(fp: Option<&Fingerprint>, seq: u64, bytes: &Option<u64>) -> String {
+    let Some(fp) = fp else {
+        return format!("a buffer of {} bytes", bytes.unwrap_or(0));
+    };
+    let mut s = fp.to_string();
+    if fp.seq != seq {
+        s.push_str(&format!(" #{}", fp.seq));
+    }
+    if let Some(len) = *bytes {
+        s.push_str(&format!(" [{len} bytes]"));
+    }
+    s
 }
 
 impl Error {

@@ -1,15 +1,15 @@
 //! Process groups: who is in a job, and the public collective API.
 //!
-//! [`init_process_group`] ([`init`]) resolves rank and world size (env or explicit), hosts or
+//! [`init_process_group`] (module `init`) resolves rank and world size (env or explicit), hosts or
 //! joins the rendezvous store, selects the group's backend ([`crate::backend::select`]: TCP
 //! mesh, shared memory, or for a group spanning hosts the hierarchical one; see
-//! [`ProcessGroup::topology`]) and starts the group's background thread ([`engine`]). Every
+//! [`ProcessGroup::topology`]) and starts the group's background thread (module `engine`). Every
 //! collective is a job queued to that thread, so collectives on one group complete in the
 //! order issued and compute continues while `*_async` ones run. A failed collective aborts the
 //! group: peers are told (their pending and later collectives fail with an error naming this
 //! rank), and every later call on this group fails with [`Error::Aborted`] carrying the cause.
 //!
-//! Each collective ([`collectives`]) has a blocking form over slices and an `*_async` form over
+//! Each collective (module `collectives`) has a blocking form over slices and an `*_async` form over
 //! owned `Vec`s returning a [`Work`]. Subgroups come from [`ProcessGroup::new_group`].
 
 mod collectives;

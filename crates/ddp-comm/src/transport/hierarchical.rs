@@ -127,30 +127,30 @@ impl HierarchicalTransport {
         match e {
             Error::PeerFailed {
                 peer,
-                op,
-                seq,
+                fingerprint,
                 reason,
             } => Error::PeerFailed {
                 peer: g(peer),
-                op,
-                seq,
+                fingerprint,
                 reason: format!(
                     "{reason} [host shm: local ranks 0.. are group ranks {:?}]",
                     self.local_ranks
                 ),
             },
             Error::Mismatch {
-                seq,
                 rank,
-                local,
                 peer,
-                remote,
-            } => Error::Mismatch {
-                seq,
-                rank: g(rank),
                 local,
-                peer: g(peer),
+                local_bytes,
                 remote,
+                remote_bytes,
+            } => Error::Mismatch {
+                rank: g(rank),
+                peer: g(peer),
+                local,
+                local_bytes,
+                remote,
+                remote_bytes,
             },
             Error::Aborted(inner) => Error::Aborted(Box::new(self.local_error(*inner))),
             e => e,

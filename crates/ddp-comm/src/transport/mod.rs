@@ -187,19 +187,6 @@ impl Fingerprint {
             root,
         })
     }
-
-    /// How a mismatch error shows this fingerprint next to `mine` (the sequence number only
-    /// when it differs, the byte length when known).
-    pub(crate) fn describe(&self, mine: &Fingerprint, len: Option<u64>) -> String {
-        let mut s = self.to_string();
-        if self.seq != mine.seq {
-            s.push_str(&format!(" #{}", self.seq));
-        }
-        if let Some(len) = len {
-            s.push_str(&format!(" [{len} bytes]"));
-        }
-        s
-    }
 }
 
 /// One receive of a [`Transport::exchange`].

@@ -59,14 +59,14 @@ pub struct TcpTransport {
 }
 
 /// Progress of one send within an exchange.
-struct SendState {
+struct FrameSend {
     header: [u8; HEADER_LEN],
     done: usize,
     total: usize,
 }
 
 /// Progress of one receive within an exchange.
-struct RecvState {
+struct FrameRecv {
     header: [u8; HEADER_LEN],
     done: usize,
     total: usize,
@@ -241,8 +241,7 @@ impl TcpTransport {
     fn fail(&self, peer: usize, reason: impl Into<String>) -> Error {
         Error::PeerFailed {
             peer,
-            op: self.fp.to_string(),
-            seq: self.fp.seq,
+            fingerprint: self.fp,
             reason: reason.into(),
         }
     }
@@ -279,7 +278,7 @@ impl TcpTransport {
         String::from_utf8_lossy(&msg).into_owned()
     }
 
-    fn check_header(&self, from: usize, st: &RecvState, buf: &[u8]) -> Result<()> {
+    fn check_header(&self, from: usize, st: &FrameRecv, buf: &[u8]) -> Result<()> {
         let h = decode_header(FRAME_MAGIC, &st.header)
             .ok_or_else(|| self.fail(from, "sent a corrupt frame (protocol violation)"))?;
         if h.kind == KIND_ABORT {
@@ -291,11 +290,12 @@ impl TcpTransport {
             h.fp.ok_or_else(|| self.fail(from, "sent a frame with an unknown operation code"))?;
         if remote != self.fp || h.len != buf.len() as u64 {
             return Err(Error::Mismatch {
-                seq: self.fp.seq,
                 rank: self.rank,
-                local: self.fp.describe(&self.fp, Some(buf.len() as u64)),
+                local: self.fp,
+                local_bytes: Some(buf.len() as u64),
                 peer: from,
-                remote: remote.describe(&self.fp, Some(h.len)),
+                remote: Some(remote),
+                remote_bytes: Some(h.len),
             });
         }
         Ok(())
@@ -388,17 +388,17 @@ impl Transport for TcpTransport {
     }
 
     fn exchange(&mut self, sends: &mut [SendTo<'_>], recvs: &mut [RecvFrom<'_>]) -> Result<()> {
-        let mut sst: Vec<SendState> = sends
+        let mut sst: Vec<FrameSend> = sends
             .iter()
-            .map(|s| SendState {
+            .map(|s| FrameSend {
                 header: encode_header(FRAME_MAGIC, KIND_DATA, &self.fp, s.data.len() as u64),
                 done: 0,
                 total: HEADER_LEN + s.data.len(),
             })
             .collect();
-        let mut rst: Vec<RecvState> = recvs
+        let mut rst: Vec<FrameRecv> = recvs
             .iter()
-            .map(|r| RecvState {
+            .map(|r| FrameRecv {
                 header: [0; HEADER_LEN],
                 done: 0,
                 total: HEADER_LEN + r.buf.len(),

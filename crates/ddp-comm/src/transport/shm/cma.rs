@@ -153,11 +153,12 @@ impl ShmTransport {
     /// A mismatch error: `peer` registered a buffer of `theirs` bytes where this rank has `mine`.
     pub(crate) fn mismatch(&self, peer: usize, mine: usize, theirs: usize) -> Error {
         Error::Mismatch {
-            seq: self.fp.seq,
             rank: self.rank,
-            local: format!("{} [{mine} bytes]", self.fp),
+            local: self.fp,
+            local_bytes: Some(mine as u64),
             peer,
-            remote: format!("a buffer of {theirs} bytes"),
+            remote: None,
+            remote_bytes: Some(theirs as u64),
         }
     }
 

@@ -75,7 +75,7 @@
 //! `DDP_SHM_WINDOW`, `DDP_SHM_ONE_SHOT_KB`, `DDP_SHM_CMA_MIN_KB`, `DDP_SHM_CMA_CHUNK_KB`.
 //!
 //! Groups spanning hosts use this transport only inside each host, under
-//! [`super::hierarchical`] ([`connect_auto`] decides).
+//! [`super::hierarchical`] ([`crate::backend::select`] decides).
 
 mod cma;
 mod config;
@@ -349,8 +349,7 @@ impl ShmTransport {
     pub(super) fn fail(&self, peer: usize, reason: impl Into<String>) -> Error {
         Error::PeerFailed {
             peer,
-            op: self.fp.to_string(),
-            seq: self.fp.seq,
+            fingerprint: self.fp,
             reason: reason.into(),
         }
     }

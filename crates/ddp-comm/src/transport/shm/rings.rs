@@ -14,14 +14,14 @@ use std::sync::atomic::Ordering;
 pub(super) const MSG_MAGIC: u32 = 0xDD9C_5E01;
 
 /// Progress of one send within an exchange.
-struct SendState {
+struct RingSend {
     header: [u8; HEADER_LEN],
     header_done: bool,
     done: usize,
 }
 
 /// Progress of one receive within an exchange.
-struct RecvState {
+struct RingRecv {
     header_done: bool,
     done: usize,
 }
@@ -51,17 +51,17 @@ impl ShmTransport {
         if sends.is_empty() && recvs.is_empty() {
             return Ok(());
         }
-        let mut sst: Vec<SendState> = sends
+        let mut sst: Vec<RingSend> = sends
             .iter()
-            .map(|s| SendState {
+            .map(|s| RingSend {
                 header: encode_header(MSG_MAGIC, 0, &self.fp, s.data.len() as u64),
                 header_done: false,
                 done: 0,
             })
             .collect();
-        let mut rst: Vec<RecvState> = recvs
+        let mut rst: Vec<RingRecv> = recvs
             .iter()
-            .map(|_| RecvState {
+            .map(|_| RingRecv {
                 header_done: false,
                 done: 0,
             })
@@ -138,11 +138,12 @@ impl ShmTransport {
                             if remote != self.fp || len != r.buf.len() as u64 =>
                         {
                             Some(Error::Mismatch {
-                                seq: self.fp.seq,
                                 rank: self.rank,
-                                local: self.fp.describe(&self.fp, Some(r.buf.len() as u64)),
+                                local: self.fp,
+                                local_bytes: Some(r.buf.len() as u64),
                                 peer: r.from,
-                                remote: remote.describe(&self.fp, Some(len)),
+                                remote: Some(remote),
+                                remote_bytes: Some(len),
                             })
                         }
                         Some(_) => None,

@@ -127,11 +127,12 @@ impl ShmTransport {
         if (theirs.seq == self.fp.seq && theirs != self.fp) || (strict && theirs.seq < self.fp.seq)
         {
             return Err(Error::Mismatch {
-                seq: self.fp.seq,
                 rank: self.rank,
-                local: self.fp.describe(&self.fp, None),
+                local: self.fp,
+                local_bytes: None,
                 peer,
-                remote: theirs.describe(&self.fp, None),
+                remote: Some(theirs),
+                remote_bytes: None,
             });
         }
         Ok(())

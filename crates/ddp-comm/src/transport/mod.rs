@@ -10,7 +10,7 @@
 //! - [`tcp`]: a full mesh of TCP connections, one per pair of ranks (works across hosts).
 //! - [`shm`]: per-pair rings in one shared-memory segment (ranks on one host), plus the hooks of
 //!   the direct shared-memory paths (all-reduce, large reduce-scatter).
-//! - `stall`: the warning a collective logs while it waits long (which ranks have not arrived).
+//! - [`stall`]: the warning a collective logs while it waits long (which ranks have not arrived).
 //! - [`hierarchical`]: ranks on several hosts: the TCP mesh, plus shared memory inside each host
 //!   and a leaders-only view of the mesh for the hierarchical all-reduce.
 //! - [`subset`]: some ranks of a transport as a group of their own (renumbered), for running
@@ -18,7 +18,7 @@
 
 pub mod hierarchical;
 pub mod shm;
-pub(crate) mod stall;
+pub mod stall;
 pub mod subset;
 pub mod tcp;
 

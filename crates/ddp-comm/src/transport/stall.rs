@@ -7,7 +7,7 @@
 //! WARN all_reduce(sum, f32 x 100) #3 on rank 0: still waiting after 60s for rank(s) [1] (not arrived yet; timeout 1800s)
 //! ```
 //!
-//! Each transport calls [`StallWarning::check`] where it is about to sleep waiting for peers.
+//! Each transport calls `StallWarning::check` where it is about to sleep waiting for peers.
 
 use super::Fingerprint;
 use crate::{Error, Result};

@@ -20,7 +20,7 @@ use std::time::Duration;
 pub struct LocalGroup {
     /// Timeout of rendezvous and of every collective.
     pub timeout: Duration,
-    /// Transport (default: TCP, so tests do not depend on the host detection).
+    /// Backend (default: TCP, so tests do not depend on the host detection).
     pub backend: Backend,
     /// All-reduce algorithm (default: the group's choice by size).
     pub algorithm: Option<AllReduceAlgorithm>,

@@ -41,7 +41,8 @@ pub struct InitOptions {
     /// A forced one runs flat over the group's TCP or shm message transport (no shm fast path,
     /// no hierarchical all-reduce).
     pub allreduce_algorithm: Option<AllReduceAlgorithm>,
-    /// Transport (default: env `DDP_BACKEND` = auto|tcp|shm, else auto).
+    /// Backend asked for (default: env `DDP_BACKEND` = auto|tcp|shm, else auto); what it
+    /// resolves to is [`ProcessGroup::topology`](super::ProcessGroup::topology).
     pub backend: Option<Backend>,
     /// This process's host identity for `auto` / `shm` (default: [`crate::host::host_id`], from the
     /// hostname, boot id and the `/dev/shm` mount). Ranks with equal ids must be able to share

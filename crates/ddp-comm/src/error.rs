@@ -104,6 +104,18 @@ impl Error {
         }
     }
 
+    /// A store wait that timed out, told as what it waited for (`rank 1 to join the
+    /// rendezvous ...`) instead of the store key; other errors unchanged.
+    pub(crate) fn waiting_for(self, what: impl FnOnce() -> String) -> Error {
+        match self {
+            Error::Timeout { timeout, .. } => Error::Timeout {
+                what: what(),
+                timeout,
+            },
+            e => e,
+        }
+    }
+
     /// The root cause, looking through [`Error::Aborted`] wrappers.
     pub fn root_cause(&self) -> &Error {
         match self {

@@ -79,12 +79,8 @@ pub fn host_layout(
         for r in 1..size {
             let other = store
                 .get_timeout(&format!("host/{r}"), timeout)
-                .map_err(|e| match e {
-                    Error::Timeout { timeout, .. } => Error::Timeout {
-                        what: format!("rank {r} to join the rendezvous (world size {size})"),
-                        timeout,
-                    },
-                    e => e,
+                .map_err(|e| {
+                    e.waiting_for(|| format!("rank {r} to join the rendezvous (world size {size})"))
                 })?;
             if other != id.as_bytes() && mismatch.is_empty() {
                 mismatch = format!(
@@ -111,15 +107,11 @@ pub fn host_layout(
         store.set("host/verdict", v.as_bytes())?;
         v
     } else {
-        let v = store
-            .get_timeout("host/verdict", timeout)
-            .map_err(|e| match e {
-                Error::Timeout { timeout, .. } => Error::Timeout {
-                    what: format!("rank 0 to compare the hosts of the group (world size {size})"),
-                    timeout,
-                },
-                e => e,
-            })?;
+        let v = store.get_timeout("host/verdict", timeout).map_err(|e| {
+            e.waiting_for(|| {
+                format!("rank 0 to compare the hosts of the group (world size {size})")
+            })
+        })?;
         String::from_utf8_lossy(&v).into_owned()
     };
     let malformed = || Error::Io {

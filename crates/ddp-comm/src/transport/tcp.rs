@@ -107,12 +107,8 @@ impl TcpTransport {
         for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
             let key = format!("addr/{peer}");
             let remaining = deadline.saturating_duration_since(Instant::now());
-            let addr = store.get_timeout(&key, remaining).map_err(|e| match e {
-                Error::Timeout { timeout, .. } => Error::Timeout {
-                    what: format!("rank {peer} to join the rendezvous (world size {size})"),
-                    timeout,
-                },
-                e => e,
+            let addr = store.get_timeout(&key, remaining).map_err(|e| {
+                e.waiting_for(|| format!("rank {peer} to join the rendezvous (world size {size})"))
             })?;
             let addr = String::from_utf8_lossy(&addr).to_string();
             let stream = connect_with_retry(&addr, deadline)

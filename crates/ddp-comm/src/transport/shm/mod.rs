@@ -273,12 +273,12 @@ impl ShmTransport {
             }
             seg
         } else {
-            let name = store.get_timeout("shm/name", remaining()).map_err(|e| match e {
-                Error::Timeout { timeout, .. } => Error::Timeout {
-                    what: format!("rank 0 to create the group's shared-memory segment (world size {size})"),
-                    timeout,
-                },
-                e => e,
+            let name = store.get_timeout("shm/name", remaining()).map_err(|e| {
+                e.waiting_for(|| {
+                    format!(
+                        "rank 0 to create the group's shared-memory segment (world size {size})"
+                    )
+                })
             })?;
             if let Some(why) = name.strip_prefix(b"!") {
                 return Err(ConnectError::NoSegment(Error::Config(format!(

@@ -4,7 +4,9 @@
 //! root-cause summary; restart the whole group while `--max-restarts` allows.
 
 use crate::cli::{available_cores, Config};
-use crate::output::{rank_log_dir, Console, Sink, Tail};
+use crate::guard::{self, Guard};
+use crate::limits;
+use crate::output::{rank_log_dir, Sink, Tail};
 use crate::process::{self, ExitEvent, Worker};
 use crate::rendezvous::{RemoteFailure, Rendezvous, Round, Stop};
 use crate::signals::{self, signal_group, signal_name};
@@ -58,7 +60,19 @@ enum Next {
 
 /// Run the job described by `cfg`; returns the launcher's exit status.
 pub fn run(cfg: &Config) -> i32 {
+    // Before anything else: the guard must not inherit the store socket or worker pipes.
+    let guard = Guard::start()
+        .map_err(|e| eprintln!("ddprun: warning: cannot start the orphan guard ({e}); processes started by workers may outlive a SIGKILLed launcher"))
+        .ok();
     signals::install();
+    limits::raise_nofile_limit();
+    // Children this process already had (a program calling `spawn`) are never swept.
+    let mut keep = guard::children();
+    if !guard::become_subreaper() {
+        eprintln!("ddprun: warning: cannot become a child subreaper; processes that workers leave behind outside their process group may survive them");
+    }
+    keep.extend(guard.as_ref().map(Guard::pid));
+    let house = Housekeeping { guard, keep };
     let host = hostname();
     let rdzv = match Rendezvous::start(cfg, &host, &mut signals::take_pending) {
         Ok(r) => r,
@@ -80,7 +94,7 @@ pub fn run(cfg: &Config) -> i32 {
     };
     let mut attempt = 0;
     let code = loop {
-        match run_round(cfg, &rdzv, &host, attempt) {
+        match run_round(cfg, &rdzv, &host, attempt, &house) {
             Next::Restart => attempt += 1,
             Next::Exit(code) => break code,
         }
@@ -89,7 +103,21 @@ pub fn run(cfg: &Config) -> i32 {
     code
 }
 
-fn run_round(cfg: &Config, rdzv: &Rendezvous, host: &str, attempt: u32) -> Next {
+/// What the launcher keeps for cleaning up after workers: the orphan guard and the children it
+/// must not sweep.
+struct Housekeeping {
+    guard: Option<Guard>,
+    /// Children of this process that are not the workers' leftovers.
+    keep: Vec<i32>,
+}
+
+fn run_round(
+    cfg: &Config,
+    rdzv: &Rendezvous,
+    host: &str,
+    attempt: u32,
+    house: &Housekeeping,
+) -> Next {
     let round = match rdzv.join(
         attempt,
         cfg.nproc_per_node,
@@ -115,7 +143,11 @@ fn run_round(cfg: &Config, rdzv: &Rendezvous, host: &str, attempt: u32) -> Next 
             .map(|d| format!(", logs in {}", d.join(&cfg.run_id).display()))
             .unwrap_or_default()
     );
-    let outcome = supervise(cfg, rdzv, &round, host);
+    let outcome = supervise(cfg, rdzv, &round, host, house.guard.as_ref());
+    let adopted = guard::reap_adopted(&house.keep);
+    if adopted > 0 {
+        eprintln!("ddprun: killed {adopted} process(es) left behind by the workers");
+    }
     // Workers are gone: remove shared-memory segments whose creator died before every rank
     // attached (the one case where a segment name can outlive its group).
     let swept = ddp_comm::transport::shm::sweep_stale_segments();
@@ -256,7 +288,7 @@ fn sinks(
         .local_ranks_filter
         .as_ref()
         .is_none_or(|f| f.contains(&p.local_rank));
-    let prefix = format!("[rank{}]: ", p.rank);
+    let (out_console, err_console) = cfg.console.streams(p.rank);
     let file = |name: &str, wanted: bool| -> Result<Option<File>, String> {
         let (Some(dir), true) = (&cfg.log_dir, wanted) else {
             return Ok(None);
@@ -270,12 +302,12 @@ fn sinks(
             .map_err(|e| format!("cannot create log file {}: {e}", path.display()))
     };
     let out = Sink {
-        console: (shown && !redirect.stdout).then(|| (Console::Stdout, prefix.clone())),
+        console: (shown && !redirect.stdout).then_some(out_console),
         file: file("stdout.log", redirect.stdout || tee.stdout)?,
         tail: None,
     };
     let err = Sink {
-        console: (shown && !redirect.stderr).then_some((Console::Stderr, prefix)),
+        console: (shown && !redirect.stderr).then_some(err_console),
         file: file("stderr.log", redirect.stderr || tee.stderr)?,
         tail: Some(tail.clone()),
     };
@@ -283,7 +315,32 @@ fn sinks(
 }
 
 /// Start this node's workers for `round` and watch them until the attempt ends.
-fn supervise(cfg: &Config, rdzv: &Rendezvous, round: &Round, host: &str) -> Outcome {
+fn supervise(
+    cfg: &Config,
+    rdzv: &Rendezvous,
+    round: &Round,
+    host: &str,
+    guard: Option<&Guard>,
+) -> Outcome {
+    let mut workers: Vec<Worker> = Vec::with_capacity(cfg.nproc_per_node);
+    let outcome = supervise_workers(cfg, rdzv, round, host, guard, &mut workers);
+    // Every exit path has stopped the workers and SIGKILLed their groups.
+    for w in &workers {
+        if let Some(g) = guard {
+            g.forget(w.pid);
+        }
+    }
+    outcome
+}
+
+fn supervise_workers(
+    cfg: &Config,
+    rdzv: &Rendezvous,
+    round: &Round,
+    host: &str,
+    guard: Option<&Guard>,
+    workers: &mut Vec<Worker>,
+) -> Outcome {
     let (tx, rx) = mpsc::channel::<ExitEvent>();
     let job = JobInfo {
         master_addr: rdzv.master_addr.clone(),
@@ -293,7 +350,6 @@ fn supervise(cfg: &Config, rdzv: &Rendezvous, round: &Round, host: &str) -> Outc
         run_id: cfg.run_id.clone(),
         cores: available_cores(),
     };
-    let mut workers: Vec<Worker> = Vec::with_capacity(cfg.nproc_per_node);
     for local_rank in 0..cfg.nproc_per_node {
         let p = Placement {
             rank: round.rank_offset + local_rank,
@@ -309,9 +365,14 @@ fn supervise(cfg: &Config, rdzv: &Rendezvous, round: &Round, host: &str) -> Outc
             process::spawn(&cfg.program, &env, p, out, err, tail, tx.clone())
         });
         match started {
-            Ok(w) => workers.push(w),
+            Ok(w) => {
+                if let Some(g) = guard {
+                    g.watch(w.pid);
+                }
+                workers.push(w)
+            }
             Err(e) => {
-                stop_workers(&mut workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+                stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
                 return Outcome::SpawnFailed(e);
             }
         }
@@ -319,15 +380,15 @@ fn supervise(cfg: &Config, rdzv: &Rendezvous, round: &Round, host: &str) -> Outc
     let mut failed: Vec<usize> = Vec::new();
     loop {
         match rx.recv_timeout(cfg.monitor_interval) {
-            Ok(ev) => record_exit(&mut workers, ev, Some(&mut failed)),
+            Ok(ev) => record_exit(workers, ev, Some(&mut failed)),
             Err(RecvTimeoutError::Timeout) => {}
             Err(RecvTimeoutError::Disconnected) => unreachable!("the launcher holds a sender"),
         }
         while let Ok(ev) = rx.try_recv() {
-            record_exit(&mut workers, ev, Some(&mut failed));
+            record_exit(workers, ev, Some(&mut failed));
         }
         if !failed.is_empty() {
-            stop_workers(&mut workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+            stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
             let failures = failed
                 .iter()
                 .map(|&i| failure_of(&workers[i], host))
@@ -336,7 +397,7 @@ fn supervise(cfg: &Config, rdzv: &Rendezvous, round: &Round, host: &str) -> Outc
         }
         if workers.iter().all(|w| w.exit.is_some()) {
             // No orphans: whatever a worker left running in its process group goes too.
-            stop_workers(&mut workers, &rx, libc::SIGKILL, Duration::ZERO);
+            stop_workers(workers, &rx, libc::SIGKILL, Duration::ZERO);
             return Outcome::Success;
         }
         if let Some(sig) = signals::take_pending() {
@@ -345,17 +406,17 @@ fn supervise(cfg: &Config, rdzv: &Rendezvous, round: &Round, host: &str) -> Outc
                 signal_name(sig),
                 cfg.stop_grace_period
             );
-            stop_workers(&mut workers, &rx, sig, cfg.stop_grace_period);
+            stop_workers(workers, &rx, sig, cfg.stop_grace_period);
             return Outcome::Stopped(Stop::Signal(sig));
         }
         match rdzv.failure(round.attempt) {
             Ok(None) => {}
             Ok(Some(f)) => {
-                stop_workers(&mut workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+                stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
                 return Outcome::Stopped(Stop::Remote(f));
             }
             Err(stop) => {
-                stop_workers(&mut workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+                stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
                 return Outcome::Stopped(stop);
             }
         }

@@ -2,6 +2,7 @@
 //! spellings, and the `PET_*` environment variables torchrun reads) parsed by clap, then checked
 //! and resolved into a [`Config`] the launcher runs from.
 
+use crate::output::ConsoleStyle;
 use clap::Parser;
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::PathBuf;
@@ -9,6 +10,20 @@ use std::time::Duration;
 
 /// Default rendezvous port, as in torchrun.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
+
+/// Most worker processes one launcher starts (`--nproc-per-node`, `SpawnOptions::nprocs`).
+pub const MAX_LOCAL_WORKERS: usize = 4096;
+
+/// Check a local worker count: at least 1, at most [`MAX_LOCAL_WORKERS`].
+pub fn check_local_workers(n: usize) -> Result<usize, String> {
+    match n {
+        0 => Err("must be at least 1".into()),
+        n if n > MAX_LOCAL_WORKERS => Err(format!(
+            "{n} worker processes is more than one launcher starts (at most {MAX_LOCAL_WORKERS})"
+        )),
+        n => Ok(n),
+    }
+}
 
 const AFTER_HELP: &str = "\
 Examples:
@@ -274,8 +289,7 @@ fn parse_nproc(s: &str) -> Result<Nproc, String> {
                 .into(),
         ),
         n => match n.parse::<usize>() {
-            Ok(0) => Err("must be at least 1".into()),
-            Ok(n) => Ok(Nproc::Count(n)),
+            Ok(n) => check_local_workers(n).map(Nproc::Count),
             Err(_) => Err(format!("`{n}` is not a number, `auto` or `cpu`")),
         },
     }
@@ -343,6 +357,8 @@ pub struct Config {
     /// Where per-rank logs go; `Some` whenever any stream is redirected or teed.
     pub log_dir: Option<PathBuf>,
     pub local_ranks_filter: Option<BTreeSet<usize>>,
+    /// Console layout of worker output (`ddprun` itself: [`ConsoleStyle::Prefixed`]).
+    pub console: ConsoleStyle,
     /// Program and arguments.
     pub program: Vec<String>,
 }
@@ -431,6 +447,7 @@ impl Args {
             tee,
             log_dir,
             local_ranks_filter: self.local_ranks_filter,
+            console: ConsoleStyle::Prefixed,
             program: self.program,
         })
     }
@@ -458,7 +475,7 @@ fn split_endpoint(ep: &str) -> Result<(String, Option<u16>), String> {
 }
 
 /// A run id unlikely to collide: time and pid based (no RNG dependency needed).
-fn random_run_id() -> String {
+pub(crate) fn random_run_id() -> String {
     let nanos = std::time::SystemTime::now()
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_nanos());

@@ -15,10 +15,13 @@
 
 pub mod agent;
 pub mod cli;
+pub mod guard;
+pub mod limits;
 pub mod output;
 pub mod process;
 pub mod rendezvous;
 pub mod signals;
+pub mod spawn;
 pub mod summary;
 pub mod worker_env;
 

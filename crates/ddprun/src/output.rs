@@ -47,6 +47,30 @@ pub enum Console {
     Stderr,
 }
 
+/// How worker output is laid out on the launcher's console.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ConsoleStyle {
+    /// Every line on the stream the worker wrote it to, prefixed `[rankN]: ` (`ddprun`'s layout).
+    #[default]
+    Prefixed,
+    /// Rank 0's stdout unprefixed on stdout, so that a program's machine-readable output (e.g. a
+    /// last JSON line) stays parseable; every other stream prefixed on stderr.
+    Rank0Stdout,
+}
+
+impl ConsoleStyle {
+    /// Console stream and prefix of a worker's stdout and stderr (before redirects and filters).
+    pub fn streams(self, rank: usize) -> ((Console, String), (Console, String)) {
+        let prefix = format!("[rank{rank}]: ");
+        let out = match self {
+            ConsoleStyle::Prefixed => (Console::Stdout, prefix.clone()),
+            ConsoleStyle::Rank0Stdout if rank == 0 => (Console::Stdout, String::new()),
+            ConsoleStyle::Rank0Stdout => (Console::Stderr, prefix.clone()),
+        };
+        (out, (Console::Stderr, prefix))
+    }
+}
+
 /// Where the lines of one worker stream go.
 pub struct Sink {
     /// Show on the console with this prefix (`None`: redirected or filtered out).
@@ -166,6 +190,29 @@ mod tests {
         assert_eq!(
             tail.lock().unwrap().lines(),
             ["first", "second", "no newline"]
+        );
+    }
+
+    #[test]
+    fn console_styles() {
+        let p = |c, s: &str| (c, s.to_string());
+        assert_eq!(
+            ConsoleStyle::Prefixed.streams(1),
+            (
+                p(Console::Stdout, "[rank1]: "),
+                p(Console::Stderr, "[rank1]: ")
+            )
+        );
+        assert_eq!(
+            ConsoleStyle::Rank0Stdout.streams(0),
+            (p(Console::Stdout, ""), p(Console::Stderr, "[rank0]: "))
+        );
+        assert_eq!(
+            ConsoleStyle::Rank0Stdout.streams(2),
+            (
+                p(Console::Stderr, "[rank2]: "),
+                p(Console::Stderr, "[rank2]: ")
+            )
         );
     }
 

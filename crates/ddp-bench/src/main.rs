@@ -14,6 +14,21 @@ mod sweep;
 mod train;
 
 use clap::{Args, Parser, Subcommand};
+use ddprun::cli::MAX_LOCAL_WORKERS;
+use ddprun::validate::{int_in, positive};
+
+/// Most timed or warm-up iterations or steps accepted.
+const MAX_ITERS: u64 = 1_000_000;
+
+/// `--bucket-cap-mb`: positive, at most 1 TiB.
+fn bucket_cap(s: &str) -> Result<f64, String> {
+    let v = positive(s)?;
+    if v <= 1024.0 * 1024.0 {
+        Ok(v)
+    } else {
+        Err(format!("{v} MiB is more than 1 TiB"))
+    }
+}
 
 #[derive(Parser)]
 #[command(
@@ -50,22 +65,22 @@ pub struct TrainArgs {
     #[arg(long, default_value = "auto")]
     pub backend: String,
     /// Number of local processes (world size).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, MAX_LOCAL_WORKERS as u64))]
     pub nproc: usize,
     /// Hidden width H.
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 1024, value_parser = int_in::<usize>(1, 1 << 16))]
     pub hidden: usize,
     /// Number of hidden layers L.
-    #[arg(long, default_value_t = 4)]
+    #[arg(long, default_value_t = 4, value_parser = int_in::<usize>(1, 1024))]
     pub layers: usize,
     /// Batch size per rank.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = 64, value_parser = int_in::<usize>(1, 1 << 16))]
     pub batch: usize,
     /// Timed steps.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = 50, value_parser = int_in::<usize>(1, MAX_ITERS))]
     pub steps: usize,
     /// Untimed warm-up steps.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = int_in::<usize>(0, MAX_ITERS))]
     pub warmup: usize,
     /// Use the staged backward (stage by stage, buckets overlapping earlier stages' compute)
     /// instead of the plain one (loss.backward() then bucketed all-reduce). On candle's CPU
@@ -80,7 +95,7 @@ pub struct TrainArgs {
     #[arg(long, default_value = "out-in", value_parser = ["out-in", "in-out"])]
     pub weight_layout: String,
     /// DDP bucket cap in MiB (PyTorch's `bucket_cap_mb`).
-    #[arg(long, default_value_t = 25.0)]
+    #[arg(long, default_value_t = 25.0, value_parser = bucket_cap)]
     pub bucket_cap_mb: f64,
     /// Leave glibc's default heap trimming (see `ddp_candle::alloc::retain_freed_memory`, which
     /// the benchmark calls by default).
@@ -99,7 +114,7 @@ pub struct SweepArgs {
     #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto"])]
     pub backend: String,
     /// Number of local processes to start (ignored under a launcher that sets RANK/WORLD_SIZE).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, MAX_LOCAL_WORKERS as u64))]
     pub nproc: usize,
     /// Smallest message in bytes (suffixes K, M, G are powers of 1024).
     #[arg(long, default_value = "1K", value_parser = sweep::parse_bytes)]
@@ -108,10 +123,10 @@ pub struct SweepArgs {
     #[arg(long, default_value = "64M", value_parser = sweep::parse_bytes)]
     pub max_bytes: usize,
     /// Timed iterations per size (default: scaled by size, 5..=500).
-    #[arg(long)]
+    #[arg(long, value_parser = int_in::<usize>(1, MAX_ITERS))]
     pub iters: Option<usize>,
     /// Untimed warm-up iterations per size.
-    #[arg(long, default_value_t = 3)]
+    #[arg(long, default_value_t = 3, value_parser = int_in::<usize>(0, MAX_ITERS))]
     pub warmup: usize,
     /// One JSON object per size instead of the table.
     #[arg(long)]
@@ -120,6 +135,17 @@ pub struct SweepArgs {
 
 fn main() {
     let cli = Cli::parse();
+    if let Cmd::Allreduce(a) | Cmd::AllGather(a) | Cmd::ReduceScatter(a) | Cmd::Broadcast(a) =
+        &cli.cmd
+    {
+        if a.min_bytes > a.max_bytes {
+            eprintln!(
+                "ddp-bench: error: --min-bytes {} is larger than --max-bytes {}",
+                a.min_bytes, a.max_bytes
+            );
+            std::process::exit(2);
+        }
+    }
     let (backend, nproc) = match &cli.cmd {
         Cmd::Train(a) => (a.backend.clone(), a.nproc),
         Cmd::Allreduce(a) | Cmd::AllGather(a) | Cmd::ReduceScatter(a) | Cmd::Broadcast(a) => {

@@ -28,10 +28,17 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
         Some('G') => (&s[..s.len() - 1], 1 << 30),
         _ => (s, 1),
     };
-    num.parse::<usize>()
-        .map(|n| n * mult)
-        .map_err(|_| format!("{s:?} is not a size (examples: 4096, 4K, 64M)"))
+    let n = num
+        .parse::<usize>()
+        .map_err(|_| format!("{s:?} is not a size (examples: 4096, 4K, 64M)"))?;
+    match n.checked_mul(mult) {
+        Some(b) if b <= MAX_BYTES => Ok(b),
+        _ => Err(format!("{s:?} is larger than the largest message, 4G")),
+    }
 }
+
+/// Largest message a sweep accepts.
+pub const MAX_BYTES: usize = 4 << 30;
 
 fn busbw_factor(op: Op, n: usize) -> f64 {
     let n = n as f64;

@@ -14,6 +14,9 @@ pub const DEFAULT_MASTER_PORT: u16 = 29500;
 /// Most worker processes one launcher starts (`--nproc-per-node`, `SpawnOptions::nprocs`).
 pub const MAX_LOCAL_WORKERS: usize = 4096;
 
+/// Most nodes a job may have (`--nnodes`).
+pub const MAX_NODES: usize = 65536;
+
 /// Check a local worker count: at least 1, at most [`MAX_LOCAL_WORKERS`].
 pub fn check_local_workers(n: usize) -> Result<usize, String> {
     match n {
@@ -300,8 +303,8 @@ fn parse_nnodes(s: &str) -> Result<usize, String> {
         v.trim()
             .parse::<usize>()
             .ok()
-            .filter(|&n| n >= 1)
-            .ok_or_else(|| format!("`{v}` is not a node count (a number >= 1)"))
+            .filter(|&n| (1..=MAX_NODES).contains(&n))
+            .ok_or_else(|| format!("`{v}` is not a node count (1..={MAX_NODES})"))
     };
     match s.split_once(':') {
         None => parse(s),
@@ -320,10 +323,7 @@ fn parse_nnodes(s: &str) -> Result<usize, String> {
 }
 
 fn parse_secs(s: &str) -> Result<f64, String> {
-    match s.trim().parse::<f64>() {
-        Ok(v) if v.is_finite() && v > 0.0 => Ok(v),
-        _ => Err(format!("`{s}` is not a positive number of seconds")),
-    }
+    crate::validate::secs(s)
 }
 
 fn parse_rank_set(s: &str) -> Result<BTreeSet<usize>, String> {

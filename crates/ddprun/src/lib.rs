@@ -10,6 +10,9 @@
 //! - [`signals`]: catching and forwarding SIGINT/SIGTERM, signal names.
 //! - [`summary`]: the root-cause report of a failure.
 //! - [`agent`]: the control loop tying them together (supervision, stopping, restarts).
+//! - [`guard`]: the orphan guard and child subreaper (workers' children die with them).
+//! - [`spawn`]: the same launcher started from inside a program (`torch.multiprocessing.spawn`).
+//! - [`limits`], [`validate`]: the open-files limit; flag value parsers shared by the binaries.
 
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
@@ -23,6 +26,7 @@ pub mod rendezvous;
 pub mod signals;
 pub mod spawn;
 pub mod summary;
+pub mod validate;
 pub mod worker_env;
 
 pub use cli::{Args, Config};

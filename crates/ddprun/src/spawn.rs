@@ -38,8 +38,9 @@
 //!
 //! Call it from the thread that will wait for it (it blocks until the workers are done; the
 //! parent-death signal is tied to the calling thread). It installs handlers for the forwarded
-//! signals and makes the process a child subreaper for the rest of its life: use the process as
-//! a launcher only.
+//! signals and makes the process a child subreaper for the rest of its life, and at the end of
+//! every attempt it kills the children of the process that it did not have when `spawn` was
+//! called (workers' orphans adopted as subreaper): use the process as a launcher only.
 
 use crate::cli::{check_local_workers, Config, StdSpec, Streams};
 use crate::output::ConsoleStyle;

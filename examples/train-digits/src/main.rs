@@ -12,6 +12,7 @@ mod model;
 mod train;
 
 use clap::{Parser, ValueEnum};
+use ddprun::validate::{int_in, non_negative, positive, MAX_SECS};
 
 /// Communication backend (`auto` picks the best available one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -44,7 +45,7 @@ pub enum OptimizerKind {
 #[command(name = "train-digits", version)]
 pub struct Args {
     /// Number of local worker processes to spawn (ignored when RANK/WORLD_SIZE are set).
-    #[arg(long, default_value_t = 2)]
+    #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, ddprun::cli::MAX_LOCAL_WORKERS as u64))]
     pub nproc: usize,
     /// Communication backend [default: env DDP_BACKEND, else auto: shared memory when all ranks
     /// are on this host, TCP otherwise].
@@ -54,22 +55,22 @@ pub struct Args {
     #[arg(long, default_value_t = 30)]
     pub epochs: u64,
     /// Batch size per rank (the global batch is this × world size).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 32, value_parser = int_in::<usize>(1, MAX_BATCH))]
     pub batch_size: usize,
     /// Optimizer (ddp-candle's SGD or AdamW, both checkpointable).
     #[arg(long, value_enum, default_value_t = OptimizerKind::Sgd)]
     pub optimizer: OptimizerKind,
     /// Learning rate [default: 0.2 for sgd, 0.005 for adamw].
-    #[arg(long)]
+    #[arg(long, value_parser = positive)]
     pub lr: Option<f64>,
     /// SGD momentum (PyTorch's; 0 is plain SGD).
-    #[arg(long, default_value_t = 0.0)]
+    #[arg(long, default_value_t = 0.0, value_parser = non_negative)]
     pub momentum: f64,
     /// Seed of the model initialization and of the sampler's shuffle.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Hidden layer width.
-    #[arg(long, default_value_t = 128)]
+    #[arg(long, default_value_t = 128, value_parser = int_in::<usize>(1, MAX_HIDDEN))]
     pub hidden: usize,
     /// Stop after this many optimizer steps in total (across resumes).
     #[arg(long)]
@@ -84,7 +85,7 @@ pub struct Args {
     #[arg(long, value_enum, default_value_t = BackwardMode::Plain)]
     pub backward: BackwardMode,
     /// Timeout of rendezvous and of every collective, in seconds.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 300, value_parser = int_in::<u64>(1, MAX_SECS))]
     pub timeout_s: u64,
     /// Print a JSON summary as the last line of output.
     #[arg(long)]
@@ -111,12 +112,16 @@ impl Args {
     }
 }
 
+/// Widest hidden layer accepted (64 × H + H × 10 weights per replica).
+const MAX_HIDDEN: u64 = 1 << 16;
+/// Largest per-rank batch accepted (the training set has 1437 images).
+const MAX_BATCH: u64 = 1 << 20;
+
 fn main() {
+    // Validates every flag (clap's error and exit status 2) before any worker starts.
     let args = Args::parse();
-    let in_worker = std::env::var_os("RANK").is_some() && std::env::var_os("WORLD_SIZE").is_some();
-    if !in_worker {
-        let forwarded: Vec<String> = std::env::args().skip(1).collect();
-        std::process::exit(launcher::launch(args.nproc, &forwarded));
+    if !ddprun::spawn::is_worker() {
+        std::process::exit(launcher::launch(args.nproc));
     }
     let rank = std::env::var("RANK").unwrap_or_default();
     if let Err(e) = train::run(&args) {

@@ -2,10 +2,9 @@
 //! real checkpoint files, real `SIGKILL`. Every process is waited on with a deadline and killed
 //! if it overruns, so a hang fails the test instead of blocking it.
 
-use std::io::{BufRead, BufReader, Read};
+use std::io::{BufReader, Read};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-digits");
@@ -271,53 +270,4 @@ fn killing_a_worker_fails_the_others_naming_it_then_resume_completes() {
     assert_eq!(v["steps"].as_u64().unwrap(), (epoch + 3) * 23);
     assert_eq!(v["replicas_identical"], true);
     assert!(v["test_accuracy"].as_f64().unwrap() > 0.8);
-}
-
-#[test]
-fn launcher_fails_fast_naming_the_killed_rank() {
-    let mut child = launch(&["--nproc", "2", "--epochs", "1000000", "--log-every", "0"]);
-    // The launcher announces "[launcher] started rank 1 (pid N)" on stderr.
-    let stderr = child.stderr.take().unwrap();
-    let (tx, rx) = mpsc::channel();
-    let pump = std::thread::spawn(move || {
-        let mut all = String::new();
-        for line in BufReader::new(stderr).lines() {
-            let line = line.unwrap_or_default();
-            if let Some(pid) = line
-                .strip_prefix("[launcher] started rank 1 (pid ")
-                .and_then(|r| r.strip_suffix(')'))
-            {
-                let _ = tx.send(pid.parse::<u32>().unwrap());
-            }
-            all.push_str(&line);
-            all.push('\n');
-        }
-        all
-    });
-    let pid = rx
-        .recv_timeout(Duration::from_secs(30))
-        .expect("launcher printed no pid");
-    std::thread::sleep(Duration::from_millis(300)); // let training start
-    sigkill(pid);
-    let start = Instant::now();
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            panic!("launcher did not exit after a worker was killed");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    let err = pump.join().unwrap();
-    assert!(!status.success());
-    assert!(
-        err.contains("worker rank 1 failed (killed by signal 9)"),
-        "launcher output:\n{err}"
-    );
-    assert!(
-        err.contains("[rank0]") && err.contains("peer rank 1"),
-        "{err}"
-    );
 }

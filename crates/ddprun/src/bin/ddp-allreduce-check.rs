@@ -15,7 +15,11 @@
 
 use ddp_comm::env::EnvConfig;
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
+use ddprun::validate::{int_in, MAX_SECS};
 use std::time::{Duration, Instant};
+
+/// Largest buffer accepted: 1 GiB of f32.
+const MAX_ELEMENTS: u64 = 1 << 28;
 
 struct Opts {
     elements: usize,
@@ -34,18 +38,30 @@ fn parse_opts() -> Result<Opts, String> {
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         let mut value = |name: &str| args.next().ok_or_else(|| format!("{name} needs a value"));
-        let num = |name: &str, v: String| {
-            v.parse::<u64>()
-                .map_err(|_| format!("{name} {v:?} is not a non-negative integer"))
+        let num = |name: &str, v: String, max: u64| {
+            int_in::<u64>(0, max)(&v).map_err(|e| format!("{name}: {e}"))
         };
         match a.as_str() {
-            "--elements" => o.elements = num("--elements", value("--elements")?)? as usize,
-            "--timeout" => o.timeout = Duration::from_secs(num("--timeout", value("--timeout")?)?),
+            "--elements" => {
+                o.elements = num("--elements", value("--elements")?, MAX_ELEMENTS)? as usize;
+                if o.elements == 0 {
+                    return Err("--elements: must be at least 1".into());
+                }
+            }
+            "--timeout" => {
+                let t = num("--timeout", value("--timeout")?, MAX_SECS)?;
+                if t == 0 {
+                    return Err("--timeout: must be at least 1 second".into());
+                }
+                o.timeout = Duration::from_secs(t);
+            }
             "--fail-rank" => {
-                o.fail_rank = Some(num("--fail-rank", value("--fail-rank")?)? as usize)
+                o.fail_rank =
+                    Some(num("--fail-rank", value("--fail-rank")?, u32::MAX as u64)? as usize)
             }
             "--fail-attempt" => {
-                o.fail_attempt = num("--fail-attempt", value("--fail-attempt")?)? as u32
+                o.fail_attempt =
+                    num("--fail-attempt", value("--fail-attempt")?, u32::MAX as u64)? as u32
             }
             "-h" | "--help" => {
                 println!(
@@ -104,7 +120,13 @@ fn run(o: &Opts) -> Result<String, String> {
 }
 
 fn main() {
-    let result = parse_opts().and_then(|o| run(&o));
+    let result = match parse_opts() {
+        Ok(o) => run(&o),
+        Err(e) => {
+            eprintln!("ddp-allreduce-check: error: {e}");
+            std::process::exit(2);
+        }
+    };
     match result {
         Ok(line) => println!("{line}"),
         Err(e) => {

@@ -1,0 +1,63 @@
+//! Boundary values (0, 1, the type's maximum, negative, empty) for every numeric flag of
+//! `train-digits`: no panic (e.g. `--hidden 0` used to panic inside `rand`), a clear error when
+//! refused.
+
+#[path = "../../../crates/ddprun/tests/common/cli_bounds.rs"]
+mod cli_bounds;
+
+use cli_bounds::{outcome, Binary, F64_MAX, U64_MAX};
+use std::time::Duration;
+
+#[test]
+fn every_numeric_flag_at_its_bounds() {
+    let bin = Binary {
+        path: env!("CARGO_BIN_EXE_train-digits"),
+        lead: &[],
+        base: &[
+            ("--nproc", "1"),
+            ("--epochs", "1"),
+            ("--max-steps", "1"),
+            ("--log-every", "0"),
+            ("--timeout-s", "30"),
+        ],
+        trail: &[],
+        env: &[],
+        limit: Duration::from_secs(120),
+    };
+    let all = bin.check_all(&[
+        ("--nproc", U64_MAX),
+        ("--epochs", U64_MAX),
+        ("--batch-size", U64_MAX),
+        ("--lr", F64_MAX),
+        ("--momentum", F64_MAX),
+        ("--seed", U64_MAX),
+        ("--hidden", U64_MAX),
+        ("--max-steps", U64_MAX),
+        ("--timeout-s", U64_MAX),
+        ("--log-every", U64_MAX),
+    ]);
+    for (flag, value) in [
+        ("--hidden", "0"),
+        ("--hidden", U64_MAX),
+        ("--batch-size", "0"),
+        ("--nproc", "0"),
+        ("--nproc", U64_MAX),
+        ("--lr", "0"),
+        ("--lr", "-1"),
+        ("--momentum", "-1"),
+        ("--timeout-s", "0"),
+        ("--timeout-s", U64_MAX),
+    ] {
+        let o = outcome(&all, flag, value);
+        assert_eq!(o.code, Some(2), "{o:?}");
+        assert!(o.stderr.contains(flag), "{o:?}");
+    }
+    for (flag, value) in [
+        ("--hidden", "1"),
+        ("--epochs", U64_MAX),
+        ("--seed", U64_MAX),
+    ] {
+        let o = outcome(&all, flag, value);
+        assert_eq!(o.code, Some(0), "{o:?}");
+    }
+}

@@ -42,7 +42,7 @@ pub enum OptimizerKind {
 
 /// Data-parallel MLP training on the UCI digits (1797 8×8 images, fixed 80/20 split).
 #[derive(Debug, Clone, Parser)]
-#[command(name = "train-digits", version)]
+#[command(name = "train-digits", version, allow_negative_numbers = true)]
 pub struct Args {
     /// Number of local worker processes to spawn (ignored when RANK/WORLD_SIZE are set).
     #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, ddprun::cli::MAX_LOCAL_WORKERS as u64))]

@@ -175,6 +175,8 @@ fn a_signal_to_the_launcher_alone_stops_every_worker() {
 fn workers_die_with_a_sigkilled_launcher() {
     let l = Launcher::start(FOREVER);
     let workers = l.workers.clone();
+    // Past start-up (a worker whose first write hits the dead launcher's pipe dies anyway).
+    std::thread::sleep(Duration::from_secs(1));
     l.signal(libc::SIGKILL);
     let (status, _, _) = l.finish(Duration::from_secs(10));
     assert_eq!(status.code(), None);

@@ -25,7 +25,7 @@ pub fn raise_nofile_limit() -> Option<u64> {
         }
         lim = raised;
     }
-    Some(lim.rlim_cur as u64)
+    Some(lim.rlim_cur)
 }
 
 #[cfg(test)]
@@ -40,6 +40,6 @@ mod tests {
         // SAFETY: as above.
         assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
         assert_eq!(lim.rlim_cur, lim.rlim_max);
-        assert_eq!(soft, lim.rlim_cur as u64);
+        assert_eq!(soft, lim.rlim_cur);
     }
 }

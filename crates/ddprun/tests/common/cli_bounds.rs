@@ -71,7 +71,7 @@ impl Binary<'_> {
                 break s;
             }
             if Instant::now() >= deadline {
-                // SAFETY: the launcher's group and itself, started by this test.
+                // SAFETY: plain kill(2) of the process this test started (a launcher forwards it).
                 unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
                 let _ = child.wait();
                 panic!(

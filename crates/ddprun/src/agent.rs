@@ -5,7 +5,6 @@
 
 use crate::cli::{available_cores, Config};
 use crate::guard::{self, Guard};
-use crate::limits;
 use crate::output::{rank_log_dir, Sink, Tail};
 use crate::process::{self, ExitEvent, Worker};
 use crate::rendezvous::{RemoteFailure, Rendezvous, Round, Stop};
@@ -65,7 +64,9 @@ pub fn run(cfg: &Config) -> i32 {
         .map_err(|e| eprintln!("ddprun: warning: cannot start the orphan guard ({e}); processes started by workers may outlive a SIGKILLed launcher"))
         .ok();
     signals::install();
-    limits::raise_nofile_limit();
+    // Here rather than in `main` so that programs using `ddprun::spawn` get it too: the store
+    // and a pipe per worker stream need descriptors, and workers inherit the raised limit.
+    ddp_comm::store::raise_fd_limit();
     // Children this process already had (a program calling `spawn`) are never swept.
     let mut keep = guard::children();
     if !guard::become_subreaper() {

@@ -129,58 +129,63 @@ impl Drop for Guard {
 /// # Safety
 /// Only in the child right after `fork`: uses async-signal-safe calls only and never returns.
 unsafe fn guard_main(fd: i32) -> ! {
-    // Hold nothing of the launcher's: its stdout/stderr pipes, sockets, files.
-    let fd_u = fd as libc::c_uint;
-    let below = fd == 0 || libc::syscall(libc::SYS_close_range, 0, fd_u - 1, 0) == 0;
-    let above = libc::syscall(libc::SYS_close_range, fd_u + 1, libc::c_uint::MAX, 0) == 0;
-    if !(below && above) {
-        for other in 0..4096 {
-            if other != fd {
-                libc::close(other);
-            }
-        }
-    }
-    // Out of the launcher's process group: a Ctrl-C or a group signal meant for the launcher
-    // must not remove the guard before the launcher has cleaned up.
-    libc::setpgid(0, 0);
-    for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP, libc::SIGPIPE] {
-        libc::signal(sig, libc::SIG_IGN);
-    }
-    libc::signal(libc::SIGTERM, libc::SIG_DFL);
-    let mut groups = [0i32; MAX_GROUPS];
-    let mut buf = [0u8; 4];
-    let mut have = 0usize;
-    loop {
-        let n = libc::read(fd, buf.as_mut_ptr().add(have).cast(), 4 - have);
-        if n < 0 && *libc::__errno_location() == libc::EINTR {
-            continue;
-        }
-        if n <= 0 {
-            break;
-        }
-        have += n as usize;
-        if have < 4 {
-            continue;
-        }
-        have = 0;
-        match i32::from_ne_bytes(buf) {
-            0 => libc::_exit(0),
-            v if v > 0 => {
-                if let Some(slot) = groups.iter_mut().find(|g| **g == 0) {
-                    *slot = v;
-                }
-            }
-            v => {
-                for g in groups.iter_mut().filter(|g| **g == -v) {
-                    *g = 0;
+    // SAFETY: the caller guarantees we are the forked child; everything below is an
+    // async-signal-safe libc call (close_range/close, setpgid, signal, read, kill, _exit) or
+    // plain arithmetic on stack arrays, with pointers into live stack buffers.
+    unsafe {
+        // Hold nothing of the launcher's: its stdout/stderr pipes, sockets, files.
+        let fd_u = fd as libc::c_uint;
+        let below = fd == 0 || libc::syscall(libc::SYS_close_range, 0, fd_u - 1, 0) == 0;
+        let above = libc::syscall(libc::SYS_close_range, fd_u + 1, libc::c_uint::MAX, 0) == 0;
+        if !(below && above) {
+            for other in 0..4096 {
+                if other != fd {
+                    libc::close(other);
                 }
             }
         }
+        // Out of the launcher's process group: a Ctrl-C or a group signal meant for the launcher
+        // must not remove the guard before the launcher has cleaned up.
+        libc::setpgid(0, 0);
+        for sig in [libc::SIGINT, libc::SIGQUIT, libc::SIGHUP, libc::SIGPIPE] {
+            libc::signal(sig, libc::SIG_IGN);
+        }
+        libc::signal(libc::SIGTERM, libc::SIG_DFL);
+        let mut groups = [0i32; MAX_GROUPS];
+        let mut buf = [0u8; 4];
+        let mut have = 0usize;
+        loop {
+            let n = libc::read(fd, buf.as_mut_ptr().add(have).cast(), 4 - have);
+            if n < 0 && *libc::__errno_location() == libc::EINTR {
+                continue;
+            }
+            if n <= 0 {
+                break;
+            }
+            have += n as usize;
+            if have < 4 {
+                continue;
+            }
+            have = 0;
+            match i32::from_ne_bytes(buf) {
+                0 => libc::_exit(0),
+                v if v > 0 => {
+                    if let Some(slot) = groups.iter_mut().find(|g| **g == 0) {
+                        *slot = v;
+                    }
+                }
+                v => {
+                    for g in groups.iter_mut().filter(|g| **g == -v) {
+                        *g = 0;
+                    }
+                }
+            }
+        }
+        for &g in groups.iter().filter(|&&g| g > 0) {
+            libc::kill(-g, libc::SIGKILL);
+        }
+        libc::_exit(0)
     }
-    for &g in groups.iter().filter(|&&g| g > 0) {
-        libc::kill(-g, libc::SIGKILL);
-    }
-    libc::_exit(0)
 }
 
 /// Make this process the child subreaper of its descendants (Linux 3.4+): orphans of workers are

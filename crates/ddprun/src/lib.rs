@@ -12,14 +12,13 @@
 //! - [`agent`]: the control loop tying them together (supervision, stopping, restarts).
 //! - [`guard`]: the orphan guard and child subreaper (workers' children die with them).
 //! - [`spawn`]: the same launcher started from inside a program (`torch.multiprocessing.spawn`).
-//! - [`limits`], [`validate`]: the open-files limit; flag value parsers shared by the binaries.
+//! - [`validate`]: flag value parsers shared by the binaries.
 
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 pub mod agent;
 pub mod cli;
 pub mod guard;
-pub mod limits;
 pub mod output;
 pub mod process;
 pub mod rendezvous;

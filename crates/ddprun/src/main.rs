@@ -7,9 +7,7 @@ fn main() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
-    // The launcher hosts the store on node 0 and holds a pipe per worker stream: raise the soft
-    // descriptor limit to the hard one so that many connections do not run it out (the store
-    // bounds its connections below this limit; see ddp_comm::store::StoreServer).
-    ddp_comm::store::raise_fd_limit();
+    // The soft descriptor limit is raised to the hard one in `agent::run` (shared with
+    // `ddprun::spawn`; see ddp_comm::store::raise_fd_limit).
     std::process::exit(ddprun::main_with_args(std::env::args()));
 }

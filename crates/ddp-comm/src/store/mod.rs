@@ -19,13 +19,15 @@
 //! descriptors. A client refused at the limit gets an error naming it. See `server`.
 //!
 //! - `server`: [`StoreServer`] and [`ServerOptions`], the listening side (hosted by rank 0 or by
-//!   `ddprun`): limits, accept loops and the greeter that watches silent connections.
+//!   `ddprun`) and its connection limits.
+//! - `accept`: the accept loops, and the greeter that watches connections that sent nothing.
 //! - `serve`: one connection's handshake and requests.
 //! - `client`: [`TcpStore`], the connecting side.
 //! - `auth`: the challenge-response proof of the secret.
 //! - `prefix`: [`PrefixStore`], a namespace over any store.
 //! - `protocol`: the wire format shared by both sides.
 
+mod accept;
 mod auth;
 mod client;
 mod prefix;

@@ -184,6 +184,10 @@ impl Optimizer for Sgd {
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         for s in &mut self.slots {
             let Some(g) = grads.get(&s.var) else { continue };
+            if s.var.elem_count() == 0 {
+                // Nothing to update; candle refuses in-place ops on zero-size tensors.
+                continue;
+            }
             let in_place = s.var.device().is_cpu()
                 && s.var.is_contiguous()
                 && matches!(s.var.dtype(), DType::F32 | DType::F64)

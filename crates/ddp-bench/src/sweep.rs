@@ -189,3 +189,34 @@ pub fn run(op: Op, args: &SweepArgs) -> Result<(), Box<dyn std::error::Error>> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every op on 3 real ranks: `count_wrong` is 0 on the collective's result and counts
+    /// exactly the elements corrupted afterwards (one value off by 1, one NaN).
+    #[test]
+    fn wrong_counts_corrupted_elements() {
+        ddp_comm::testing::run_ranks(3, |pg| {
+            for op in [
+                Op::AllReduce,
+                Op::AllGather,
+                Op::ReduceScatter,
+                Op::Broadcast,
+            ] {
+                let mut bufs = setup(op, &pg, 3 * 1000);
+                run_once(op, &pg, &mut bufs).unwrap();
+                assert_eq!(count_wrong(op, &pg, &bufs), 0, "{op:?}");
+                let out = match op {
+                    Op::AllReduce | Op::Broadcast => &mut bufs.a,
+                    Op::AllGather | Op::ReduceScatter => &mut bufs.b,
+                };
+                out[7] += 1.0;
+                let last = out.len() - 1;
+                out[last] = f32::NAN;
+                assert_eq!(count_wrong(op, &pg, &bufs), 2, "{op:?} corrupted");
+            }
+        });
+    }
+}

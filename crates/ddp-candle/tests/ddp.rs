@@ -3,122 +3,12 @@
 //! collective is bounded by the group timeout, so a bug shows up as an error, not a hang.
 
 use candle_core::{DType, Device, Module, Tensor, Var};
-use candle_nn::{Linear, Optimizer, VarMap, SGD};
+use candle_nn::{Optimizer, SGD};
 use ddp_candle::{Ddp, DdpOptions};
-use ddp_comm::ProcessGroup;
-use rand::{Rng, SeedableRng};
 
-const IN: usize = 12;
-const HID: usize = 24;
-const OUT: usize = 5;
+mod common;
 
-/// Runs `f(rank, pg)` on `world` threads, each with its own process group; results by rank.
-fn run_ranks<R: Send>(world: usize, f: impl Fn(usize, ProcessGroup) -> R + Sync) -> Vec<R> {
-    ddp_comm::testing::run_ranks(world, |pg| f(pg.rank(), pg))
-}
-
-struct Mlp {
-    l1: Linear,
-    l2: Linear,
-    l3: Linear,
-}
-
-impl Mlp {
-    fn stage1(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.l1.forward(x)?.relu()
-    }
-    fn stage2(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.l2.forward(x)?.tanh()
-    }
-    fn stage3(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.l3.forward(x)
-    }
-    fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
-        self.stage3(&self.stage2(&self.stage1(x)?)?)
-    }
-}
-
-/// A 3-layer MLP whose parameters are drawn from `seed`, registered in a new `VarMap`.
-fn model(seed: u64, hidden: usize) -> (VarMap, Mlp) {
-    let vm = VarMap::new();
-    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-    let mut lin = |name: &str, i: usize, o: usize| {
-        let mut var = |shape: &[usize]| {
-            let n: usize = shape.iter().product();
-            let d: Vec<f32> = (0..n).map(|_| rng.gen_range(-0.5..0.5)).collect();
-            Var::from_tensor(&Tensor::from_vec(d, shape, &Device::Cpu).unwrap()).unwrap()
-        };
-        let w = var(&[o, i]);
-        let b = var(&[o]);
-        let mut data = vm.data().lock().unwrap();
-        data.insert(format!("{name}.weight"), w.clone());
-        data.insert(format!("{name}.bias"), b.clone());
-        Linear::new(w.as_tensor().clone(), Some(b.as_tensor().clone()))
-    };
-    let l1 = lin("l1", IN, hidden);
-    let l2 = lin("l2", hidden, hidden);
-    let l3 = lin("l3", hidden, OUT);
-    (vm, Mlp { l1, l2, l3 })
-}
-
-/// `n` samples of a fixed synthetic classification task.
-fn dataset(n: usize) -> (Vec<f32>, Vec<u32>) {
-    let mut rng = rand::rngs::StdRng::seed_from_u64(99);
-    let x: Vec<f32> = (0..n * IN).map(|_| rng.gen_range(-1.0..1.0)).collect();
-    let y: Vec<u32> = (0..n).map(|_| rng.gen_range(0..OUT as u32)).collect();
-    (x, y)
-}
-
-fn batch(x: &[f32], y: &[u32], range: std::ops::Range<usize>) -> (Tensor, Tensor) {
-    let n = range.len();
-    let xs =
-        Tensor::from_slice(&x[range.start * IN..range.end * IN], (n, IN), &Device::Cpu).unwrap();
-    let ys = Tensor::from_slice(&y[range], n, &Device::Cpu).unwrap();
-    (xs, ys)
-}
-
-/// Parameters as `name -> values`, sorted by name.
-fn params(ddp: &Ddp) -> Vec<(String, Vec<f32>)> {
-    ddp.named_vars()
-        .iter()
-        .map(|(n, v)| {
-            (
-                n.clone(),
-                v.as_tensor().flatten_all().unwrap().to_vec1().unwrap(),
-            )
-        })
-        .collect()
-}
-
-fn grads_of(ddp: &Ddp, g: &candle_core::backprop::GradStore) -> Vec<Vec<f32>> {
-    ddp.named_vars()
-        .iter()
-        .map(|(_, v)| {
-            g.get(v.as_tensor())
-                .unwrap()
-                .flatten_all()
-                .unwrap()
-                .to_vec1()
-                .unwrap()
-        })
-        .collect()
-}
-
-fn rel_diff(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    let num: f64 = a.iter().zip(b).map(|(x, y)| ((x - y) as f64).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| (*y as f64).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
-}
-
-fn tiny_buckets() -> DdpOptions {
-    // ~1 KiB buckets: this model's gradients spread over several buckets, exercising pipelining.
-    DdpOptions {
-        bucket_cap_mb: 1.0 / 1024.0,
-        first_bucket_cap_mb: 0.5 / 1024.0,
-        ..Default::default()
-    }
-}
+use common::*;
 
 /// K SGD steps on `world` ranks × `per_rank` samples; returns rank 0's parameters after each step
 /// and asserts that all ranks hold bit-identical parameters after every step.
@@ -160,35 +50,34 @@ fn train_steps(
     per_rank_history.into_iter().next().unwrap()
 }
 
+/// DDP over 2 ranks x 8 samples against plain candle (no ddp-rs code) on the 16-sample batch.
 #[test]
-fn two_ranks_equal_one_rank_with_double_batch() {
+fn two_ranks_match_plain_candle_on_the_double_batch() {
     const STEPS: usize = 6;
+    let (x, y) = dataset(2 * 8 * STEPS);
+    let want = plain_reference(7, 0.1, STEPS, |k| batch(&x, &y, k * 16..(k + 1) * 16));
     for opts in [DdpOptions::default(), tiny_buckets()] {
-        let one = train_steps(1, 16, STEPS, opts);
         let two = train_steps(2, 8, STEPS, opts);
-        // Initial parameters are rank 0's (seed 7) in both runs.
+        // Initial parameters are rank 0's (seed 7), as in the reference.
         for step in 0..STEPS {
-            for ((name, a), (_, b)) in two[step].iter().zip(&one[step]) {
-                let d = rel_diff(a, b);
-                assert!(d <= 1e-5, "step {step} `{name}`: relative difference {d:e}");
-            }
+            assert_close(&two[step], &want[step], 1e-5, &format!("step {step}"));
         }
-        // And training did move the parameters.
-        let (_, m0) = model(7, HID);
-        let w0 = m0
-            .l1
-            .weight()
-            .flatten_all()
-            .unwrap()
-            .to_vec1::<f32>()
-            .unwrap();
-        let w = &one[STEPS - 1]
-            .iter()
-            .find(|(n, _)| n == "l1.weight")
-            .unwrap()
-            .1;
-        assert!(rel_diff(w, &w0) > 1e-4);
     }
+    // And training did move the parameters.
+    let (_, m0) = model(7, HID);
+    let w0 = m0
+        .l1
+        .weight()
+        .flatten_all()
+        .unwrap()
+        .to_vec1::<f32>()
+        .unwrap();
+    let w = &want[STEPS - 1]
+        .iter()
+        .find(|(n, _)| n == "l1.weight")
+        .unwrap()
+        .1;
+    assert!(rel_diff(w, &w0) > 1e-4);
 }
 
 #[test]
@@ -415,29 +304,18 @@ fn join_with_uneven_shards_ends_identical_and_matches_a_single_process() {
     });
     assert_eq!(finals[0], finals[1]);
 
-    // Reference: one process, the same averaged steps (both batches together, then rank 1's).
-    let reference = run_ranks(1, |_, pg| {
-        let (vm, m) = model(21, HID);
-        let mut ddp = Ddp::new(&vm, &pg, DdpOptions::default()).unwrap();
-        let mut opt = SGD::new(ddp.all_vars(), 0.1).unwrap();
-        for step in 0..7 {
-            let (xs, ys) = if step < 3 {
-                let (a, ay) = batch(&x, &y, step * B..(step + 1) * B);
-                let (b, by) = batch(&x, &y, (3 + step) * B..(4 + step) * B);
-                (
-                    Tensor::cat(&[a, b], 0).unwrap(),
-                    Tensor::cat(&[ay, by], 0).unwrap(),
-                )
-            } else {
-                batch(&x, &y, (3 + step) * B..(4 + step) * B)
-            };
-            let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
-            opt.step(&ddp.backward(&loss).unwrap()).unwrap();
+    // Reference: plain candle, the same averaged steps (both batches together, then rank 1's).
+    let reference = plain_reference(21, 0.1, 7, |step| {
+        if step < 3 {
+            let (a, ay) = batch(&x, &y, step * B..(step + 1) * B);
+            let (b, by) = batch(&x, &y, (3 + step) * B..(4 + step) * B);
+            (
+                Tensor::cat(&[a, b], 0).unwrap(),
+                Tensor::cat(&[ay, by], 0).unwrap(),
+            )
+        } else {
+            batch(&x, &y, (3 + step) * B..(4 + step) * B)
         }
-        params(&ddp)
     });
-    for ((name, a), (_, b)) in finals[0].iter().zip(&reference[0]) {
-        let d = rel_diff(a, b);
-        assert!(d <= 1e-5, "`{name}`: relative difference {d:e}");
-    }
+    assert_close(&finals[0], &reference[6], 1e-5, "join");
 }

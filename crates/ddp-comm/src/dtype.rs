@@ -2,7 +2,12 @@
 //!
 //! Reductions are written as plain slice loops over `chunks_exact` so that the compiler
 //! vectorises them; `f16`/`bf16` are reduced with `f32` accumulation (the process group widens
-//! them to `f32` before a reducing collective and narrows the result once at the end).
+//! them to `f32` before a reducing collective and narrows the result once at the end; the
+//! shared-memory paths widen piece by piece). The `f32` partials are combined in the order of
+//! the algorithm that runs (ring, hypercube, binomial tree, or rank order in shared memory), so
+//! the result is the `f32` reduction in that order rounded once: exactly the sum rounded once
+//! whenever the `f32` sum is exact, and bit-identical on every rank in any case
+//! (`tests/half_accumulation.rs`).
 
 use half::{bf16, f16};
 use std::fmt;

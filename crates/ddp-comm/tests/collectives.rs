@@ -8,8 +8,12 @@
 
 mod common;
 
-use common::{check_every_collective, run_ranks, run_ranks_on_hosts, run_ranks_with};
+use common::{
+    assert_bit_identical, check_all, check_every_collective, run_ranks, run_ranks_on_hosts,
+    run_ranks_with, sizes,
+};
 use ddp_comm::{ProcessGroup, ReduceOp};
+use half::{bf16, f16};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::time::Duration;
@@ -71,47 +75,74 @@ fn hierarchical_1_plus_2_matches_reference() {
     check_hosts(&[0, 1, 1]);
 }
 
-#[test]
-fn forced_algorithms_agree_and_results_are_bit_identical_across_ranks() {
-    use ddp_comm::algorithms::AllReduceAlgorithm;
-    for algo in [
-        AllReduceAlgorithm::Ring,
-        AllReduceAlgorithm::RecursiveDoubling,
-    ] {
-        for world in [2, 3, 4] {
-            let out = run_ranks_with(world, Duration::from_secs(30), Some(algo), move |pg| {
-                let mut rng = StdRng::seed_from_u64(pg.rank() as u64);
-                let mut v: Vec<f32> = (0..100_003).map(|_| rng.gen::<f32>() * 1e3).collect();
-                pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
-                v
-            });
-            for r in 1..world {
-                assert!(
-                    out[r]
-                        .iter()
-                        .zip(&out[0])
-                        .all(|(a, b)| a.to_bits() == b.to_bits()),
-                    "rank {r} differs"
-                );
-            }
-        }
+/// The reference checker on every collective, op and dtype (sizes 0, 1 and 7 included: fewer
+/// elements than ranks; the 4 MiB case is left to the unforced tests, for time) with the
+/// all-reduce algorithm forced, then random floats whose sums must be bit-identical across ranks.
+fn check_forced(algo: ddp_comm::algorithms::AllReduceAlgorithm) {
+    for world in [2, 3, 5] {
+        let out = run_ranks_with(world, Duration::from_secs(120), Some(algo), move |pg| {
+            let seed = 40 + pg.size() as u64;
+            check_all::<f32>(&pg, seed, &sizes(seed, false));
+            check_all::<f64>(&pg, seed + 1, &sizes(seed + 1, false));
+            check_all::<f16>(&pg, seed + 2, &sizes(seed + 2, false));
+            check_all::<bf16>(&pg, seed + 3, &sizes(seed + 3, false));
+            check_all::<i32>(&pg, seed + 4, &sizes(seed + 4, false));
+            check_all::<i64>(&pg, seed + 5, &sizes(seed + 5, false));
+            check_all::<u8>(&pg, seed + 6, &sizes(seed + 6, false));
+            let mut rng = StdRng::seed_from_u64(pg.rank() as u64);
+            let mut v: Vec<f32> = (0..100_003).map(|_| rng.gen::<f32>() * 1e3).collect();
+            pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
+            vec![v.iter().map(|x| x.to_bits() as u64).collect()]
+        });
+        assert_bit_identical(&out, &format!("{algo:?} world {world}"));
     }
 }
 
 #[test]
+fn forced_ring_matches_reference_and_is_bit_identical_across_ranks() {
+    check_forced(ddp_comm::algorithms::AllReduceAlgorithm::Ring);
+}
+
+#[test]
+fn forced_recursive_doubling_matches_reference_and_is_bit_identical_across_ranks() {
+    check_forced(ddp_comm::algorithms::AllReduceAlgorithm::RecursiveDoubling);
+}
+
+/// Async collectives of decreasing size (a reordering engine would finish the small later ones
+/// first), mixed kinds: at every moment the completed works form a prefix of the issue order.
+#[test]
 fn async_collectives_complete_in_issue_order() {
     run_ranks(3, Duration::from_secs(30), |pg| {
+        let n = |i: usize| 4000 * (20 - i);
         let works: Vec<_> = (0..20)
-            .map(|i| {
-                pg.all_reduce_async(vec![(pg.rank() + i) as i64; 1000 * (i + 1)], ReduceOp::Sum)
+            .map(|i| match i % 3 {
+                0 => pg.all_reduce_async(vec![(pg.rank() + i) as i64; n(i)], ReduceOp::Sum),
+                1 => pg.broadcast_async(vec![(pg.rank() + i) as i64; n(i)], i % 3),
+                _ => pg.all_gather_async(vec![(pg.rank() + i) as i64; n(i) / 3]),
             })
             .collect();
-        let mut last_done = true;
+        loop {
+            let done: Vec<bool> = works.iter().map(|w| w.is_completed()).collect();
+            let prefix = done.iter().take_while(|&&d| d).count();
+            assert!(
+                done[prefix..].iter().all(|&d| !d),
+                "completed out of issue order: {done:?}"
+            );
+            if prefix == works.len() {
+                break;
+            }
+            std::thread::yield_now();
+        }
         for (i, w) in works.into_iter().enumerate() {
             let v = w.wait().unwrap();
-            assert!(last_done);
-            assert!(v.iter().all(|&x| x == (3 * i + 3) as i64));
-            last_done = true;
+            let want = match i % 3 {
+                0 => vec![(3 * i + 3) as i64; n(i)],
+                1 => vec![(1 + i) as i64; n(i)],
+                _ => (0..3)
+                    .flat_map(|r| vec![(r + i) as i64; n(i) / 3])
+                    .collect(),
+            };
+            assert_eq!(v, want, "work {i}");
         }
     });
 }

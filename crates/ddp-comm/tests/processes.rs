@@ -65,6 +65,46 @@ fn worker() {
             common::check_all::<i32>(&pg, seed + 6, &common::sizes(seed + 6, false));
             println!("OK");
         }
+        "loop" if std::env::var("DDP_TEST_PENDING").is_ok() => {
+            // Keep 8 async all-reduces in flight: when one fails, every one still pending must
+            // fail too, and every error must name a peer rank and a sequence number (`#N`).
+            let names_seq = |e: &str| {
+                e.contains("rank ")
+                    && e.split('#')
+                        .skip(1)
+                        .any(|t| t.starts_with(|c: char| c.is_ascii_digit()))
+            };
+            let mut pending = std::collections::VecDeque::new();
+            let mut i = 0u64;
+            loop {
+                pending.push_back(pg.all_reduce_async(vec![1.0f32; 1 << 18], ReduceOp::Avg));
+                if pending.len() < 8 {
+                    continue;
+                }
+                match pending.pop_front().unwrap().wait() {
+                    Ok(_) if i == 0 => println!("READY"),
+                    Ok(_) => {}
+                    Err(e) => {
+                        let mut bad = usize::from(!names_seq(&e.to_string()));
+                        for w in pending {
+                            match w.wait() {
+                                Ok(_) => bad += 1,
+                                Err(p) => {
+                                    println!("PENDING: {p}");
+                                    bad += usize::from(!names_seq(&p.to_string()));
+                                }
+                            }
+                        }
+                        if bad > 0 {
+                            println!("{bad} collectives succeeded or lack peer/sequence after {e}");
+                            std::process::exit(4)
+                        }
+                        fail(e)
+                    }
+                }
+                i += 1;
+            }
+        }
         "loop" => {
             let mut buf = vec![1.0f32; 1 << 20];
             let mut i = 0u64;
@@ -128,6 +168,13 @@ fn processes_match_reference_world_2_and_3() {
 #[test]
 fn killed_peer_is_named_by_every_survivor() {
     kill_one_mid_loop("tcp", 3, 1, &[]);
+}
+
+/// The README: a dead peer makes every survivor's *pending* collectives fail too, each error
+/// naming a peer rank and a sequence number (checked by the worker, which exits 4 otherwise).
+#[test]
+fn killed_peer_fails_every_pending_collective_naming_rank_and_sequence() {
+    kill_one_mid_loop("tcp", 3, 2, &[("DDP_TEST_PENDING", "1".to_string())]);
 }
 
 /// Hosts {0, 1} and {2, 3}: shared memory inside each, TCP between. Killing a host's leader

@@ -82,7 +82,10 @@ fn have(program: &str) -> bool {
 #[test]
 fn allreduce_under_mpirun() {
     if !have("mpirun") {
-        eprintln!("SKIPPED allreduce_under_mpirun: `mpirun` not found (install openmpi-bin)");
+        skip(
+            "allreduce_under_mpirun",
+            "`mpirun` not found (install openmpi-bin)",
+        );
         return;
     }
     let port = free_port().to_string();
@@ -219,12 +222,13 @@ impl Drop for TwoHosts {
 fn two_hosts_in_network_namespaces() {
     // SAFETY: plain syscall.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIPPED two_hosts_in_network_namespaces: needs root (ip netns)");
+        skip("two_hosts_in_network_namespaces", "needs root (ip netns)");
         return;
     }
     if !have("ip") || !have("unshare") {
-        eprintln!(
-            "SKIPPED two_hosts_in_network_namespaces: `ip` or `unshare` not found (install iproute2, util-linux)"
+        skip(
+            "two_hosts_in_network_namespaces",
+            "`ip` or `unshare` not found (install iproute2, util-linux)",
         );
         return;
     }
@@ -370,7 +374,8 @@ fn two_hosts_in_network_namespaces() {
     // next to ddprun when the workspace is built (as `cargo nextest run --workspace` does).
     let digits = std::path::Path::new(DDPRUN).with_file_name("train-digits");
     if !digits.exists() {
-        eprintln!("SKIPPED train-digits part: {} not built", digits.display());
+        let why = format!("{} not built", digits.display());
+        skip("two_hosts_in_network_namespaces (train-digits part)", &why);
         return;
     }
     let digits = digits.to_str().unwrap();

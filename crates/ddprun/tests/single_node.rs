@@ -454,7 +454,10 @@ fn stale_shared_memory_segments_are_swept_when_workers_exit() {
     dead.wait().unwrap();
     let path = std::path::PathBuf::from(format!("/dev/shm/ddp-rs-{pid}-00000000deadbeef"));
     if std::fs::write(&path, b"x").is_err() {
-        eprintln!("SKIPPED: /dev/shm is not writable here");
+        skip(
+            "stale_shared_memory_segments_are_swept_when_workers_exit",
+            "/dev/shm is not writable here",
+        );
         return;
     }
     let r = run(

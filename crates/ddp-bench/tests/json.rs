@@ -1,0 +1,90 @@
+//! `ddp-bench --json` output carries every documented key (README, `bench/peers/README.md`):
+//! sweeps `bytes time_us algbw_gbs busbw_gbs wrong` per size, `train` a last line with
+//! `world_size samples_per_s step_ms comm_wait_ms`.
+
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+const BENCH: &str = env!("CARGO_BIN_EXE_ddp-bench");
+
+/// Run `ddp-bench args`, at most 120 s; its stdout lines that are JSON objects.
+fn json_lines(args: &[&str]) -> Vec<serde_json::Map<String, serde_json::Value>> {
+    let mut child = Command::new(BENCH)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > deadline {
+            child.kill().ok();
+            panic!("ddp-bench {args:?} still running after 120 s");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "ddp-bench {args:?}: {:?}", out.status);
+    String::from_utf8(out.stdout)
+        .unwrap()
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| match serde_json::from_str(l).unwrap() {
+            serde_json::Value::Object(m) => m,
+            other => panic!("not an object: {other}"),
+        })
+        .collect()
+}
+
+fn assert_keys(row: &serde_json::Map<String, serde_json::Value>, keys: &[&str]) {
+    for k in keys {
+        assert!(
+            row.get(*k).is_some_and(|v| v.is_number()),
+            "missing or non-numeric {k:?} in {row:?}"
+        );
+    }
+}
+
+#[test]
+fn sweeps_print_one_json_object_per_size_with_every_key() {
+    for op in ["allreduce", "all_gather", "reduce_scatter", "broadcast"] {
+        let args = [
+            op,
+            "--nproc",
+            "2",
+            "--min-bytes",
+            "1K",
+            "--max-bytes",
+            "16K",
+            "--iters",
+            "3",
+            "--warmup",
+            "1",
+            "--json",
+        ];
+        let rows = json_lines(&args);
+        let sizes: Vec<u64> = rows.iter().map(|r| r["bytes"].as_u64().unwrap()).collect();
+        assert_eq!(sizes, [1024, 4096, 16384], "{op}");
+        for row in &rows {
+            assert_keys(
+                row,
+                &["bytes", "time_us", "algbw_gbs", "busbw_gbs", "wrong"],
+            );
+            assert_eq!(row["wrong"], 0, "{op}: {row:?}");
+        }
+    }
+}
+
+#[test]
+fn train_prints_a_json_line_with_every_key() {
+    let args = [
+        "train", "--nproc", "1", "--hidden", "16", "--layers", "1", "--batch", "4", "--steps", "2",
+        "--warmup", "0", "--json",
+    ];
+    let rows = json_lines(&args);
+    let last = rows.last().expect("a JSON line");
+    assert_keys(
+        last,
+        &["world_size", "samples_per_s", "step_ms", "comm_wait_ms"],
+    );
+    assert_eq!(last["world_size"], 1);
+}

@@ -57,10 +57,13 @@ pub mod alloc;
 pub mod checkpoint;
 mod data_parallel;
 pub mod optim;
+pub mod params;
+pub mod prelude;
 pub mod staged;
 pub mod tensors;
 
 pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutput};
+pub use params::CandleParams;
 pub use ddp_comm::ProcessGroup;
 
 /// Short alias of [`DistributedDataParallel`].

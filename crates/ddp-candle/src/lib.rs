@@ -63,8 +63,8 @@ pub mod staged;
 pub mod tensors;
 
 pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutput};
-pub use params::CandleParams;
 pub use ddp_comm::ProcessGroup;
+pub use params::CandleParams;
 
 /// Short alias of [`DistributedDataParallel`].
 pub type Ddp = DistributedDataParallel;

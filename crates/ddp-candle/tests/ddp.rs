@@ -472,7 +472,10 @@ fn a_registered_comm_hook_sums_instead_of_averaging() {
             .grads;
         for got in [grads_of(&ddp, &plain), grads_of(&ddp, &staged)] {
             for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                assert!(rel_diff(g, w) < 1e-6, "rank {rank} parameter {i}: {g:?} vs {w:?}");
+                assert!(
+                    rel_diff(g, w) < 1e-6,
+                    "rank {rank} parameter {i}: {g:?} vs {w:?}"
+                );
             }
         }
     });
@@ -511,6 +514,9 @@ fn check_finite_names_the_step_rank_and_parameter_on_every_rank() {
         out
     });
     for e in &errors {
-        assert_eq!(e, &vec![None, Some((1, Some(1), "l2.bias".to_string())), None]);
+        assert_eq!(
+            e,
+            &vec![None, Some((1, Some(1), "l2.bias".to_string())), None]
+        );
     }
 }

@@ -274,7 +274,16 @@ fn killing_a_worker_fails_the_others_naming_it_then_resume_completes() {
 
 #[test]
 fn non_finite_gradients_stop_the_run_naming_step_rank_and_parameter() {
-    let args = ["--nproc", "2", "--lr", "1e30", "--epochs", "1", "--log-every", "0"];
+    let args = [
+        "--nproc",
+        "2",
+        "--lr",
+        "1e30",
+        "--epochs",
+        "1",
+        "--log-every",
+        "0",
+    ];
     let f = wait_bounded(launch(&args), DEADLINE, "train-digits --lr 1e30");
     assert!(
         !f.success,

@@ -262,7 +262,9 @@ fn a_registered_comm_hook_reduces_every_bucket() {
     run_ranks(W, T, |rank, pg| {
         let mut red = Reducer::new(&pg, mixed_specs(), small()).unwrap();
         let buckets = red.buckets();
-        let seen: Arc<Mutex<Vec<(usize, bool, Vec<usize>)>>> = Arc::default();
+        // (bucket index, is_last, parameters) of every hook call.
+        type Calls = Vec<(usize, bool, Vec<usize>)>;
+        let seen: Arc<Mutex<Calls>> = Arc::default();
         let log = seen.clone();
         // Sum instead of average: PyTorch's `register_comm_hook(state, hook)` with a custom hook.
         red.register_comm_hook(move |pg: &ProcessGroup, bucket: GradBucket| {

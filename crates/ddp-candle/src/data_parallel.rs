@@ -1,13 +1,15 @@
 //! [`DistributedDataParallel`]: the candle-facing wrapper around `ddp::reducer::Reducer`.
 
+use crate::params::CandleParams;
 use crate::staged::staged_forward_backward;
-use crate::tensors::{self, mark_grad, param_specs, reduced_grad};
+use crate::tensors;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
+use ddp::adapter::{self, ParamAccess};
 use ddp::join::{Join, JoinStep};
-use ddp::reducer::{Reducer, ReducerOptions, StepStats, TotalStats};
+use ddp::reducer::{CommHook, Reducer, ReducerOptions, StepStats, TotalStats};
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
@@ -21,6 +23,10 @@ pub struct DdpOptions {
     pub first_bucket_cap_mb: f64,
     /// Copy rank 0's parameter values to every rank at construction (default true).
     pub init_sync: bool,
+    /// Fail a step whose averaged gradients are NaN or infinite with `ddp::Error::NonFinite`,
+    /// naming the step, the rank and the parameter (default false; see
+    /// `Reducer::set_check_finite`). Must be the same on every rank.
+    pub check_finite: bool,
 }
 
 impl Default for DdpOptions {
@@ -30,6 +36,7 @@ impl Default for DdpOptions {
             bucket_cap_mb: r.bucket_cap_mb,
             first_bucket_cap_mb: r.first_bucket_cap_mb,
             init_sync: true,
+            check_finite: false,
         }
     }
 }
@@ -50,21 +57,14 @@ pub struct StagedOutput {
 pub struct DistributedDataParallel {
     pg: ProcessGroup,
     /// Sorted by name: the registration order, the same on every rank.
-    vars: Vec<(String, Var)>,
+    params: CandleParams,
     reducer: Reducer,
 }
 
 impl DistributedDataParallel {
     /// Wraps every variable of `varmap`. A collective: every rank must call it.
     pub fn new(varmap: &VarMap, pg: &ProcessGroup, opts: DdpOptions) -> Result<Self> {
-        let vars: Vec<(String, Var)> = varmap
-            .data()
-            .lock()
-            .map_err(|_| Error::Unsupported("the VarMap's lock is poisoned".into()))?
-            .iter()
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect();
-        Self::from_named_vars(vars, pg, opts)
+        Self::from_params(CandleParams::from_varmap(varmap)?, pg, opts)
     }
 
     /// Wraps the given named variables (names must be unique and the same on every rank). Checks
@@ -76,11 +76,12 @@ impl DistributedDataParallel {
         pg: &ProcessGroup,
         opts: DdpOptions,
     ) -> Result<Self> {
-        let mut vars: Vec<(String, Var)> = vars.into_iter().collect();
-        // VarMap iteration order differs per process: sort by name for a common order.
-        vars.sort_by(|a, b| a.0.cmp(&b.0));
-        let specs = param_specs(&vars)?;
-        let reducer = Reducer::new(
+        Self::from_params(CandleParams::new(vars), pg, opts)
+    }
+
+    fn from_params(params: CandleParams, pg: &ProcessGroup, opts: DdpOptions) -> Result<Self> {
+        let specs = adapter::param_specs(&params)?;
+        let mut reducer = Reducer::new(
             pg,
             specs,
             ReducerOptions {
@@ -88,9 +89,10 @@ impl DistributedDataParallel {
                 first_bucket_cap_mb: opts.first_bucket_cap_mb,
             },
         )?;
+        reducer.set_check_finite(opts.check_finite);
         let ddp = DistributedDataParallel {
             pg: pg.clone(),
-            vars,
+            params,
             reducer,
         };
         if opts.init_sync {
@@ -101,18 +103,22 @@ impl DistributedDataParallel {
 
     /// Copies the parameter values of rank `root` to every rank (a collective).
     pub fn broadcast_parameters(&self, root: usize) -> Result<()> {
-        let vars: Vec<&Var> = self.vars.iter().map(|(_, v)| v).collect();
-        tensors::broadcast_vars(&self.pg, &vars, root)
+        adapter::broadcast_params(&self.params, &self.pg, root)
     }
 
     /// The wrapped variables, sorted by name.
     pub fn named_vars(&self) -> &[(String, Var)] {
-        &self.vars
+        self.params.vars()
+    }
+
+    /// The wrapped variables as `ddp`'s adapter contract sees them.
+    pub fn params(&self) -> &CandleParams {
+        &self.params
     }
 
     /// The wrapped variables, sorted by name (e.g. for `candle_nn::SGD::new`).
     pub fn all_vars(&self) -> Vec<Var> {
-        self.vars.iter().map(|(_, v)| v.clone()).collect()
+        self.params.vars().iter().map(|(_, v)| v.clone()).collect()
     }
 
     pub fn process_group(&self) -> &ProcessGroup {
@@ -135,6 +141,13 @@ impl DistributedDataParallel {
     /// The underlying reducer, e.g. for Join's `finish_with_divisor`.
     pub fn reducer_mut(&mut self) -> &mut Reducer {
         &mut self.reducer
+    }
+
+    /// PyTorch's `register_comm_hook`: gradient buckets are reduced by `hook` instead of the
+    /// default all-reduce average (see `ddp::reducer::CommHook` for the contract). Every rank
+    /// must register an equivalent hook, once, between steps.
+    pub fn register_comm_hook(&mut self, hook: impl CommHook + 'static) -> Result<()> {
+        Ok(self.reducer.register_comm_hook(hook)?)
     }
 
     /// PyTorch's `require_backward_grad_sync`; prefer [`no_sync`](Self::no_sync).
@@ -167,12 +180,14 @@ impl DistributedDataParallel {
         self.reducer.prepare_for_backward()?;
         let grads = loss.backward()?;
         let mut local = GradStore::default();
-        for (i, (_, var)) in self.vars.iter().enumerate().rev() {
-            if let Some(g) = grads.get(var.as_tensor()) {
-                mark_grad(&mut self.reducer, i, g)?;
-                local.insert(var.as_tensor(), g.clone());
+        let vars = self.params.vars();
+        adapter::mark_grads(&self.params, &mut self.reducer, &grads, |i| {
+            let t = vars[i].1.as_tensor();
+            if let Some(g) = grads.get(t) {
+                local.insert(t, g.clone());
             }
-        }
+            Ok(())
+        })?;
         Ok(local)
     }
 
@@ -235,25 +250,25 @@ impl DistributedDataParallel {
     {
         self.reducer.prepare_for_backward()?;
         let mut local = GradStore::default();
-        let mut marked = vec![false; self.vars.len()];
-        let vars = &self.vars;
+        let mut marked = vec![false; self.params.param_count()];
+        let params = &self.params;
         let reducer = &mut self.reducer;
         let (loss, output) = staged_forward_backward(stages, input, loss_fn, |stage, grads| {
-            for (i, (name, var)) in vars.iter().enumerate().rev() {
+            adapter::mark_grads(params, reducer, grads, |i| {
+                let (name, var) = &params.vars()[i];
+                if marked[i] {
+                    return Err(Error::Unsupported(format!(
+                        "parameter `{name}` is used by stage {stage} and a later stage; the \
+                         staged backward needs every parameter in a single stage (use \
+                         backward() for shared parameters)"
+                    )));
+                }
+                marked[i] = true;
                 if let Some(g) = grads.get(var.as_tensor()) {
-                    if marked[i] {
-                        return Err(Error::Unsupported(format!(
-                            "parameter `{name}` is used by stage {stage} and a later stage; the \
-                             staged backward needs every parameter in a single stage (use \
-                             backward() for shared parameters)"
-                        )));
-                    }
-                    marked[i] = true;
-                    mark_grad(reducer, i, g)?;
                     local.insert(var.as_tensor(), g.clone());
                 }
-            }
-            Ok(())
+                Ok(())
+            })
         })?;
         let grads = self.finish(local)?;
         Ok(StagedOutput {
@@ -273,11 +288,7 @@ impl DistributedDataParallel {
         if !stats.synced {
             return Ok(local);
         }
-        let mut out = GradStore::default();
-        for (i, (_, var)) in self.vars.iter().enumerate() {
-            out.insert(var.as_tensor(), reduced_grad(&self.reducer, i, var)?);
-        }
-        Ok(out)
+        adapter::averaged_grads(&self.params, &self.reducer)
     }
 
     /// Timing of the last backward (communication wait vs backward+communication).
@@ -293,7 +304,7 @@ impl DistributedDataParallel {
     /// Checks across ranks that every replica holds bit-identical parameters (a collective; the
     /// same report on every rank). `report.describe(&names)` names the differing parameters.
     pub fn verify_replicas(&self) -> Result<ReplicaReport> {
-        let vars: Vec<&Var> = self.vars.iter().map(|(_, v)| v).collect();
+        let vars: Vec<&Var> = self.params.vars().iter().map(|(_, v)| v).collect();
         tensors::verify_replicas(&self.pg, &vars)
     }
 
@@ -305,12 +316,12 @@ impl DistributedDataParallel {
 
     /// The parameter names, in registration order (for [`ReplicaReport::describe`]).
     pub fn param_names(&self) -> Vec<&str> {
-        self.vars.iter().map(|(n, _)| n.as_str()).collect()
+        self.params.vars().iter().map(|(n, _)| n.as_str()).collect()
     }
 
     /// `(sum, l2 norm)` of all parameters, in `f64`.
     pub fn param_sum_l2(&self) -> Result<(f64, f64)> {
-        let vars: Vec<&Var> = self.vars.iter().map(|(_, v)| v).collect();
+        let vars: Vec<&Var> = self.params.vars().iter().map(|(_, v)| v).collect();
         tensors::param_sum_l2(&vars)
     }
 }

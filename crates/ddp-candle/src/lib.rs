@@ -57,11 +57,14 @@ pub mod alloc;
 pub mod checkpoint;
 mod data_parallel;
 pub mod optim;
+pub mod params;
+pub mod prelude;
 pub mod staged;
 pub mod tensors;
 
 pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutput};
 pub use ddp_comm::ProcessGroup;
+pub use params::CandleParams;
 
 /// Short alias of [`DistributedDataParallel`].
 pub type Ddp = DistributedDataParallel;

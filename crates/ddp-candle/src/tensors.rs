@@ -1,16 +1,16 @@
-//! Conversions between candle tensors and the flat buffers of `ddp`/`ddp-comm`: parameter specs,
-//! handing a gradient tensor to the reducer without an extra copy, rebuilding averaged gradient
-//! tensors, broadcasting parameter values from one rank, and whole-model statistics
-//! (cross-rank replica difference, sum, L2 norm).
+//! Conversions between candle tensors and the flat buffers of `ddp`/`ddp-comm`: a tensor as a flat
+//! host slice without an extra copy ([`with_host_slice`]), a tensor from flat values
+//! ([`tensor_from_host`]), and whole-model statistics (cross-rank replica difference, sum, L2
+//! norm). The adapter contract built on them is in module [`params`](crate::params).
 //!
 //! Supported parameter dtypes: `f32`, `f64`, `f16`, `bf16` (what both candle and the collectives
 //! carry).
 
 use crate::{Error, Result};
-use candle_core::{DType, Storage, Tensor, Var, WithDType};
-use ddp::reducer::{broadcast_coalesced, ParamSpec, Reducer};
+use candle_core::{DType, Device, Shape, Storage, Tensor, Var, WithDType};
+use ddp::reducer::HostSlice;
 use ddp::verify::ReplicaReport;
-use ddp_comm::{Element, ProcessGroup};
+use ddp_comm::ProcessGroup;
 use half::{bf16, f16};
 
 /// The collective dtype of a candle dtype (error for dtypes that carry no gradient).
@@ -28,20 +28,6 @@ pub fn comm_dtype(dtype: DType) -> Result<ddp_comm::DType> {
     })
 }
 
-/// The [`ParamSpec`]s of named variables, in the given order.
-pub fn param_specs(vars: &[(String, Var)]) -> Result<Vec<ParamSpec>> {
-    vars.iter()
-        .map(|(name, v)| {
-            Ok(ParamSpec::new(
-                name.clone(),
-                v.dims().to_vec(),
-                comm_dtype(v.dtype())
-                    .map_err(|e| Error::Unsupported(format!("parameter `{name}`: {e}")))?,
-            ))
-        })
-        .collect()
-}
-
 /// Runs `f` on the elements of `t` in row-major order: borrowed straight from a contiguous CPU
 /// tensor, copied otherwise.
 pub fn with_flat<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Result<R> {
@@ -56,66 +42,34 @@ pub fn with_flat<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Resu
     Ok(f(&v))
 }
 
-/// Hands `grad` (the gradient of parameter `index`) to the reducer.
-pub fn mark_grad(reducer: &mut Reducer, index: usize, grad: &Tensor) -> Result<()> {
-    fn go<T: WithDType + Element>(r: &mut Reducer, i: usize, g: &Tensor) -> Result<()> {
-        with_flat::<T, _>(g, |s| r.mark_ready(i, s))?.map_err(Error::from)
-    }
-    match grad.dtype() {
-        DType::F32 => go::<f32>(reducer, index, grad),
-        DType::F64 => go::<f64>(reducer, index, grad),
-        DType::F16 => go::<f16>(reducer, index, grad),
-        DType::BF16 => go::<bf16>(reducer, index, grad),
+/// Runs `f` on the elements of `t` in row-major order as a [`HostSlice`] (borrowed from a
+/// contiguous CPU tensor, copied otherwise).
+pub fn with_host_slice<R>(t: &Tensor, f: impl FnOnce(HostSlice<'_>) -> R) -> Result<R> {
+    match t.dtype() {
+        DType::F32 => with_flat::<f32, _>(t, |s| f(HostSlice::of(s))),
+        DType::F64 => with_flat::<f64, _>(t, |s| f(HostSlice::of(s))),
+        DType::F16 => with_flat::<f16, _>(t, |s| f(HostSlice::of(s))),
+        DType::BF16 => with_flat::<bf16, _>(t, |s| f(HostSlice::of(s))),
         other => Err(Error::Unsupported(format!(
-            "gradient of dtype {other:?} for parameter #{index}"
+            "tensors of dtype {other:?} are not supported (use f32, f64, f16 or bf16)"
         ))),
     }
 }
 
-/// The reduced gradient of parameter `index` as a tensor shaped like `var`.
-pub fn reduced_grad(reducer: &Reducer, index: usize, var: &Var) -> Result<Tensor> {
-    fn go<T: WithDType + Element>(r: &Reducer, i: usize, v: &Var) -> Result<Tensor> {
-        Ok(Tensor::from_slice(r.grad::<T>(i)?, v.shape(), v.device())?)
-    }
-    match var.dtype() {
-        DType::F32 => go::<f32>(reducer, index, var),
-        DType::F64 => go::<f64>(reducer, index, var),
-        DType::F16 => go::<f16>(reducer, index, var),
-        DType::BF16 => go::<bf16>(reducer, index, var),
-        other => Err(Error::Unsupported(format!("parameter of dtype {other:?}"))),
-    }
-}
-
-/// Copies the values of `vars` on rank `root` to every rank (coalesced per dtype).
-pub fn broadcast_vars(pg: &ProcessGroup, vars: &[&Var], root: usize) -> Result<()> {
-    fn go<T: WithDType + Element>(pg: &ProcessGroup, vars: &[&Var], root: usize) -> Result<()> {
-        let vars: Vec<&Var> = vars
-            .iter()
-            .copied()
-            .filter(|v| v.dtype() == <T as WithDType>::DTYPE)
-            .collect();
-        if vars.is_empty() {
-            return Ok(());
+/// A tensor of `shape` on `device` holding `values` (row-major).
+pub fn tensor_from_host(values: HostSlice<'_>, shape: &Shape, device: &Device) -> Result<Tensor> {
+    Ok(match values {
+        HostSlice::F32(v) => Tensor::from_slice(v, shape, device)?,
+        HostSlice::F64(v) => Tensor::from_slice(v, shape, device)?,
+        HostSlice::F16(v) => Tensor::from_slice(v, shape, device)?,
+        HostSlice::BF16(v) => Tensor::from_slice(v, shape, device)?,
+        other => {
+            return Err(Error::Unsupported(format!(
+                "{} values for a candle tensor (use f32, f64, f16 or bf16)",
+                other.dtype()
+            )))
         }
-        let mut data: Vec<Vec<T>> = vars
-            .iter()
-            .map(|v| v.as_tensor().flatten_all()?.to_vec1::<T>())
-            .collect::<candle_core::Result<_>>()?;
-        let mut slices: Vec<&mut [T]> = data.iter_mut().map(|d| d.as_mut_slice()).collect();
-        broadcast_coalesced(pg, &mut slices, root)?;
-        for (v, d) in vars.iter().zip(data) {
-            v.set(&Tensor::from_vec(d, v.shape(), v.device())?)?;
-        }
-        Ok(())
-    }
-    for v in vars {
-        comm_dtype(v.dtype())?;
-    }
-    go::<f32>(pg, vars, root)?;
-    go::<f64>(pg, vars, root)?;
-    go::<f16>(pg, vars, root)?;
-    go::<bf16>(pg, vars, root)?;
-    Ok(())
+    })
 }
 
 /// All elements of `vars`, in order, widened to `f64` (exact for every supported dtype).

@@ -319,3 +319,82 @@ fn join_with_uneven_shards_ends_identical_and_matches_a_single_process() {
     });
     assert_close(&finals[0], &reference[6], 1e-5, "join");
 }
+
+#[test]
+fn a_registered_comm_hook_sums_instead_of_averaging() {
+    use ddp_candle::prelude::*;
+    let (x, y) = dataset(48);
+    run_ranks(3, |rank, pg| {
+        let (vm, m) = model(5, HID);
+        let mut ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
+        ddp.register_comm_hook(|pg: &ProcessGroup, bucket: GradBucket| {
+            bucket.into_buffer().all_reduce(pg, ReduceOp::Sum)
+        })
+        .unwrap();
+        let (xs, ys) = batch(&x, &y, rank * 16..rank * 16 + 16);
+        let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
+        // Expected: each local gradient summed over the ranks, one all-reduce per parameter.
+        let local = loss.backward().unwrap();
+        let mut want = grads_of(&ddp, &local);
+        for g in &mut want {
+            pg.all_reduce(g, ReduceOp::Sum).unwrap();
+        }
+        let plain = ddp.backward(&loss).unwrap();
+        let s1 = |t: &Tensor| m.stage1(t);
+        let s2 = |t: &Tensor| m.stage2(t);
+        let s3 = |t: &Tensor| m.stage3(t);
+        let stages: [&dyn Module; 3] = [&s1, &s2, &s3];
+        let staged = ddp
+            .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .unwrap()
+            .grads;
+        for got in [grads_of(&ddp, &plain), grads_of(&ddp, &staged)] {
+            for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                assert!(
+                    rel_diff(g, w) < 1e-6,
+                    "rank {rank} parameter {i}: {g:?} vs {w:?}"
+                );
+            }
+        }
+    });
+}
+
+#[test]
+fn check_finite_names_the_step_rank_and_parameter_on_every_rank() {
+    let (x, y) = dataset(32);
+    let errors = run_ranks(2, |rank, pg| {
+        let (vm, m) = model(7, HID);
+        let opts = DdpOptions {
+            check_finite: true,
+            ..tiny_buckets()
+        };
+        let mut ddp = Ddp::new(&vm, &pg, opts).unwrap();
+        let bias = vm.data().lock().unwrap()["l2.bias"].as_tensor().clone();
+        let (xs, ys) = batch(&x, &y, rank * 16..rank * 16 + 16);
+        let mut out = Vec::new();
+        for step in 0..3 {
+            let mut loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
+            if step == 1 && rank == 1 {
+                // A NaN gradient for l2.bias only, on rank 1 only.
+                let nan = (bias.sum_all().unwrap() * f64::NAN).unwrap();
+                loss = (loss + nan).unwrap();
+            }
+            out.push(ddp.backward(&loss).err().map(|e| match e {
+                ddp_candle::Error::Ddp(ddp::Error::NonFinite {
+                    step,
+                    rank,
+                    parameter,
+                    ..
+                }) => (step, rank, parameter),
+                other => panic!("{other}"),
+            }));
+        }
+        out
+    });
+    for e in &errors {
+        assert_eq!(
+            e,
+            &vec![None, Some((1, Some(1), "l2.bias".to_string())), None]
+        );
+    }
+}

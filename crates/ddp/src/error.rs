@@ -35,6 +35,35 @@ pub enum Error {
     /// A caller passed arguments that cannot work.
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
+
+    /// An averaged gradient is NaN or infinite (the reducer's finite check,
+    /// `Reducer::set_check_finite`). The same error on every rank.
+    #[error("non-finite gradient at step {step}: {}", describe_non_finite(.rank, .parameter, .ranks))]
+    NonFinite {
+        /// The synchronized step (`Reducer::step` numbering: from 0, or from `set_step`).
+        step: u64,
+        /// The lowest rank whose local gradient was already non-finite; `None` when every
+        /// local gradient was finite and the sum overflowed in the reduction.
+        rank: Option<usize>,
+        /// The parameter: the first non-finite one (in backward order) of `rank`, or the first
+        /// non-finite averaged one when `rank` is `None`.
+        parameter: String,
+        /// Every rank whose local gradients were non-finite, ascending.
+        ranks: Vec<usize>,
+    },
+}
+
+fn describe_non_finite(rank: &Option<usize>, parameter: &str, ranks: &[usize]) -> String {
+    match rank {
+        Some(r) => format!(
+            "rank {r} produced a NaN or infinite gradient of parameter `{parameter}` (ranks \
+             with non-finite local gradients: {ranks:?})"
+        ),
+        None => format!(
+            "the averaged gradient of parameter `{parameter}` is NaN or infinite although \
+             every rank's local gradients were finite (overflow in the reduction)"
+        ),
+    }
 }
 
 impl Error {

@@ -1,8 +1,10 @@
 //! `ddp`: framework-agnostic distributed data parallelism on top of `ddp-comm`.
+pub mod adapter;
 pub mod checkpoint;
 pub mod error;
 pub mod join;
 pub mod lr;
+pub mod prelude;
 pub mod reducer;
 pub mod sampler;
 pub mod verify;

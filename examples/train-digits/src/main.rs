@@ -93,6 +93,10 @@ pub struct Args {
     /// Print progress every this many epochs (0: only the summary).
     #[arg(long, default_value_t = 5)]
     pub log_every: u64,
+    /// Do not stop on NaN or infinite gradients (by default a non-finite averaged gradient stops
+    /// the run with an error naming the step, the rank and the parameter).
+    #[arg(long)]
+    pub no_check_finite: bool,
 }
 
 impl Args {

@@ -207,7 +207,12 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
     }
 
-    let mut ddp = Ddp::new(&varmap, &pg, DdpOptions::default())?;
+    let opts = DdpOptions {
+        check_finite: !args.no_check_finite,
+        ..Default::default()
+    };
+    let mut ddp = Ddp::new(&varmap, &pg, opts)?;
+    ddp.reducer_mut().set_step(pos.step); // non-finite errors name the run's step
     let mut opt = Opt::new(args, &ddp)?;
     if let Some(ckpt) = &resumed {
         opt.load_state(ckpt)?;

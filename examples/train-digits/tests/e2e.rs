@@ -271,3 +271,31 @@ fn killing_a_worker_fails_the_others_naming_it_then_resume_completes() {
     assert_eq!(v["replicas_identical"], true);
     assert!(v["test_accuracy"].as_f64().unwrap() > 0.8);
 }
+
+#[test]
+fn non_finite_gradients_stop_the_run_naming_step_rank_and_parameter() {
+    let args = [
+        "--nproc",
+        "2",
+        "--lr",
+        "1e30",
+        "--epochs",
+        "1",
+        "--log-every",
+        "0",
+    ];
+    let f = wait_bounded(launch(&args), DEADLINE, "train-digits --lr 1e30");
+    assert!(
+        !f.success,
+        "--lr 1e30 must fail:\n{}\n{}",
+        f.stdout, f.stderr
+    );
+    let want = "non-finite gradient at step 1: rank 0 produced a NaN or infinite gradient of \
+                parameter `";
+    assert!(f.stderr.contains(want), "stderr:\n{}", f.stderr);
+    // With the check off, the old behaviour: success with a NaN (null) loss.
+    let mut off = args.to_vec();
+    off.extend(["--no-check-finite", "--json"]);
+    let (v, _) = run_ok(&off);
+    assert!(v["final_loss"].is_null(), "{v}");
+}

@@ -1,0 +1,89 @@
+//! [`CandleParams`]: candle's side of the adapter contract of `ddp`
+//! ([`ddp::adapter::ParamAccess`]) — named `Var`s in registration order, gradients in a
+//! `GradStore`. The framework-agnostic driver (`ddp::adapter::{mark_grads, averaged_grads,
+//! broadcast_params}`) does the rest, the same code a `ddp-burn` adapter would use.
+
+use crate::tensors::{comm_dtype, tensor_from_host, with_host_slice};
+use crate::{Error, Result};
+use candle_core::backprop::GradStore;
+use candle_core::Var;
+use candle_nn::VarMap;
+use ddp::adapter::ParamAccess;
+use ddp::reducer::{HostBuffer, HostSlice, ParamSpec};
+
+/// Named candle variables sorted by name: the registration order, the same on every rank.
+#[derive(Debug, Clone)]
+pub struct CandleParams {
+    vars: Vec<(String, Var)>,
+}
+
+impl CandleParams {
+    /// The given named variables, sorted by name (names must be unique).
+    pub fn new(vars: impl IntoIterator<Item = (String, Var)>) -> Self {
+        let mut vars: Vec<(String, Var)> = vars.into_iter().collect();
+        // VarMap iteration order differs per process: sort by name for a common order.
+        vars.sort_by(|a, b| a.0.cmp(&b.0));
+        CandleParams { vars }
+    }
+
+    /// Every variable of `varmap`.
+    pub fn from_varmap(varmap: &VarMap) -> Result<Self> {
+        let data = varmap
+            .data()
+            .lock()
+            .map_err(|_| Error::Unsupported("the VarMap's lock is poisoned".into()))?;
+        Ok(Self::new(data.iter().map(|(k, v)| (k.clone(), v.clone()))))
+    }
+
+    /// The variables, sorted by name.
+    pub fn vars(&self) -> &[(String, Var)] {
+        &self.vars
+    }
+}
+
+impl ParamAccess for CandleParams {
+    type Grads = GradStore;
+    type Error = Error;
+
+    fn param_count(&self) -> usize {
+        self.vars.len()
+    }
+
+    fn spec(&self, index: usize) -> Result<ParamSpec> {
+        let (name, v) = &self.vars[index];
+        let dtype = comm_dtype(v.dtype())
+            .map_err(|e| Error::Unsupported(format!("parameter `{name}`: {e}")))?;
+        Ok(ParamSpec::new(name.clone(), v.dims().to_vec(), dtype))
+    }
+
+    fn with_grad<R>(
+        &self,
+        grads: &GradStore,
+        index: usize,
+        f: impl FnOnce(HostSlice<'_>) -> R,
+    ) -> Result<Option<R>> {
+        match grads.get(self.vars[index].1.as_tensor()) {
+            Some(g) => with_host_slice(g, f).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn put_grad(&self, out: &mut GradStore, index: usize, grad: HostSlice<'_>) -> Result<()> {
+        let var = &self.vars[index].1;
+        out.insert(
+            var.as_tensor(),
+            tensor_from_host(grad, var.shape(), var.device())?,
+        );
+        Ok(())
+    }
+
+    fn read_param(&self, index: usize) -> Result<HostBuffer> {
+        with_host_slice(self.vars[index].1.as_tensor(), |s| s.to_buffer())
+    }
+
+    fn write_param(&self, index: usize, values: HostSlice<'_>) -> Result<()> {
+        let var = &self.vars[index].1;
+        var.set(&tensor_from_host(values, var.shape(), var.device())?)?;
+        Ok(())
+    }
+}

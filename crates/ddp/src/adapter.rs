@@ -1,0 +1,238 @@
+//! The adapter contract: what a tensor framework implements so that the framework-agnostic
+//! machinery of this crate (the [`Reducer`], start-up broadcast) can drive its models, and the
+//! shared driver functions built on it.
+//!
+//! A framework adapter (`ddp-candle`, a future `ddp-burn`) implements [`ParamAccess`] for its
+//! list of named parameters:
+//! - parameter specs in registration order ([`ParamAccess::spec`]), the same on every rank;
+//! - flat host views of a backward's gradients ([`ParamAccess::with_grad`]), ideally borrowed
+//!   without a copy;
+//! - writing averaged gradients back into the framework's gradient container
+//!   ([`ParamAccess::put_grad`]);
+//! - reading and writing parameter values ([`ParamAccess::read_param`],
+//!   [`ParamAccess::write_param`]).
+//!
+//! Then the same code serves every framework: [`param_specs`] for [`Reducer::new`],
+//! [`mark_grads`] after a backward (reverse registration order, so buckets fill in backward
+//! order), [`averaged_grads`] after [`Reducer::finish`], and [`broadcast_params`] at start-up.
+//! Flat views are [`HostSlice`]s, the closed enum over the collective dtypes.
+//!
+//! ```text
+//!   framework backward ──► Grads ──mark_grads──► Reducer ──finish──► averaged_grads ──► Grads
+//!        (candle GradStore)      (with_grad: HostSlice)               (put_grad)   (optimizer)
+//! ```
+
+use crate::error::Result;
+use crate::reducer::{broadcast_coalesced, HostBuffer, HostSlice, ParamSpec, Reducer};
+use ddp_comm::{Element, ProcessGroup};
+use half::{bf16, f16};
+
+/// A framework's named parameters in a fixed registration order (see the module doc).
+pub trait ParamAccess {
+    /// The framework's gradients of one backward (candle: `GradStore`).
+    type Grads;
+    /// The adapter's error type; it carries this crate's errors.
+    type Error: From<crate::Error>;
+
+    /// Number of parameters.
+    fn param_count(&self) -> usize;
+
+    /// Name, shape and dtype of parameter `index` (registration order).
+    fn spec(&self, index: usize) -> Result<ParamSpec, Self::Error>;
+
+    /// Calls `f` with the gradient of parameter `index` in `grads` as a flat, row-major host
+    /// slice; `Ok(None)` when `grads` holds no gradient for it.
+    fn with_grad<R>(
+        &self,
+        grads: &Self::Grads,
+        index: usize,
+        f: impl FnOnce(HostSlice<'_>) -> R,
+    ) -> Result<Option<R>, Self::Error>;
+
+    /// Stores `grad` (flat, row-major) as the gradient of parameter `index` in `out`.
+    fn put_grad(
+        &self,
+        out: &mut Self::Grads,
+        index: usize,
+        grad: HostSlice<'_>,
+    ) -> Result<(), Self::Error>;
+
+    /// The values of parameter `index`, flat and row-major.
+    fn read_param(&self, index: usize) -> Result<HostBuffer, Self::Error>;
+
+    /// Sets parameter `index` from flat, row-major `values`.
+    fn write_param(&self, index: usize, values: HostSlice<'_>) -> Result<(), Self::Error>;
+}
+
+/// Every parameter's spec, in registration order (for [`Reducer::new`]).
+pub fn param_specs<P: ParamAccess + ?Sized>(params: &P) -> Result<Vec<ParamSpec>, P::Error> {
+    (0..params.param_count()).map(|i| params.spec(i)).collect()
+}
+
+/// Hands every gradient present in `grads` to the reducer, last parameter first (backward
+/// order). `before(index)` runs before each one is handed over (to reject it, or to keep a local
+/// copy).
+pub fn mark_grads<P: ParamAccess + ?Sized>(
+    params: &P,
+    reducer: &mut Reducer,
+    grads: &P::Grads,
+    mut before: impl FnMut(usize) -> Result<(), P::Error>,
+) -> Result<(), P::Error> {
+    for i in (0..params.param_count()).rev() {
+        let mut checked = Ok(());
+        let marked = params.with_grad(grads, i, |g| {
+            checked = before(i);
+            match &checked {
+                Ok(()) => reducer.mark_ready_flat(i, g),
+                Err(_) => Ok(()),
+            }
+        })?;
+        checked?;
+        if let Some(r) = marked {
+            r?;
+        }
+    }
+    Ok(())
+}
+
+/// The averaged gradients of every parameter after a synchronized [`Reducer::finish`], in the
+/// framework's container.
+pub fn averaged_grads<P>(params: &P, reducer: &Reducer) -> Result<P::Grads, P::Error>
+where
+    P: ParamAccess + ?Sized,
+    P::Grads: Default,
+{
+    let mut out = P::Grads::default();
+    for i in 0..params.param_count() {
+        reducer.with_grad(i, |g| params.put_grad(&mut out, i, g))??;
+    }
+    Ok(out)
+}
+
+/// Copies rank `root`'s parameter values to every rank: one coalesced broadcast per dtype (a
+/// collective; every rank must hold parameters of the same specs).
+pub fn broadcast_params<P: ParamAccess + ?Sized>(
+    params: &P,
+    pg: &ProcessGroup,
+    root: usize,
+) -> Result<(), P::Error> {
+    let mut values: Vec<HostBuffer> = (0..params.param_count())
+        .map(|i| params.read_param(i))
+        .collect::<Result<_, _>>()?;
+    fn per_dtype<T: Element>(
+        pg: &ProcessGroup,
+        values: &mut [HostBuffer],
+        root: usize,
+    ) -> Result<()> {
+        let mut slices: Vec<&mut [T]> =
+            values.iter_mut().filter_map(|v| v.as_mut_slice()).collect();
+        if slices.is_empty() {
+            return Ok(());
+        }
+        broadcast_coalesced(pg, &mut slices, root)
+    }
+    per_dtype::<f32>(pg, &mut values, root)?;
+    per_dtype::<f64>(pg, &mut values, root)?;
+    per_dtype::<f16>(pg, &mut values, root)?;
+    per_dtype::<bf16>(pg, &mut values, root)?;
+    per_dtype::<i32>(pg, &mut values, root)?;
+    per_dtype::<i64>(pg, &mut values, root)?;
+    per_dtype::<u8>(pg, &mut values, root)?;
+    for (i, v) in values.iter().enumerate() {
+        params.write_param(i, v.as_host_slice())?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reducer::ReducerOptions;
+    use ddp_comm::DType;
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    /// The smallest framework: named `f32` vectors, gradients in a map.
+    struct Toy {
+        params: Vec<(String, RefCell<Vec<f32>>)>,
+    }
+
+    impl ParamAccess for Toy {
+        type Grads = HashMap<usize, Vec<f32>>;
+        type Error = crate::Error;
+        fn param_count(&self) -> usize {
+            self.params.len()
+        }
+        fn spec(&self, i: usize) -> Result<ParamSpec> {
+            let (name, v) = &self.params[i];
+            Ok(ParamSpec::new(
+                name.clone(),
+                vec![v.borrow().len()],
+                DType::F32,
+            ))
+        }
+        fn with_grad<R>(
+            &self,
+            grads: &Self::Grads,
+            i: usize,
+            f: impl FnOnce(HostSlice<'_>) -> R,
+        ) -> Result<Option<R>> {
+            Ok(grads.get(&i).map(|g| f(HostSlice::of(&g[..]))))
+        }
+        fn put_grad(&self, out: &mut Self::Grads, i: usize, g: HostSlice<'_>) -> Result<()> {
+            out.insert(i, g.get::<f32>().unwrap().to_vec());
+            Ok(())
+        }
+        fn read_param(&self, i: usize) -> Result<HostBuffer> {
+            Ok(HostBuffer::from(self.params[i].1.borrow().clone()))
+        }
+        fn write_param(&self, i: usize, v: HostSlice<'_>) -> Result<()> {
+            *self.params[i].1.borrow_mut() = v.get::<f32>().unwrap().to_vec();
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn the_shared_driver_runs_a_toy_framework_across_ranks() {
+        let out = ddp_comm::testing::run_ranks(3, |pg| {
+            let r = pg.rank() as f32;
+            let toy = Toy {
+                params: vec![
+                    ("a".into(), RefCell::new(vec![r; 3])),
+                    ("b".into(), RefCell::new(vec![r * 10.0; 2])),
+                ],
+            };
+            broadcast_params(&toy, &pg, 1).unwrap();
+            assert_eq!(*toy.params[0].1.borrow(), vec![1.0; 3]);
+            assert_eq!(*toy.params[1].1.borrow(), vec![10.0; 2]);
+            let specs = param_specs(&toy).unwrap();
+            let mut red = Reducer::new(&pg, specs, ReducerOptions::default()).unwrap();
+            // Parameter b has a gradient on rank 0 only; a counts on every rank.
+            let mut grads = HashMap::new();
+            grads.insert(0, vec![r + 1.0; 3]);
+            if pg.rank() == 0 {
+                grads.insert(1, vec![6.0; 2]);
+            }
+            let mut order = Vec::new();
+            mark_grads(&toy, &mut red, &grads, |i| {
+                order.push(i);
+                Ok(())
+            })
+            .unwrap();
+            assert_eq!(order, if pg.rank() == 0 { vec![1, 0] } else { vec![0] });
+            red.finish().unwrap();
+            let avg = averaged_grads(&toy, &red).unwrap();
+            assert_eq!(avg[&0], vec![2.0; 3]);
+            assert_eq!(avg[&1], vec![2.0; 2]);
+            // `before` can refuse a parameter: nothing of it reaches the reducer.
+            let e = mark_grads(&toy, &mut red, &grads, |i| match i {
+                0 => Err(crate::Error::InvalidArgument("no a".into())),
+                _ => Ok(()),
+            })
+            .unwrap_err();
+            assert!(e.to_string().contains("no a"));
+            avg
+        });
+        assert!(out.iter().all(|a| a == &out[0]));
+    }
+}

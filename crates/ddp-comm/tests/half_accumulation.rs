@@ -22,7 +22,11 @@ use std::time::Duration;
 
 /// Rank `rank`'s input for element `i` of a `world`-rank reduction with `op`.
 fn value(big: f32, op: ReduceOp, rank: usize, world: usize, i: usize) -> f32 {
-    let sign = if (i / world) % 2 == 0 { 1.0 } else { -1.0 };
+    let sign = if (i / world).is_multiple_of(2) {
+        1.0
+    } else {
+        -1.0
+    };
     match op {
         // Powers of two: the product is exact in any order and precision.
         ReduceOp::Product => [1.0, 2.0, -1.0, 0.5][(i + 3 * rank) % 4],

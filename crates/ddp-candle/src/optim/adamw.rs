@@ -277,4 +277,42 @@ mod tests {
         let e = opt2.load_state(&missing).unwrap_err().to_string();
         assert!(e.contains("optim.a.exp_avg"), "{e}");
     }
+
+    #[test]
+    fn format_1_step_tensor_loads_and_kind_is_checked_through_dyn_optimizer() {
+        use crate::optim::{DynOptimizer, ParamsSgd, Sgd};
+        let vs = vars(1.0);
+        let mut opt = AdamW::new_named(vs.clone(), ParamsAdamW::default()).unwrap();
+        for k in 0..3 {
+            opt.step(&loss(&vs, k).backward().unwrap()).unwrap();
+        }
+        let mut ckpt = Checkpoint::new(CheckpointMeta::default());
+        opt.save_state(&mut ckpt).unwrap();
+        assert_eq!(ckpt.optimizer.as_ref().unwrap().step, 3);
+        let mut boxed: Box<dyn DynOptimizer> =
+            Box::new(AdamW::new_named(vars(5.0), ParamsAdamW::default()).unwrap());
+        ckpt.load_optimizer(&mut *boxed).unwrap();
+        assert_eq!(boxed.state_dict().unwrap(), opt.state_dict().unwrap());
+
+        // As format 1 stored it: no record, the step as a tensor of two 24-bit halves.
+        ckpt.optimizer = None;
+        ckpt.insert("optim.__adamw.step", vec![2], vec![1.0, 3.0])
+            .unwrap();
+        let mut old = AdamW::new_named(vars(5.0), ParamsAdamW::default()).unwrap();
+        old.load_state(&ckpt).unwrap();
+        assert_eq!(old.step_count(), (1 << 24) + 3);
+
+        let mut sgd: Box<dyn DynOptimizer> =
+            Box::new(Sgd::new_named(vars(5.0), ParamsSgd::default()).unwrap());
+        let mut adamw_ckpt = Checkpoint::new(CheckpointMeta::default());
+        adamw_ckpt.save_optimizer(&opt).unwrap();
+        let e = adamw_ckpt
+            .load_optimizer(&mut *sgd)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("adamw optimizer state") && e.contains("sgd"),
+            "{e}"
+        );
+    }
 }

@@ -2,10 +2,10 @@
 //!
 //! One checkpoint is one file, `<dir>/checkpoint.safetensors`:
 //! - named `f32` tensors (model parameters, and optimizer state under names made by
-//!   [`Checkpoint::optim_key`], e.g. `optim.fc1.weight.m`), stored as safetensors (little-endian);
+//!   [`Checkpoint::optim_key`], e.g. `optim.fc1.weight.exp_avg`), stored as safetensors
+//!   (little-endian);
 //! - the training position ([`CheckpointMeta`]: step, epoch, sampler state, RNG state, world size and
-//!   free-form user JSON) as JSON in the safetensors header metadata under the key `"ddp_meta"`.
-//!
+//!   free-form user JSON) as JSON in the safetensors header metadata under the key `"ddp_meta"`;
 //! - (format version 2) a CRC-32 of every tensor's data, with its shape, and of the metadata
 //!   itself, in the same JSON (see module [`integrity`]); the optimizer's step, kind and
 //!   hyper-parameters ([`OptimizerRecord`]) under `"optimizer"`.

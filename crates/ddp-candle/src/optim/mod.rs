@@ -26,25 +26,44 @@ use ddp::checkpoint::OptimizerState;
 
 /// An optimizer behind `Box<dyn DynOptimizer>` (`candle_nn::Optimizer` is not object safe): a
 /// step, the learning rate, and a checkpointable state. Implemented for every
-/// `candle_nn::Optimizer` that implements `ddp::checkpoint::OptimizerState`.
+/// `candle_nn::Optimizer` that implements `ddp::checkpoint::OptimizerState`. Call `step`,
+/// `learning_rate` and `set_learning_rate` on the `dyn DynOptimizer` (inherent methods, so they
+/// never clash with `candle_nn::Optimizer`'s on a concrete optimizer).
 pub trait DynOptimizer: OptimizerState<Error = crate::Error> {
-    /// One update from (averaged) gradients.
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()>;
-    fn learning_rate(&self) -> f64;
-    fn set_learning_rate(&mut self, lr: f64);
+    /// `candle_nn::Optimizer::step`.
+    fn dyn_step(&mut self, grads: &GradStore) -> candle_core::Result<()>;
+    /// `candle_nn::Optimizer::learning_rate`.
+    fn dyn_learning_rate(&self) -> f64;
+    /// `candle_nn::Optimizer::set_learning_rate`.
+    fn dyn_set_learning_rate(&mut self, lr: f64);
 }
 
 impl<T: Optimizer + OptimizerState<Error = crate::Error>> DynOptimizer for T {
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
-        Optimizer::step(self, grads)
+    fn dyn_step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.step(grads)
     }
 
-    fn learning_rate(&self) -> f64 {
-        Optimizer::learning_rate(self)
+    fn dyn_learning_rate(&self) -> f64 {
+        self.learning_rate()
     }
 
-    fn set_learning_rate(&mut self, lr: f64) {
-        Optimizer::set_learning_rate(self, lr)
+    fn dyn_set_learning_rate(&mut self, lr: f64) {
+        self.set_learning_rate(lr)
+    }
+}
+
+impl dyn DynOptimizer {
+    /// One update from (averaged) gradients.
+    pub fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.dyn_step(grads)
+    }
+
+    pub fn learning_rate(&self) -> f64 {
+        self.dyn_learning_rate()
+    }
+
+    pub fn set_learning_rate(&mut self, lr: f64) {
+        self.dyn_set_learning_rate(lr)
     }
 }
 

@@ -247,7 +247,7 @@ impl RunPlan {
                 s.epoch, meta.epoch
             ));
         }
-        if s.consumed > n || (s.consumed % bs != 0 && s.consumed != n) {
+        if s.consumed > n || (!s.consumed.is_multiple_of(bs) && s.consumed != n) {
             return bad(format!(
                 "{} samples consumed, but an epoch has {n} samples per rank in batches of {bs}",
                 s.consumed

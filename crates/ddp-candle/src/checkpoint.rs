@@ -6,7 +6,7 @@
 
 use crate::{Error, Result};
 use candle_core::{DType, Tensor, Var};
-use ddp::checkpoint::Checkpoint;
+use ddp::checkpoint::{Checkpoint, TensorData};
 use ddp_comm::ProcessGroup;
 
 /// Adds every variable to `ckpt` under its name.
@@ -34,7 +34,12 @@ pub fn load_vars(ckpt: &Checkpoint, vars: &[(String, Var)]) -> Result<()> {
 /// Tensor `key` of `ckpt` with the dtype and device of `like` (an error names a missing tensor
 /// or a shape that differs from `like`'s).
 pub fn load_like(ckpt: &Checkpoint, key: &str, like: &Tensor) -> Result<Tensor> {
-    let t = ckpt.require(key)?;
+    tensor_like(ckpt.require(key)?, key, like)
+}
+
+/// Host tensor `t` (called `key` in errors) as a tensor with the dtype and device of `like` (an
+/// error when the shapes differ).
+pub fn tensor_like(t: &TensorData, key: &str, like: &Tensor) -> Result<Tensor> {
     if t.shape != like.dims() {
         return Err(Error::Ddp(ddp::Error::Mismatch(format!(
             "checkpoint tensor `{key}` has shape {:?} but the model's tensor has {:?}",
@@ -47,28 +52,14 @@ pub fn load_like(ckpt: &Checkpoint, key: &str, like: &Tensor) -> Result<Tensor> 
 
 /// Sends `root`'s checkpoint (or its absence) to every rank: what `root` passes is what every rank
 /// gets back (`ckpt` is ignored on the other ranks). Lets a resumed run read the file on rank 0
-/// only, e.g. when the checkpoint directory is not shared between nodes. A collective.
+/// only, e.g. when the checkpoint directory is not shared between nodes. A collective; the same as
+/// `ddp::checkpoint::broadcast` (`ddp::checkpoint::resume_or_start` does all of a resume).
 pub fn broadcast_checkpoint(
     pg: &ProcessGroup,
     ckpt: Option<&Checkpoint>,
     root: usize,
 ) -> Result<Option<Checkpoint>> {
-    let payload = if pg.rank() == root {
-        match ckpt {
-            Some(c) => c.to_bytes()?,
-            None => Vec::new(),
-        }
-    } else {
-        Vec::new()
-    };
-    let bytes = pg.broadcast_bytes(&payload, root)?;
-    if bytes.is_empty() {
-        return Ok(None);
-    }
-    Ok(Some(Checkpoint::from_bytes(
-        &bytes,
-        &format!("checkpoint broadcast from rank {root}"),
-    )?))
+    Ok(ddp::checkpoint::broadcast(pg, ckpt, root)?)
 }
 
 #[cfg(test)]

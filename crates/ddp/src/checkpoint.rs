@@ -2,9 +2,26 @@
 //!
 //! One checkpoint is one file, `<dir>/checkpoint.safetensors`:
 //! - named `f32` tensors (model parameters, and optimizer state under names made by
-//!   [`Checkpoint::optim_key`], e.g. `optim.fc1.weight.m`), stored as safetensors (little-endian);
+//!   [`Checkpoint::optim_key`], e.g. `optim.fc1.weight.exp_avg`), stored as safetensors
+//!   (little-endian);
 //! - the training position ([`CheckpointMeta`]: step, epoch, sampler state, RNG state, world size and
-//!   free-form user JSON) as JSON in the safetensors header metadata under the key `"ddp_meta"`.
+//!   free-form user JSON) as JSON in the safetensors header metadata under the key `"ddp_meta"`;
+//! - (format version 2) a CRC-32 of every tensor's data, with its shape, and of the metadata
+//!   itself, in the same JSON (see module [`integrity`]); the optimizer's step, kind and
+//!   hyper-parameters ([`OptimizerRecord`]) under `"optimizer"`.
+//!
+//! Loading verifies everything before anything is used: a flipped bit in a tensor is an error
+//! naming the tensor, one in the metadata an error about the metadata; a NaN or infinity in a
+//! tensor is an error naming it (saving refuses them too); the metadata must be in range
+//! ([`CheckpointMeta::validate`]). Checkpoints of format version 1 (no checksums) still load, with
+//! a `tracing` warning. [`RunPlan::check`] then checks the position against the run being resumed
+//! (step, epoch and sampler position consistent with the data and with each other, not past the
+//! end), and [`ensure_writable`] checks the directory before training starts.
+//!
+//! Optimizers implement [`OptimizerState`] (a framework-agnostic state: named host tensors, step,
+//! hyper-parameters); [`resume_or_start`] is the one call a training program makes at start (rank
+//! 0 checks the directory, loads and shares the checkpoint, every rank checks it against its
+//! [`RunPlan`]).
 //!
 //! Keeping everything in one file makes the update a single atomic rename: [`save_atomic`] writes a
 //! temporary file in the same directory, fsyncs it, renames it over the old checkpoint and fsyncs the
@@ -23,6 +40,17 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::sampler::SamplerState;
 
+pub mod integrity;
+mod resume;
+
+pub use integrity::{ensure_writable, MAX_COUNT, MAX_WORLD_SIZE};
+pub use resume::{
+    broadcast, resume_or_start, OptimizerRecord, OptimizerState, OptimizerStateDict, Resumed,
+    RunPlan, TrainingState,
+};
+
+use integrity::{crc_hex, non_finite, seal, verify_seal, TensorSum, UNSEALED};
+
 /// File name of the checkpoint inside its directory.
 pub const CHECKPOINT_FILE: &str = "checkpoint.safetensors";
 
@@ -32,8 +60,11 @@ pub const META_KEY: &str = "ddp_meta";
 /// Prefix of optimizer-state tensor names (see [`Checkpoint::optim_key`]).
 pub const OPTIM_PREFIX: &str = "optim.";
 
-/// Version of the layout of [`CheckpointMeta`] in the file.
-const FORMAT_VERSION: u32 = 1;
+/// Version of the layout of the metadata in the file: 2 adds checksums and the optimizer record.
+pub const FORMAT_VERSION: u32 = 2;
+
+/// The version before checksums, still read (with a warning).
+const LEGACY_VERSION: u32 = 1;
 
 /// Prefix of temporary files; they are never read by [`load`].
 const TEMP_PREFIX: &str = ".checkpoint.safetensors.tmp";
@@ -117,19 +148,39 @@ impl CheckpointMeta {
     }
 }
 
-/// The on-disk form of the metadata: [`CheckpointMeta`] plus a format version.
-#[derive(Serialize, Deserialize)]
-struct StoredMeta {
+/// The on-disk form of the metadata as written: [`CheckpointMeta`], a format version, the
+/// optimizer record, the tensor checksums and (last) the metadata checksum.
+#[derive(Serialize)]
+struct StoredMetaOut<'a> {
+    format_version: u32,
+    #[serde(flatten)]
+    meta: &'a CheckpointMeta,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    optimizer: Option<&'a OptimizerRecord>,
+    tensors: BTreeMap<&'a str, TensorSum>,
+    meta_crc32: &'static str,
+}
+
+/// The on-disk form of the metadata as read (version 1 has neither checksums nor record).
+#[derive(Deserialize)]
+struct StoredMetaIn {
     format_version: u32,
     #[serde(flatten)]
     meta: CheckpointMeta,
+    #[serde(default)]
+    optimizer: Option<OptimizerRecord>,
+    #[serde(default)]
+    tensors: Option<BTreeMap<String, TensorSum>>,
 }
 
-/// A checkpoint: named tensors (parameters and optimizer state) and the training position.
+/// A checkpoint: named tensors (parameters and optimizer state), the training position and the
+/// optimizer's scalars.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct Checkpoint {
     pub tensors: BTreeMap<String, TensorData>,
     pub meta: CheckpointMeta,
+    /// Step, kind and hyper-parameters of the optimizer (see [`Checkpoint::save_optimizer`]).
+    pub optimizer: Option<OptimizerRecord>,
 }
 
 impl Checkpoint {
@@ -138,6 +189,7 @@ impl Checkpoint {
         Self {
             tensors: BTreeMap::new(),
             meta,
+            optimizer: None,
         }
     }
 
@@ -184,12 +236,25 @@ impl Checkpoint {
             .map(|(k, v)| (k.as_str(), v))
     }
 
-    /// Encodes the checkpoint as the bytes of a safetensors file.
+    /// Encodes the checkpoint as the bytes of a safetensors file, with checksums. Refuses (naming
+    /// the culprit) metadata out of range and tensors holding a NaN or an infinity, which could not
+    /// be loaded back.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let refuse = |m: String| Error::InvalidArgument(format!("cannot save checkpoint: {m}"));
+        self.meta.validate().map_err(|e| refuse(e.to_string()))?;
         let mut raw: Vec<(&str, Vec<usize>, Vec<u8>)> = Vec::with_capacity(self.tensors.len());
+        let mut sums = BTreeMap::new();
         for (name, t) in &self.tensors {
             t.check(name)?;
-            let bytes = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            if let Some(m) = non_finite(name, &t.data) {
+                return Err(refuse(m));
+            }
+            let bytes: Vec<u8> = t.data.iter().flat_map(|v| v.to_le_bytes()).collect();
+            let sum = TensorSum {
+                shape: t.shape.clone(),
+                crc32: crc_hex(&bytes),
+            };
+            sums.insert(name.as_str(), sum);
             raw.push((name.as_str(), t.shape.clone(), bytes));
         }
         let mut views = Vec::with_capacity(raw.len());
@@ -199,19 +264,25 @@ impl Checkpoint {
             })?;
             views.push((*name, view));
         }
-        let stored = StoredMeta {
+        let stored = StoredMetaOut {
             format_version: FORMAT_VERSION,
-            meta: self.meta.clone(),
+            meta: &self.meta,
+            optimizer: self.optimizer.as_ref(),
+            tensors: sums,
+            meta_crc32: UNSEALED,
         };
         let meta_json = serde_json::to_string(&stored)
             .map_err(|e| Error::Checkpoint(format!("cannot encode checkpoint metadata: {e}")))?;
+        let meta_json = seal(meta_json);
         // A single metadata key keeps the file byte-for-byte deterministic.
         let info = Some(HashMap::from([(META_KEY.to_string(), meta_json)]));
         safetensors::serialize(views, &info)
             .map_err(|e| Error::Checkpoint(format!("cannot encode checkpoint: {e:?}")))
     }
 
-    /// Decodes a checkpoint from safetensors bytes; `origin` names the source in errors.
+    /// Decodes a checkpoint from safetensors bytes; `origin` names the source in errors. Verifies
+    /// the checksums (format 2; format 1 loads with a warning), that every tensor is finite and
+    /// that the metadata is in range.
     pub fn from_bytes(bytes: &[u8], origin: &str) -> Result<Self> {
         let corrupt = |what: String| {
             Error::Checkpoint(format!(
@@ -225,14 +296,35 @@ impl Checkpoint {
             .as_ref()
             .and_then(|m| m.get(META_KEY))
             .ok_or_else(|| corrupt(format!("no {META_KEY:?} entry in the safetensors metadata")))?;
-        let stored: StoredMeta = serde_json::from_str(meta_json)
+        let sealed = verify_seal(meta_json).map_err(corrupt)?;
+        let stored: StoredMetaIn = serde_json::from_str(meta_json)
             .map_err(|e| corrupt(format!("invalid {META_KEY:?} metadata ({e})")))?;
-        if stored.format_version != FORMAT_VERSION {
-            return Err(Error::Checkpoint(format!(
-                "{origin}: checkpoint format version {} is not supported (expected {FORMAT_VERSION})",
-                stored.format_version
-            )));
-        }
+        let sums = match (stored.format_version, sealed, stored.tensors) {
+            (FORMAT_VERSION, true, Some(sums)) => Some(sums),
+            (FORMAT_VERSION, ..) => {
+                return Err(corrupt(
+                    "format version 2 metadata without its checksums".to_string(),
+                ))
+            }
+            (LEGACY_VERSION, false, None) if stored.optimizer.is_none() => {
+                tracing::warn!(
+                    "{origin}: checkpoint of format version 1 has no checksums; loading it \
+                     unverified (the next save writes version {FORMAT_VERSION})"
+                );
+                None
+            }
+            (LEGACY_VERSION, ..) => {
+                return Err(corrupt(
+                    "format version 1 metadata with fields of a later version".to_string(),
+                ))
+            }
+            (v, ..) => {
+                return Err(Error::Checkpoint(format!(
+                    "{origin}: checkpoint format version {v} is not supported (expected \
+                     {FORMAT_VERSION} or {LEGACY_VERSION})"
+                )))
+            }
+        };
         let st = SafeTensors::deserialize(bytes)
             .map_err(|e| corrupt(format!("invalid safetensors data ({e:?})")))?;
         let mut tensors = BTreeMap::new();
@@ -243,11 +335,31 @@ impl Checkpoint {
                     view.dtype()
                 )));
             }
-            let data = view
+            if let Some(sums) = &sums {
+                let sum = sums.get(&name).ok_or_else(|| {
+                    corrupt(format!("tensor {name:?} is not listed in the checksums"))
+                })?;
+                let crc = crc_hex(view.data());
+                if sum.shape != view.shape() || sum.crc32 != crc {
+                    return Err(corrupt(format!(
+                        "tensor {name:?} fails its checksum (stored shape {:?} crc32 {}, found \
+                         shape {:?} crc32 {crc})",
+                        sum.shape,
+                        sum.crc32,
+                        view.shape()
+                    )));
+                }
+            }
+            let data: Vec<f32> = view
                 .data()
                 .chunks_exact(4)
                 .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
                 .collect();
+            if let Some(m) = non_finite(&name, &data) {
+                return Err(Error::Checkpoint(format!(
+                    "{origin}: {m}; refusing to load non-finite values"
+                )));
+            }
             tensors.insert(
                 name,
                 TensorData {
@@ -256,9 +368,27 @@ impl Checkpoint {
                 },
             );
         }
+        if let Some(missing) = sums
+            .iter()
+            .flat_map(|s| s.keys())
+            .find(|k| !tensors.contains_key(*k))
+        {
+            return Err(corrupt(format!("tensor {missing:?} is listed but missing")));
+        }
+        stored
+            .meta
+            .validate()
+            .map_err(|e| Error::Checkpoint(format!("{origin}: {e}")))?;
+        if let Some(o) = stored.optimizer.as_ref().filter(|o| o.step > MAX_COUNT) {
+            return Err(Error::Checkpoint(format!(
+                "{origin}: invalid metadata: optimizer step {} is out of range",
+                o.step
+            )));
+        }
         Ok(Self {
             tensors,
             meta: stored.meta,
+            optimizer: stored.optimizer,
         })
     }
 }
@@ -310,7 +440,8 @@ pub fn save_if_rank0(rank: usize, dir: &Path, ckpt: &Checkpoint) -> Result<Optio
 }
 
 /// Loads `dir/checkpoint.safetensors`; `Ok(None)` when there is none (a fresh run). Temporary
-/// files of interrupted saves are ignored. A damaged file is an error naming its path.
+/// files of interrupted saves are ignored. A damaged file (checksum, non-finite value, metadata
+/// out of range; see [`Checkpoint::from_bytes`]) is an error naming its path.
 pub fn load(dir: &Path) -> Result<Option<Checkpoint>> {
     let path = checkpoint_path(dir);
     let bytes = match fs::read(&path) {

@@ -1,15 +1,16 @@
 //! One worker of `train-digits`: joins the process group, trains with `ddp_candle::Ddp` and
-//! `ddp_candle::optim::Sgd` (or AdamW), checkpoints every epoch (rank 0, atomically), resumes exactly, and reports
-//! accuracy, loss, throughput and the cross-rank replica check.
+//! `ddp_candle::optim::Sgd` (or AdamW), checkpoints every epoch (rank 0, atomically, checked
+//! before training starts and on resume by `ddp::checkpoint::resume_or_start`), resumes exactly,
+//! and reports accuracy, loss, throughput and the cross-rank replica check.
 
 use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
 use crate::{Args, Backend, BackwardMode, OptimizerKind};
 use candle_core::{Device, Module, Tensor};
-use candle_nn::{Optimizer, VarMap};
-use ddp::checkpoint::{self, Checkpoint, CheckpointMeta};
-use ddp::{DistributedSampler, SamplerState};
-use ddp_candle::optim::{ParamsSgd, Sgd};
+use candle_nn::VarMap;
+use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
+use ddp::DistributedSampler;
+use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
 use ddp_candle::{Ddp, DdpOptions};
 use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
@@ -31,113 +32,61 @@ fn init_options(args: &Args) -> InitOptions {
 }
 
 /// The optimizer of the run.
-enum Opt {
-    Sgd(Sgd),
-    AdamW(ddp_candle::optim::AdamW),
-}
-
-impl Opt {
-    fn new(args: &Args, ddp: &Ddp) -> BoxResult<Opt> {
-        Ok(match args.optimizer {
-            OptimizerKind::Sgd => Opt::Sgd(Sgd::new_named(
-                ddp.named_vars().to_vec(),
-                ParamsSgd {
-                    lr: args.lr(),
-                    momentum: args.momentum,
-                    ..Default::default()
-                },
-            )?),
-            OptimizerKind::Adamw => Opt::AdamW(ddp_candle::optim::AdamW::new_named(
-                ddp.named_vars().to_vec(),
-                candle_nn::ParamsAdamW {
-                    lr: args.lr(),
-                    ..Default::default()
-                },
-            )?),
-        })
-    }
-
-    fn step(&mut self, grads: &candle_core::backprop::GradStore) -> candle_core::Result<()> {
-        match self {
-            Opt::Sgd(o) => o.step(grads),
-            Opt::AdamW(o) => o.step(grads),
-        }
-    }
-
-    fn save_state(&self, ckpt: &mut Checkpoint) -> BoxResult<()> {
-        match self {
-            Opt::Sgd(o) => Ok(o.save_state(ckpt)?),
-            Opt::AdamW(o) => Ok(o.save_state(ckpt)?),
-        }
-    }
-
-    fn load_state(&mut self, ckpt: &Checkpoint) -> BoxResult<()> {
-        match self {
-            Opt::Sgd(o) => Ok(o.load_state(ckpt)?),
-            Opt::AdamW(o) => Ok(o.load_state(ckpt)?),
-        }
-    }
-}
-
-/// Where training stands; stored in checkpoints.
-struct Position {
-    step: u64,
-    epoch: u64,
-    consumed: usize,
-}
-
-fn save(pg: &ProcessGroup, args: &Args, ddp: &Ddp, opt: &Opt, pos: &Position) -> BoxResult<()> {
-    let Some(dir) = &args.checkpoint_dir else {
-        return Ok(());
-    };
-    if pg.rank() == 0 {
-        let mut ckpt = Checkpoint::new(CheckpointMeta {
-            step: pos.step,
-            epoch: pos.epoch,
-            sampler: SamplerState {
-                epoch: pos.epoch,
-                consumed: pos.consumed,
+fn optimizer(args: &Args, ddp: &Ddp) -> BoxResult<Box<dyn DynOptimizer>> {
+    let vars = ddp.named_vars().to_vec();
+    Ok(match args.optimizer {
+        OptimizerKind::Sgd => Box::new(Sgd::new_named(
+            vars,
+            ParamsSgd {
+                lr: args.lr(),
+                momentum: args.momentum,
+                ..Default::default()
             },
-            rng_state: args.seed,
-            world_size: pg.size(),
-            extra: serde_json::json!({
-                "optimizer": args.optimizer_name(),
-                "lr": args.lr(),
-                "momentum": args.momentum,
-                "batch_size": args.batch_size,
-                "hidden": args.hidden,
-                "seed": args.seed,
-            }),
-        });
-        ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
-        opt.save_state(&mut ckpt)?;
-        checkpoint::save_atomic(dir, &ckpt)?;
-    }
-    Ok(())
+        )?),
+        OptimizerKind::Adamw => Box::new(AdamW::new_named(
+            vars,
+            candle_nn::ParamsAdamW {
+                lr: args.lr(),
+                ..Default::default()
+            },
+        )?),
+    })
 }
 
-/// Refuses to resume a checkpoint written with other hyper-parameters (it would not continue
-/// "exactly").
-fn check_compatible(ckpt: &Checkpoint, args: &Args) -> BoxResult<()> {
-    let e = &ckpt.meta.extra;
-    let want = [
-        ("batch_size", serde_json::json!(args.batch_size)),
-        ("hidden", serde_json::json!(args.hidden)),
-        ("seed", serde_json::json!(args.seed)),
-        ("lr", serde_json::json!(args.lr())),
-        ("momentum", serde_json::json!(args.momentum)),
-        ("optimizer", serde_json::json!(args.optimizer_name())),
-    ];
-    for (k, v) in want {
-        if e.get(k) != Some(&v) {
-            return Err(format!(
-                "checkpoint was written with {k} = {} but this run has {k} = {v}",
-                e.get(k)
-                    .map(|x| x.to_string())
-                    .unwrap_or_else(|| "?".into())
-            )
-            .into());
-        }
+/// The run as checkpoints record it; a checkpoint of other hyper-parameters is refused on resume
+/// (it would not continue "exactly"), as is a position this run could not have reached.
+fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan {
+    RunPlan {
+        world_size,
+        samples_per_epoch,
+        batch_size: args.batch_size,
+        epochs: args.epochs,
+        max_steps: args.max_steps,
+        hyper: serde_json::json!({
+            "optimizer": args.optimizer_name(),
+            "lr": args.lr(),
+            "momentum": args.momentum,
+            "batch_size": args.batch_size,
+            "hidden": args.hidden,
+            "seed": args.seed,
+        }),
+        rng_state: args.seed,
+    }
+}
+
+fn save(
+    pg: &ProcessGroup,
+    args: &Args,
+    plan: &RunPlan,
+    ddp: &Ddp,
+    opt: &dyn DynOptimizer,
+    pos: &TrainingState,
+) -> BoxResult<()> {
+    if let (Some(dir), 0) = (&args.checkpoint_dir, pg.rank()) {
+        let mut ckpt = Checkpoint::new(plan.meta(pos));
+        ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
+        ckpt.save_optimizer(opt)?;
+        checkpoint::save_atomic(dir, &ckpt)?;
     }
     Ok(())
 }
@@ -154,70 +103,39 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let varmap = VarMap::new();
     let model = Mlp::new(&varmap, FEATURES, args.hidden, CLASSES, args.seed)?;
 
-    // Resume: rank 0 reads the file and shares it, so the directory need not be shared.
-    let mut pos = Position {
-        step: 0,
-        epoch: 0,
-        consumed: 0,
+    let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+    let plan = run_plan(args, world, sampler.len());
+    // Before training: rank 0 checks that the directory is writable and (with --resume) reads the
+    // checkpoint and shares it, so the directory need not be shared; every rank checks it.
+    let resumed = match &args.checkpoint_dir {
+        Some(dir) => checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?,
+        None => None,
     };
-    let mut resumed = None;
-    if args.resume {
-        let dir = args
-            .checkpoint_dir
-            .as_ref()
-            .expect("clap: --resume requires --checkpoint-dir");
-        let local = if rank == 0 {
-            checkpoint::load(dir)?
-        } else {
-            None
-        };
-        match ddp_candle::checkpoint::broadcast_checkpoint(&pg, local.as_ref(), 0)? {
-            Some(ckpt) => {
-                ckpt.meta.check_world_size(world)?;
-                check_compatible(&ckpt, args)?;
-                let vars: Vec<_> = varmap
-                    .data()
-                    .lock()
-                    .unwrap()
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
-                ddp_candle::checkpoint::load_vars(&ckpt, &vars)?;
-                pos = Position {
-                    step: ckpt.meta.step,
-                    epoch: ckpt.meta.sampler.epoch,
-                    consumed: ckpt.meta.sampler.consumed,
-                };
-                if rank == 0 {
-                    println!(
-                        "resuming from {} at step {}, epoch {}, {} samples into the epoch",
-                        checkpoint::checkpoint_path(dir).display(),
-                        pos.step,
-                        pos.epoch,
-                        pos.consumed
-                    );
-                }
-                resumed = Some(ckpt);
-            }
-            None => {
-                if rank == 0 {
-                    println!("no checkpoint in {}: starting fresh", dir.display());
-                }
-            }
-        }
-    }
 
     let opts = DdpOptions {
         check_finite: !args.no_check_finite,
         ..Default::default()
     };
     let mut ddp = Ddp::new(&varmap, &pg, opts)?;
-    ddp.reducer_mut().set_step(pos.step); // non-finite errors name the run's step
-    let mut opt = Opt::new(args, &ddp)?;
-    if let Some(ckpt) = &resumed {
-        opt.load_state(ckpt)?;
+    let mut opt = optimizer(args, &ddp)?;
+    let mut pos = TrainingState::default();
+    if let Some(r) = &resumed {
+        ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())?;
+        r.checkpoint.load_optimizer(&mut *opt)?;
+        pos = r.state;
+        if rank == 0 {
+            println!(
+                "resuming from {} at step {}, epoch {}, {} samples into the epoch",
+                r.path.display(),
+                pos.step,
+                pos.epoch,
+                pos.consumed
+            );
+        }
+    } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
+        println!("no checkpoint in {}: starting fresh", dir.display());
     }
-    let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+    ddp.reducer_mut().set_step(pos.step); // non-finite errors name the run's step
     if rank == 0 {
         println!(
             "train-digits: world_size {world}, {} train / {} test images, batch {} per rank \
@@ -282,7 +200,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
         pos.epoch += 1;
         pos.consumed = 0;
-        save(&pg, args, &ddp, &opt, &pos)?;
+        save(&pg, args, &plan, &ddp, &*opt, &pos)?;
         if rank == 0
             && args.log_every > 0
             && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
@@ -302,7 +220,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let train_time = start.elapsed();
     // Stopped early (--max-steps) mid-epoch: record the exact position.
     if pos.epoch < args.epochs {
-        save(&pg, args, &ddp, &opt, &pos)?;
+        save(&pg, args, &plan, &ddp, &*opt, &pos)?;
     }
 
     // Summary: global samples, replica check, statistics.

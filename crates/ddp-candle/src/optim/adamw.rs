@@ -8,15 +8,16 @@
 //! count.
 
 use super::unnamed;
-use crate::checkpoint::load_like;
+use crate::checkpoint::tensor_like;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Var;
 use candle_nn::{Optimizer, ParamsAdamW};
-use ddp::checkpoint::Checkpoint;
+use ddp::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
 
-/// Checkpoint name of the step count, stored exactly as two `f32` halves of 24 bits.
-const STEP_KEY: &str = "optim.__adamw.step";
+/// State key of the step count in checkpoints of format version 1, stored as two `f32` halves of
+/// 24 bits (format 2 stores it in the metadata).
+const LEGACY_STEP_KEY: &str = "__adamw.step";
 
 struct Slot {
     name: String,
@@ -68,8 +69,41 @@ impl AdamW {
         self.step_t
     }
 
-    /// Adds the state (both moments of every parameter and the step count) to `ckpt`.
+    /// Adds the state (both moments of every parameter, the step count and the
+    /// hyper-parameters) to `ckpt`; the same as `ckpt.save_optimizer(self)`.
     pub fn save_state(&self, ckpt: &mut Checkpoint) -> Result<()> {
+        ckpt.save_optimizer(self)
+    }
+
+    /// Restores the state saved by [`save_state`](Self::save_state) (errors name a missing or
+    /// mis-shaped tensor); the same as `ckpt.load_optimizer(self)`.
+    pub fn load_state(&mut self, ckpt: &Checkpoint) -> Result<()> {
+        ckpt.load_optimizer(self)
+    }
+}
+
+/// States `exp_avg` and `exp_avg_sq` per parameter (PyTorch's names), the step count, and the
+/// hyper-parameters `lr`, `beta1`, `beta2`, `eps`, `weight_decay`.
+impl OptimizerState for AdamW {
+    type Error = Error;
+
+    fn kind(&self) -> &str {
+        "adamw"
+    }
+
+    fn state_dict(&self) -> Result<OptimizerStateDict> {
+        let p = &self.params;
+        let mut state = OptimizerStateDict::new("adamw", self.step_t as u64);
+        state.hyper = [
+            ("lr", p.lr),
+            ("beta1", p.beta1),
+            ("beta2", p.beta2),
+            ("eps", p.eps),
+            ("weight_decay", p.weight_decay),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
         for s in &self.slots {
             for (slot, t) in [("exp_avg", &s.m), ("exp_avg_sq", &s.v)] {
                 let data = t
@@ -77,41 +111,39 @@ impl AdamW {
                     .flatten_all()?
                     .to_dtype(candle_core::DType::F32)?
                     .to_vec1::<f32>()?;
-                ckpt.insert(
-                    Checkpoint::optim_key(&s.name, slot),
-                    t.dims().to_vec(),
-                    data,
-                )?;
+                state.insert(&s.name, slot, t.dims().to_vec(), data)?;
             }
         }
-        let step = self.step_t as u64;
-        if step >= 1 << 48 {
-            return Err(Error::Unsupported(format!(
-                "AdamW step count {step} too large"
-            )));
-        }
-        let halves = vec![(step >> 24) as f32, (step & 0xff_ffff) as f32];
-        ckpt.insert(STEP_KEY, vec![2], halves)?;
-        Ok(())
+        Ok(state)
     }
 
-    /// Restores the state saved by [`save_state`](Self::save_state) (errors name a missing or
-    /// mis-shaped tensor).
-    pub fn load_state(&mut self, ckpt: &Checkpoint) -> Result<()> {
+    fn load_state_dict(&mut self, state: &OptimizerStateDict) -> Result<()> {
         for s in &self.slots {
             for (slot, t) in [("exp_avg", &s.m), ("exp_avg_sq", &s.v)] {
                 let key = Checkpoint::optim_key(&s.name, slot);
-                t.set(&load_like(ckpt, &key, t)?)?;
+                let saved = state.get(&s.name, slot).ok_or_else(|| {
+                    Error::Ddp(ddp::Error::Mismatch(format!(
+                        "checkpoint has no optimizer state {key:?}"
+                    )))
+                })?;
+                t.set(&tensor_like(saved, &key, t)?)?;
             }
         }
-        let step = ckpt.require(STEP_KEY)?;
-        if step.data.len() != 2 {
-            return Err(Error::Ddp(ddp::Error::Mismatch(format!(
-                "checkpoint tensor `{STEP_KEY}` has {} values, expected 2",
-                step.data.len()
-            ))));
-        }
-        self.step_t = ((step.data[0] as u64) << 24 | step.data[1] as u64) as usize;
+        self.step_t = match state.tensors.get(LEGACY_STEP_KEY) {
+            // Format 1: the step count as two exact f32 halves.
+            Some(t) if state.kind.is_empty() => match t.data[..] {
+                [hi, lo] => ((hi as u64) << 24 | lo as u64) as usize,
+                _ => {
+                    return Err(Error::Ddp(ddp::Error::Mismatch(format!(
+                        "checkpoint tensor `optim.{LEGACY_STEP_KEY}` has {} values, expected 2",
+                        t.data.len()
+                    ))))
+                }
+            },
+            _ => usize::try_from(state.step).map_err(|_| {
+                Error::Unsupported(format!("AdamW step count {} too large", state.step))
+            })?,
+        };
         Ok(())
     }
 }
@@ -244,5 +276,43 @@ mod tests {
         crate::checkpoint::save_vars(&mut missing, &second).unwrap();
         let e = opt2.load_state(&missing).unwrap_err().to_string();
         assert!(e.contains("optim.a.exp_avg"), "{e}");
+    }
+
+    #[test]
+    fn format_1_step_tensor_loads_and_kind_is_checked_through_dyn_optimizer() {
+        use crate::optim::{DynOptimizer, ParamsSgd, Sgd};
+        let vs = vars(1.0);
+        let mut opt = AdamW::new_named(vs.clone(), ParamsAdamW::default()).unwrap();
+        for k in 0..3 {
+            opt.step(&loss(&vs, k).backward().unwrap()).unwrap();
+        }
+        let mut ckpt = Checkpoint::new(CheckpointMeta::default());
+        opt.save_state(&mut ckpt).unwrap();
+        assert_eq!(ckpt.optimizer.as_ref().unwrap().step, 3);
+        let mut boxed: Box<dyn DynOptimizer> =
+            Box::new(AdamW::new_named(vars(5.0), ParamsAdamW::default()).unwrap());
+        ckpt.load_optimizer(&mut *boxed).unwrap();
+        assert_eq!(boxed.state_dict().unwrap(), opt.state_dict().unwrap());
+
+        // As format 1 stored it: no record, the step as a tensor of two 24-bit halves.
+        ckpt.optimizer = None;
+        ckpt.insert("optim.__adamw.step", vec![2], vec![1.0, 3.0])
+            .unwrap();
+        let mut old = AdamW::new_named(vars(5.0), ParamsAdamW::default()).unwrap();
+        old.load_state(&ckpt).unwrap();
+        assert_eq!(old.step_count(), (1 << 24) + 3);
+
+        let mut sgd: Box<dyn DynOptimizer> =
+            Box::new(Sgd::new_named(vars(5.0), ParamsSgd::default()).unwrap());
+        let mut adamw_ckpt = Checkpoint::new(CheckpointMeta::default());
+        adamw_ckpt.save_optimizer(&opt).unwrap();
+        let e = adamw_ckpt
+            .load_optimizer(&mut *sgd)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("adamw optimizer state") && e.contains("sgd"),
+            "{e}"
+        );
     }
 }

@@ -18,12 +18,12 @@
 //! `optim.<param>.momentum_buffer` (f32), PyTorch's state name.
 
 use super::unnamed;
-use crate::checkpoint::load_like;
+use crate::checkpoint::tensor_like;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var, WithDType};
 use candle_nn::Optimizer;
-use ddp::checkpoint::Checkpoint;
+use ddp::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
 use std::cell::RefCell;
 
 /// Hyper-parameters of [`Sgd`], with PyTorch's names and defaults (except `lr`, which PyTorch
@@ -95,6 +95,7 @@ struct Slot {
 pub struct Sgd {
     slots: Vec<Slot>,
     params: ParamsSgd,
+    steps: u64,
 }
 
 impl Sgd {
@@ -114,7 +115,11 @@ impl Sgd {
                 buf: Buffer::None,
             })
             .collect();
-        Ok(Sgd { slots, params })
+        Ok(Sgd {
+            slots,
+            params,
+            steps: 0,
+        })
     }
 
     pub fn params(&self) -> &ParamsSgd {
@@ -127,8 +132,48 @@ impl Sgd {
         Ok(())
     }
 
-    /// Adds the momentum buffers (those created so far) to `ckpt`.
+    /// Optimizer steps taken so far (restored from checkpoints).
+    pub fn step_count(&self) -> u64 {
+        self.steps
+    }
+
+    /// Adds the state (the momentum buffers created so far, the step count and the
+    /// hyper-parameters) to `ckpt`; the same as `ckpt.save_optimizer(self)`.
     pub fn save_state(&self, ckpt: &mut Checkpoint) -> Result<()> {
+        ckpt.save_optimizer(self)
+    }
+
+    /// Restores the state saved by [`save_state`](Self::save_state); the same as
+    /// `ckpt.load_optimizer(self)`. A parameter without a saved buffer starts fresh, as in
+    /// PyTorch; a mis-shaped one is an error naming it.
+    pub fn load_state(&mut self, ckpt: &Checkpoint) -> Result<()> {
+        ckpt.load_optimizer(self)
+    }
+}
+
+/// State `momentum_buffer` per parameter (PyTorch's name), the step count, and the
+/// hyper-parameters `lr`, `momentum`, `dampening`, `weight_decay`, `nesterov`, `maximize` (0/1).
+impl OptimizerState for Sgd {
+    type Error = Error;
+
+    fn kind(&self) -> &str {
+        "sgd"
+    }
+
+    fn state_dict(&self) -> Result<OptimizerStateDict> {
+        let p = &self.params;
+        let mut state = OptimizerStateDict::new("sgd", self.steps);
+        state.hyper = [
+            ("lr", p.lr),
+            ("momentum", p.momentum),
+            ("dampening", p.dampening),
+            ("weight_decay", p.weight_decay),
+            ("nesterov", p.nesterov as u8 as f64),
+            ("maximize", p.maximize as u8 as f64),
+        ]
+        .into_iter()
+        .map(|(k, v)| (k.to_string(), v))
+        .collect();
         for s in &self.slots {
             let data = match &s.buf {
                 Buffer::None => continue,
@@ -136,31 +181,26 @@ impl Sgd {
                 Buffer::F64(b) => b.iter().map(|&x| x as f32).collect(),
                 Buffer::Tensor(t) => t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
             };
-            ckpt.insert(
-                Checkpoint::optim_key(&s.name, "momentum_buffer"),
-                s.var.dims().to_vec(),
-                data,
-            )?;
+            state.insert(&s.name, "momentum_buffer", s.var.dims().to_vec(), data)?;
         }
-        Ok(())
+        Ok(state)
     }
 
-    /// Restores the buffers saved by [`save_state`](Self::save_state). A parameter without a saved
-    /// buffer starts fresh, as in PyTorch; a mis-shaped one is an error naming it.
-    pub fn load_state(&mut self, ckpt: &Checkpoint) -> Result<()> {
+    fn load_state_dict(&mut self, state: &OptimizerStateDict) -> Result<()> {
         for s in &mut self.slots {
-            let key = Checkpoint::optim_key(&s.name, "momentum_buffer");
-            if ckpt.get(&key).is_none() {
+            let Some(t) = state.get(&s.name, "momentum_buffer") else {
                 s.buf = Buffer::None;
                 continue;
-            }
-            let t = load_like(ckpt, &key, &s.var)?;
+            };
+            let key = Checkpoint::optim_key(&s.name, "momentum_buffer");
+            let t = tensor_like(t, &key, &s.var)?;
             s.buf = match (s.var.device().is_cpu(), s.var.dtype()) {
                 (true, DType::F32) => Buffer::F32(t.flatten_all()?.to_vec1()?),
                 (true, DType::F64) => Buffer::F64(t.flatten_all()?.to_vec1()?),
                 _ => Buffer::Tensor(t),
             };
         }
+        self.steps = state.step;
         Ok(())
     }
 }
@@ -182,6 +222,7 @@ impl Optimizer for Sgd {
     }
 
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+        self.steps += 1;
         for s in &mut self.slots {
             let Some(g) = grads.get(&s.var) else { continue };
             if s.var.elem_count() == 0 {

@@ -98,10 +98,14 @@ fn run(o: &Opts) -> Result<String, String> {
         ));
     }
     if o.fail_rank == Some(rank) && env.restart_count == o.fail_attempt {
-        return Err(format!(
-            "rank {rank}: failing on purpose on attempt {} (--fail-rank/--fail-attempt)",
+        // Say why before the group is dropped: closing the connections makes the peers fail,
+        // and the launcher stops this process as soon as one of them exits.
+        eprintln!(
+            "ddp-allreduce-check: rank {rank}: failing on purpose on attempt {} \
+             (--fail-rank/--fail-attempt)",
             env.restart_count
-        ));
+        );
+        std::process::exit(1);
     }
     pg.barrier()
         .map_err(|e| format!("rank {rank}: barrier failed: {e}"))?;

@@ -10,26 +10,9 @@ use std::net::TcpStream;
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-/// Run `f` on a thread and fail if it does not finish within `limit`.
-fn bounded<T: Send + 'static>(limit: Duration, f: impl FnOnce() -> T + Send + 'static) -> T {
-    let (tx, rx) = std::sync::mpsc::channel();
-    let handle = std::thread::spawn(move || {
-        let _ = tx.send(f());
-    });
-    match rx.recv_timeout(limit) {
-        Ok(v) => {
-            handle.join().unwrap();
-            v
-        }
-        Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => {
-            // `f` panicked: surface its panic.
-            std::panic::resume_unwind(handle.join().unwrap_err())
-        }
-        Err(std::sync::mpsc::RecvTimeoutError::Timeout) => {
-            panic!("test did not finish within {limit:?}")
-        }
-    }
-}
+#[path = "common/bounded.rs"]
+mod bounded;
+use bounded::bounded;
 
 fn opts(secret: Option<&str>) -> StoreOptions {
     StoreOptions {

@@ -415,8 +415,11 @@ fn a_flood_of_idle_and_garbage_connections_does_not_delay_a_legitimate_join() {
         let addr = child.addr.clone();
         let baseline: Vec<Duration> = (0..5).map(|i| legit_join(&addr, i)).collect();
 
-        // The flood runs until the joins are done; this only bounds it if they stall.
+        // The flood runs until the joins are done; the count only bounds it if they stall. Each
+        // flooder is paced (a fast machine opened all 40 000 before the ten joins were done, and
+        // unpaced it would also exhaust the ephemeral ports the legitimate joins need).
         const FLOOD: usize = 40_000;
+        const PER_THREAD_PER_SEC: f64 = 2_000.0;
         const HELD_PER_THREAD: usize = 300;
         let stop = Arc::new(AtomicBool::new(false));
         let opened = Arc::new(AtomicUsize::new(0));
@@ -434,7 +437,14 @@ fn a_flood_of_idle_and_garbage_connections_does_not_delay_a_legitimate_join() {
                 let mut rng = rand::rngs::StdRng::seed_from_u64(t);
                 let target = addr.parse().unwrap();
                 let mut held: VecDeque<TcpStream> = VecDeque::new();
+                let began = Instant::now();
+                let mut mine = 0usize;
                 while !stop.load(Ordering::Relaxed) && opened.load(Ordering::Relaxed) < FLOOD {
+                    if mine as f64 > began.elapsed().as_secs_f64() * PER_THREAD_PER_SEC {
+                        std::thread::sleep(Duration::from_millis(1));
+                        continue;
+                    }
+                    mine += 1;
                     let Ok(mut s) = TcpStream::connect_timeout(&target, Duration::from_secs(2))
                     else {
                         continue;

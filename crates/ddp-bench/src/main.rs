@@ -109,9 +109,11 @@ pub struct TrainArgs {
 /// Options shared by every sweep.
 #[derive(Args, Clone, Debug)]
 pub struct SweepArgs {
-    /// Transport: tcp (loopback or network), shm (shared memory, all ranks on this host) or
-    /// auto (shm when every rank is on this host, else tcp). Sets `DDP_BACKEND` for the workers.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto"])]
+    /// Transport: tcp (loopback or network), shm (shared memory, all ranks on this host),
+    /// auto (shm when every rank is on this host, else tcp) or mpi (feature `mpi`: run under
+    /// `mpirun -np N`, every process a rank; `--nproc` is ignored). Sets `DDP_BACKEND` for the
+    /// workers.
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto", "mpi"])]
     pub backend: String,
     /// Number of local processes to start (ignored under a launcher that sets RANK/WORLD_SIZE).
     #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, MAX_LOCAL_WORKERS as u64))]
@@ -154,7 +156,7 @@ fn main() {
     };
     // Workers (this process under a launcher, or its children) read the backend from the env.
     std::env::set_var("DDP_BACKEND", &backend);
-    if !launch::is_worker() {
+    if !launch::is_worker() && backend != "mpi" {
         std::process::exit(launch::run_local(nproc));
     }
     let result = match cli.cmd {
@@ -165,7 +167,9 @@ fn main() {
         Cmd::Broadcast(a) => sweep::run(sweep::Op::Broadcast, &a),
     };
     if let Err(e) = result {
-        let rank = std::env::var("RANK").unwrap_or_default();
+        let rank = std::env::var("RANK")
+            .or_else(|_| std::env::var("OMPI_COMM_WORLD_RANK"))
+            .unwrap_or_default();
         eprintln!("ddp-bench: rank {rank}: {e}");
         std::process::exit(1);
     }

@@ -3,7 +3,9 @@
 //! replica holds bit-identical weights.
 //!
 //! Run directly, it spawns `--nproc` local workers of itself (module [`launcher`]); under `ddprun`
-//! (or any environment that sets `RANK` and `WORLD_SIZE`) it is one worker (module [`train`]).
+//! (or any environment that sets `RANK` and `WORLD_SIZE`) it is one worker (module [`train`]),
+//! and with `--backend mpi` (feature `mpi`) every process is a worker of the job `mpirun`
+//! started: `mpirun -np 2 train-digits --backend mpi`.
 //! Data and split: module [`data`]; model: module [`model`].
 
 mod data;
@@ -20,6 +22,8 @@ pub enum Backend {
     Auto,
     Tcp,
     Shm,
+    /// The job's MPI library (run under `mpirun`/`srun`; needs the `mpi` feature).
+    Mpi,
 }
 
 /// Which backward path the workers use (both give the same gradients).
@@ -124,10 +128,13 @@ const MAX_BATCH: u64 = 1 << 20;
 fn main() {
     // Validates every flag (clap's error and exit status 2) before any worker starts.
     let args = Args::parse();
-    if !ddprun::spawn::is_worker() {
+    if !ddprun::spawn::is_worker() && args.backend != Some(Backend::Mpi) {
         std::process::exit(launcher::launch(args.nproc));
     }
-    let rank = std::env::var("RANK").unwrap_or_default();
+    let rank = std::env::var("RANK")
+        .or_else(|_| std::env::var("OMPI_COMM_WORLD_RANK"))
+        .or_else(|_| std::env::var("PMI_RANK"))
+        .unwrap_or_default();
     if let Err(e) = train::run(&args) {
         eprintln!("train-digits rank {rank}: error: {e}");
         std::process::exit(1);

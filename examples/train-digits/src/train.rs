@@ -26,6 +26,7 @@ fn init_options(args: &Args) -> InitOptions {
             Backend::Auto => CommBackend::Auto,
             Backend::Tcp => CommBackend::Tcp,
             Backend::Shm => CommBackend::Shm,
+            Backend::Mpi => CommBackend::Mpi,
         }),
         ..Default::default()
     }

@@ -7,8 +7,10 @@
 //!  ProcessGroup ──jobs──▶ engine thread ──▶ dyn CollectiveBackend ──▶ algorithms ──▶ dyn Transport
 //!                                           ├ TcpBackend           flat: ring, rd, tree, direct  TcpTransport
 //!                                           ├ ShmBackend           + shm_direct fast path        ShmTransport
-//!                                           └ HierarchicalBackend  + hierarchical all-reduce,    HierarchicalTransport
-//!                                                                    broadcast                   (mesh + shm per host)
+//!                                           ├ HierarchicalBackend  + hierarchical all-reduce,    HierarchicalTransport
+//!                                           │                        broadcast                   (mesh + shm per host)
+//!                                           └ MpiBackend (feature `mpi`): MPI_I* collectives     MpiTransport
+//!                                                                    on the job's MPI library    (MPI_Isend/Irecv)
 //! ```
 //!
 //! Every entry point of the trait has a default: the collective written once over
@@ -24,11 +26,15 @@
 pub mod buffer;
 pub mod flat;
 mod hierarchical;
+#[cfg(feature = "mpi")]
+pub mod mpi;
 mod shm;
 mod tcp;
 
 pub use buffer::{HostBuf, HostSlice};
 pub use hierarchical::HierarchicalBackend;
+#[cfg(feature = "mpi")]
+pub use mpi::MpiBackend;
 pub use shm::ShmBackend;
 pub use tcp::TcpBackend;
 
@@ -59,15 +65,19 @@ pub enum Backend {
     Tcp,
     /// Shared memory; initialization fails if the ranks are not all on one host.
     Shm,
+    /// The MPI library the job was launched with (`mpirun`/`srun`; crate feature `mpi`): rank
+    /// and world size from `MPI_COMM_WORLD`, no store; like torch's `mpi` backend.
+    Mpi,
 }
 
 impl Backend {
-    /// Parse `auto`, `tcp` (alias `gloo`) or `shm`.
+    /// Parse `auto`, `tcp` (alias `gloo`), `shm` or `mpi`.
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" | "" => Some(Backend::Auto),
             "tcp" | "gloo" => Some(Backend::Tcp),
             "shm" => Some(Backend::Shm),
+            "mpi" => Some(Backend::Mpi),
             _ => None,
         }
     }
@@ -76,7 +86,7 @@ impl Backend {
     pub fn from_env() -> Result<Self> {
         match std::env::var("DDP_BACKEND") {
             Ok(v) => Backend::parse(&v).ok_or_else(|| {
-                Error::Config(format!("DDP_BACKEND={v:?}: expected auto, tcp or shm"))
+                Error::Config(format!("DDP_BACKEND={v:?}: expected auto, tcp, shm or mpi"))
             }),
             Err(_) => Ok(Backend::Auto),
         }
@@ -94,15 +104,18 @@ pub enum Topology {
     Shm { ranks: usize },
     /// A TCP mesh over the group plus shared memory inside each host; ranks per host, by host.
     Hierarchical { per_host: Vec<usize> },
+    /// An MPI communicator of `ranks` ranks.
+    Mpi { ranks: usize },
 }
 
 impl Topology {
-    /// `tcp`, `shm` or `hierarchical`.
+    /// `tcp`, `shm`, `hierarchical` or `mpi`.
     pub fn name(&self) -> &'static str {
         match self {
             Topology::Tcp { .. } => "tcp",
             Topology::Shm { .. } => "shm",
             Topology::Hierarchical { .. } => "hierarchical",
+            Topology::Mpi { .. } => "mpi",
         }
     }
 }
@@ -117,6 +130,7 @@ impl fmt::Display for Topology {
                 "hierarchical: {} hosts x {per_host:?} ranks, shm inside a host, tcp between",
                 per_host.len()
             ),
+            Topology::Mpi { ranks } => write!(f, "mpi: {ranks} ranks, MPI communicator"),
         }
     }
 }
@@ -219,6 +233,18 @@ pub trait CollectiveBackend: Send {
         })
     }
 
+    /// The subgroup of `members` (sorted ranks of this group) for a backend whose subgroups
+    /// come from the library it runs on (MPI: `MPI_Comm_split` of this group's communicator):
+    /// `Some` on members, `None` elsewhere; every rank of the group calls it, in the same
+    /// order. Backends that connect subgroups through the store (all others) never get here.
+    fn split(&mut self, members: &[usize]) -> Result<Option<Box<dyn CollectiveBackend>>> {
+        let _ = members;
+        Err(Error::Internal(format!(
+            "{} groups connect their subgroups through the store, not by splitting",
+            self.topology().name()
+        )))
+    }
+
     /// Receive `buf` from rank `from`.
     fn recv(&mut self, buf: HostBuf<'_>, from: usize) -> Result<()> {
         with_element!(buf.dtype(), T => {
@@ -257,6 +283,11 @@ pub struct BackendPlan {
 /// - one rank per host: `shm` fails, `auto` uses the TCP mesh.
 pub fn select(plan: &BackendPlan) -> Result<Box<dyn CollectiveBackend>> {
     let p = plan;
+    if p.backend == Backend::Mpi {
+        return Err(Error::Internal(
+            "backend mpi groups come from MPI_COMM_WORLD, not from a store".into(),
+        ));
+    }
     let tcp = || -> Result<Box<dyn CollectiveBackend>> {
         let mut mesh =
             TcpTransport::connect_mesh(&*p.store, p.rank, p.size, p.local_ip, p.timeout)?;

@@ -41,8 +41,10 @@ pub struct InitOptions {
     /// A forced one runs flat over the group's TCP or shm message transport (no shm fast path,
     /// no hierarchical all-reduce).
     pub allreduce_algorithm: Option<AllReduceAlgorithm>,
-    /// Backend asked for (default: env `DDP_BACKEND` = auto|tcp|shm, else auto); what it
-    /// resolves to is [`ProcessGroup::topology`](super::ProcessGroup::topology).
+    /// Backend asked for (default: env `DDP_BACKEND` = auto|tcp|shm|mpi, else auto); what it
+    /// resolves to is [`ProcessGroup::topology`](super::ProcessGroup::topology). `mpi` (crate
+    /// feature `mpi`) takes rank and world size from `MPI_COMM_WORLD` and uses no store, so
+    /// `init_method`, `store` and `secret` are ignored with it.
     pub backend: Option<Backend>,
     /// This process's host identity for `auto` / `shm` (default: [`crate::host::host_id`], from the
     /// hostname, boot id and the `/dev/shm` mount). Ranks with equal ids must be able to share
@@ -147,6 +149,9 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         Some(d) => (!d.is_zero()).then_some(d),
         None => warn_after_from_env()?,
     };
+    if backend == Backend::Mpi {
+        return init_mpi(&opts, warn_after);
+    }
     let rdzv = rendezvous(&opts, secret)?;
     let ifname = opts.socket_ifname.clone().or_else(|| {
         std::env::var(SOCKET_IFNAME_ENV)
@@ -176,6 +181,26 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         global_ranks: (0..rdzv.size).collect(),
         server: rdzv.server,
     })
+}
+
+/// The default group of backend `mpi`: `MPI_COMM_WORLD` (rank and world size from MPI).
+#[cfg(feature = "mpi")]
+fn init_mpi(opts: &InitOptions, warn_after: Option<Duration>) -> Result<ProcessGroup> {
+    ProcessGroup::connect_mpi(&crate::backend::mpi::MpiPlan {
+        rank: opts.rank,
+        world_size: opts.world_size,
+        timeout: opts.timeout,
+        warn_after,
+    })
+}
+
+#[cfg(not(feature = "mpi"))]
+fn init_mpi(_: &InitOptions, _: Option<Duration>) -> Result<ProcessGroup> {
+    Err(Error::Config(
+        "backend mpi: this build of ddp-comm has no MPI support; build with the `mpi` feature \
+         (e.g. `--features ddp-comm/mpi`, which needs an MPI library such as libopenmpi-dev)"
+            .into(),
+    ))
 }
 
 /// Where the store is: explicit, `env://` or `tcp://host:port`.

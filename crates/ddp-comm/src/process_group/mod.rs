@@ -40,13 +40,15 @@ struct Inner {
     global_ranks: Vec<usize>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     thread: Mutex<Option<JoinHandle<()>>>,
-    /// Store namespaced for this group; subgroups namespace further.
-    store: Arc<dyn Store>,
     /// Keeps the store server alive when this process hosts it.
     _server: Option<Arc<StoreServer>>,
     subgroups: AtomicU64,
-    /// How this group was connected (subgroups connect the same way, on their own store).
-    plan: BackendPlan,
+    /// What the user asked for.
+    backend: Backend,
+    /// How this group was connected through its store (namespaced for the group; subgroups
+    /// connect the same way, on their own store); `None` for an MPI group, whose subgroups
+    /// are split from it.
+    plan: Option<BackendPlan>,
     /// What the backend resolved to.
     topology: Topology,
 }
@@ -90,9 +92,33 @@ impl ProcessGroup {
         let backend = select(&plan)?;
         let topology = backend.topology();
         tracing::debug!("rank {rank} of a group of global ranks {global_ranks:?}: {topology}");
+        let timeout = plan.timeout;
+        let kind = plan.backend;
+        ProcessGroup::start(
+            backend,
+            kind,
+            rank,
+            global_ranks,
+            timeout,
+            Some(plan),
+            server,
+        )
+    }
+
+    /// Start the engine thread of a connected `backend` and wrap it as a group.
+    fn start(
+        backend: Box<dyn CollectiveBackend>,
+        kind: Backend,
+        rank: usize,
+        global_ranks: Vec<usize>,
+        timeout: Duration,
+        plan: Option<BackendPlan>,
+        server: Option<Arc<StoreServer>>,
+    ) -> Result<ProcessGroup> {
+        let size = global_ranks.len();
+        let topology = backend.topology();
         let (tx, thread) =
             Engine::start(backend, size, format!("ddp-comm-r{}", global_ranks[rank]))?;
-        let timeout = plan.timeout;
         Ok(ProcessGroup {
             inner: Arc::new(Inner {
                 rank,
@@ -100,14 +126,30 @@ impl ProcessGroup {
                 global_ranks,
                 jobs: Mutex::new(Some(tx)),
                 thread: Mutex::new(Some(thread)),
-                store: plan.store.clone(),
                 _server: server,
                 subgroups: AtomicU64::new(0),
+                backend: kind,
                 plan,
                 topology,
             }),
             timeout,
         })
+    }
+
+    /// The default group of the mpi backend: `MPI_COMM_WORLD`, no store.
+    #[cfg(feature = "mpi")]
+    fn connect_mpi(p: &crate::backend::mpi::MpiPlan) -> Result<ProcessGroup> {
+        let (backend, rank, size) = crate::backend::mpi::connect_world(p)?;
+        tracing::debug!("rank {rank} of {size}: {}", backend.topology());
+        ProcessGroup::start(
+            backend,
+            Backend::Mpi,
+            rank,
+            (0..size).collect(),
+            p.timeout,
+            None,
+            None,
+        )
     }
 
     /// This process's rank in the group.
@@ -133,15 +175,16 @@ impl ProcessGroup {
             .position(|&g| g == global_rank)
     }
 
-    /// The store this group uses (namespaced to the group).
-    pub fn store(&self) -> &Arc<dyn Store> {
-        &self.inner.store
+    /// The store this group uses (namespaced to the group); `None` on the mpi backend, which
+    /// needs none.
+    pub fn store(&self) -> Option<&Arc<dyn Store>> {
+        self.inner.plan.as_ref().map(|p| &p.store)
     }
 
     /// The backend this group was asked for (`auto` unless set; what it resolved to is
     /// [`ProcessGroup::topology`]).
     pub fn backend(&self) -> Backend {
-        self.inner.plan.backend
+        self.inner.backend
     }
 
     /// What the backend resolved to; displays e.g. as `tcp: 4 ranks, full mesh`,
@@ -182,15 +225,27 @@ impl ProcessGroup {
             )));
         }
         let k = self.inner.subgroups.fetch_add(1, Ordering::SeqCst);
-        let Some(my) = ranks.iter().position(|&r| r == self.rank()) else {
+        let my = ranks.iter().position(|&r| r == self.rank());
+        let global: Vec<usize> = ranks.iter().map(|&r| self.inner.global_ranks[r]).collect();
+        let Some(p) = &self.inner.plan else {
+            // MPI: every rank of this group splits its communicator, on the group's thread
+            // (in order with the collectives queued before).
+            let fp = self.fingerprint(OpKind::Rendezvous, DType::U8, None, ranks.len(), None);
+            let members = ranks.clone();
+            let sub = self.blocking(fp, move |b| b.split(&members))?;
+            return match (sub, my) {
+                (Some(b), Some(my)) => {
+                    let (kind, timeout) = (self.inner.backend, self.timeout);
+                    ProcessGroup::start(b, kind, my, global, timeout, None, None).map(Some)
+                }
+                _ => Ok(None),
+            };
+        };
+        let Some(my) = my else {
             return Ok(None);
         };
-        let store: Arc<dyn Store> = Arc::new(PrefixStore::new(
-            format!("group{k}"),
-            self.inner.store.clone(),
-        ));
-        let global = ranks.iter().map(|&r| self.inner.global_ranks[r]).collect();
-        let p = &self.inner.plan;
+        let store: Arc<dyn Store> =
+            Arc::new(PrefixStore::new(format!("group{k}"), p.store.clone()));
         ProcessGroup::connect(GroupPlan {
             backend: BackendPlan {
                 store,

@@ -290,7 +290,7 @@ impl MpiBackend {
             return Ok(());
         }
         let n = self.count(buf.len())?;
-        let ptr: *mut c_void = buf.as_mut_ptr().cast();
+        let ptr = runtime::recv_ptr(buf);
         self.run("MPI_Iallreduce", |comm, req| {
             // SAFETY: `buf` outlives the request (completed in `run`, or the job is ended).
             unsafe {
@@ -321,7 +321,7 @@ impl MpiBackend {
             return Ok(());
         }
         let n = self.count(buf.len())?;
-        let ptr: *mut c_void = buf.as_mut_ptr().cast();
+        let ptr = runtime::recv_ptr(buf);
         self.run("MPI_Ireduce", |comm, req| {
             let (send, recv) = if is_root {
                 (runtime::in_place(), ptr)
@@ -364,7 +364,7 @@ impl MpiBackend {
         }
         let n = self.count(output.len())?;
         let (inp, out): (*const c_void, *mut c_void) =
-            (input.as_ptr().cast(), output.as_mut_ptr().cast());
+            (runtime::send_ptr(input), runtime::recv_ptr(output));
         self.run("MPI_Ireduce_scatter_block", |comm, req| {
             // SAFETY: `input` and `output` outlive the request; sizes checked above.
             unsafe {
@@ -416,7 +416,7 @@ impl CollectiveBackend for MpiBackend {
     fn broadcast(&mut self, buf: HostBuf<'_>, root: usize) -> Result<()> {
         let (dt, len) = (buf.dtype(), buf.len());
         let n = self.count(len)?;
-        let ptr: *mut c_void = with_element!(dt, T => buf.typed::<T>().as_mut_ptr().cast());
+        let ptr: *mut c_void = with_element!(dt, T => runtime::recv_ptr(buf.typed::<T>()));
         self.run("MPI_Ibcast", |comm, req| {
             // SAFETY: the buffer outlives the request (completed in `run`, or the job is ended).
             unsafe { ffi::MPI_Ibcast(ptr, n, runtime::datatype(dt), root as c_int, comm, req) }
@@ -432,8 +432,8 @@ impl CollectiveBackend for MpiBackend {
         flat::check_len("all_gather output", output.len(), n * self.t.size())?;
         let c = self.count(n)?;
         self.count(output.len())?;
-        let inp: *const c_void = with_element!(dt, T => input.typed::<T>().as_ptr().cast());
-        let out: *mut c_void = with_element!(dt, T => output.typed::<T>().as_mut_ptr().cast());
+        let inp: *const c_void = with_element!(dt, T => runtime::send_ptr(input.typed::<T>()));
+        let out: *mut c_void = with_element!(dt, T => runtime::recv_ptr(output.typed::<T>()));
         let ty = runtime::datatype(dt);
         self.run("MPI_Iallgather", |comm, req| {
             // SAFETY: buffers outlive the request; `output` holds size × n elements (checked).
@@ -465,12 +465,12 @@ impl CollectiveBackend for MpiBackend {
             })?;
             flat::check_len("gather output", o.len(), n * self.t.size())?;
             self.count(o.len())?;
-            with_element!(dt, T => o.typed::<T>().as_mut_ptr().cast())
+            with_element!(dt, T => runtime::recv_ptr(o.typed::<T>()))
         } else {
             std::ptr::null_mut()
         };
         let c = self.count(n)?;
-        let inp: *const c_void = with_element!(dt, T => input.typed::<T>().as_ptr().cast());
+        let inp: *const c_void = with_element!(dt, T => runtime::send_ptr(input.typed::<T>()));
         let ty = runtime::datatype(dt);
         self.run("MPI_Igather", |comm, req| {
             // SAFETY: buffers outlive the request; the root's output holds size × n (checked).
@@ -491,12 +491,12 @@ impl CollectiveBackend for MpiBackend {
             })?;
             flat::check_len("scatter input", i.len(), n * self.t.size())?;
             self.count(i.len())?;
-            with_element!(dt, T => i.typed::<T>().as_ptr().cast())
+            with_element!(dt, T => runtime::send_ptr(i.typed::<T>()))
         } else {
             std::ptr::null()
         };
         let c = self.count(n)?;
-        let out: *mut c_void = with_element!(dt, T => output.typed::<T>().as_mut_ptr().cast());
+        let out: *mut c_void = with_element!(dt, T => runtime::recv_ptr(output.typed::<T>()));
         let ty = runtime::datatype(dt);
         self.run("MPI_Iscatter", |comm, req| {
             // SAFETY: buffers outlive the request; the root's input holds size × n (checked).
@@ -515,8 +515,8 @@ impl CollectiveBackend for MpiBackend {
         flat::check_len("all_to_all output", output.len(), input.len())?;
         self.count(input.len())?;
         let c = self.count(input.len() / p)?;
-        let inp: *const c_void = with_element!(dt, T => input.typed::<T>().as_ptr().cast());
-        let out: *mut c_void = with_element!(dt, T => output.typed::<T>().as_mut_ptr().cast());
+        let inp: *const c_void = with_element!(dt, T => runtime::send_ptr(input.typed::<T>()));
+        let out: *mut c_void = with_element!(dt, T => runtime::recv_ptr(output.typed::<T>()));
         let ty = runtime::datatype(dt);
         self.run("MPI_Ialltoall", |comm, req| {
             // SAFETY: buffers outlive the request; both hold size × c elements (checked).

@@ -16,6 +16,28 @@ extern "C" {
     fn ddp_mpi_in_place() -> *mut c_void;
 }
 
+/// Where an empty buffer points instead of its dangling address (which for one-byte elements
+/// is `0x1`, Open MPI's `MPI_IN_PLACE`): MPI reads or writes nothing for a count of 0.
+static EMPTY: [u64; 1] = [0];
+
+/// The address of a send buffer for MPI.
+pub(super) fn send_ptr<T>(s: &[T]) -> *const c_void {
+    if s.is_empty() {
+        EMPTY.as_ptr().cast()
+    } else {
+        s.as_ptr().cast()
+    }
+}
+
+/// The address of a receive buffer for MPI (never written through when empty).
+pub(super) fn recv_ptr<T>(s: &mut [T]) -> *mut c_void {
+    if s.is_empty() {
+        EMPTY.as_ptr() as *mut c_void
+    } else {
+        s.as_mut_ptr().cast()
+    }
+}
+
 /// `MPI_IN_PLACE`.
 pub(super) fn in_place() -> *mut c_void {
     // SAFETY: the shim returns a constant of the MPI headers; no state is touched.

@@ -144,7 +144,7 @@ impl Transport for MpiTransport {
                     runtime::keep_first(
                         &mut rc,
                         ffi::MPI_Irecv(
-                            r.buf.as_mut_ptr().cast(),
+                            runtime::recv_ptr(r.buf),
                             n,
                             byte,
                             r.from as c_int,
@@ -177,7 +177,7 @@ impl Transport for MpiTransport {
                     runtime::keep_first(
                         &mut rc,
                         ffi::MPI_Isend(
-                            s.data.as_ptr() as *mut _,
+                            runtime::send_ptr(s.data) as *mut _,
                             n,
                             byte,
                             s.to as c_int,

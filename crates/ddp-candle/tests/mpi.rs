@@ -46,7 +46,11 @@ fn mpi_rank() {
             let (xs, ys) = batch(&x, &y, start..start + 8);
             let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
             opt.step(&ddp.backward(&loss).unwrap()).unwrap();
-            assert_eq!(ddp.replica_max_diff().unwrap(), 0.0, "step {step}: replicas differ");
+            assert_eq!(
+                ddp.replica_max_diff().unwrap(),
+                0.0,
+                "step {step}: replicas differ"
+            );
             assert_close(&params(&ddp), want, 1e-5, &format!("mpi step {step}"));
         }
     }
@@ -60,8 +64,7 @@ fn mpi_rank() {
     let base = rank * K * M;
     let micro_loss = |k: usize| {
         let (xs, ys) = batch(&x, &y, base + k * M..base + (k + 1) * M);
-        (candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap() / K as f64)
-            .unwrap()
+        (candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap() / K as f64).unwrap()
     };
     {
         let mut guard = ddp.no_sync();
@@ -128,7 +131,13 @@ fn ddp_no_sync_and_join_over_mpi_match_plain_candle() {
     let mut child = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2"])
         .arg(std::env::current_exe().unwrap())
-        .args(["mpi_rank", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+        .args([
+            "mpi_rank",
+            "--exact",
+            "--ignored",
+            "--nocapture",
+            "--test-threads=1",
+        ])
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
@@ -152,5 +161,8 @@ fn ddp_no_sync_and_join_over_mpi_match_plain_candle() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(status.success(), "{text}");
-    assert!(text.contains("OK rank 0\n") && text.contains("OK rank 1\n"), "{text}");
+    assert!(
+        text.contains("OK rank 0\n") && text.contains("OK rank 1\n"),
+        "{text}"
+    );
 }

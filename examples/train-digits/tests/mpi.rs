@@ -16,14 +16,23 @@ fn summary(out: &Output, what: &str) -> serde_json::Value {
         String::from_utf8_lossy(&out.stderr)
     );
     let last = stdout.lines().last().unwrap_or_default();
-    serde_json::from_str(last).unwrap_or_else(|e| panic!("{what}: last line not JSON ({e}): {stdout}"))
+    serde_json::from_str(last)
+        .unwrap_or_else(|e| panic!("{what}: last line not JSON ({e}): {stdout}"))
 }
 
 #[test]
 fn mpirun_train_digits_backend_mpi_matches_tcp_bit_for_bit() {
     let args = ["--epochs", "3", "--json", "--timeout-s", "120"];
     let mpi = Command::new("timeout")
-        .args(["300", "mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", BIN])
+        .args([
+            "300",
+            "mpirun",
+            "--allow-run-as-root",
+            "--oversubscribe",
+            "-np",
+            "2",
+            BIN,
+        ])
         .args(args)
         .args(["--backend", "mpi"])
         .stdin(Stdio::null())
@@ -37,11 +46,20 @@ fn mpirun_train_digits_backend_mpi_matches_tcp_bit_for_bit() {
         .stdin(Stdio::null())
         .output()
         .unwrap();
-    let (m, t) = (summary(&mpi, "mpirun train-digits"), summary(&tcp, "train-digits tcp"));
+    let (m, t) = (
+        summary(&mpi, "mpirun train-digits"),
+        summary(&tcp, "train-digits tcp"),
+    );
     assert_eq!(m["world_size"], 2, "{m}");
     assert_eq!(m["replicas_identical"], true, "{m}");
     assert_eq!(m["max_param_diff"], 0.0, "{m}");
-    for k in ["steps", "param_sum", "param_l2", "final_loss", "test_accuracy"] {
+    for k in [
+        "steps",
+        "param_sum",
+        "param_l2",
+        "final_loss",
+        "test_accuracy",
+    ] {
         assert_eq!(m[k], t[k], "{k}: mpi {m} vs tcp {t}");
     }
 }

@@ -8,7 +8,7 @@
 
 #![cfg(feature = "mpi")]
 
-use candle_core::{Module, Tensor};
+use candle_core::Tensor;
 use candle_nn::{Optimizer, SGD};
 use ddp_candle::{Ddp, DdpOptions};
 use ddp_comm::{init_process_group, Backend, InitOptions};

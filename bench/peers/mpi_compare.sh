@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # ddp-comm's mpi backend against raw MPI_Allreduce, in the same run, 2 ranks, interleaved:
 #   REPS x { mpi_allreduce.c ; ddp-bench allreduce --backend mpi ; the same with
-#            DDP_MPI_FINGERPRINTS=0 }
-# then per size the median over runs of each, the busbw ratio ddp/raw and the latency added.
+#            DDP_MPI_FINGERPRINTS=0 ; ddp-bench --backend tcp ; ddp-bench --backend shm }
+# then per size the median over runs of each, the busbw ratio ddp/raw and the latency added,
+# and tcp/shm side by side (the README's backend table).
 #
 #   bench/peers/mpi_compare.sh                   # REPS=5 MIN_BYTES=1K MAX_BYTES=16M
 #   RESULTS_DIR=/tmp/mpicmp REPS=3 bench/peers/mpi_compare.sh
@@ -26,6 +27,10 @@ for rep in $(seq "$REPS"); do
     --max-bytes "$MAX_BYTES" --json >"$OUT/ddp.$rep.jsonl"
   run -x DDP_MPI_FINGERPRINTS=0 "$BENCH" allreduce --backend mpi --min-bytes "$MIN_BYTES" \
     --max-bytes "$MAX_BYTES" --json >"$OUT/nofp.$rep.jsonl"
+  for b in tcp shm; do
+    timeout 900 "$BENCH" allreduce --backend $b --nproc 2 --min-bytes "$MIN_BYTES" \
+      --max-bytes "$MAX_BYTES" --json >"$OUT/$b.$rep.jsonl"
+  done
 done
 python3 - "$OUT" "$REPS" <<'PY'
 import json, statistics, sys, glob
@@ -40,7 +45,7 @@ def med(kind):
                 assert r["wrong"] == 0, (kind, r)
     return {b: (statistics.median(x["time_us"] for x in rs), statistics.median(x["busbw_gbs"] for x in rs))
             for b, rs in by.items()}
-raw, ddp, nofp = med("raw"), med("ddp"), med("nofp")
+raw, ddp, nofp, tcp, shm = med("raw"), med("ddp"), med("nofp"), med("tcp"), med("shm")
 print(f"# 2 ranks, medians of {reps} interleaved runs; ratio = ddp busbw / raw busbw; "
       f"+us = ddp time - raw time")
 print(f"{'bytes':>10} {'raw_us':>10} {'ddp_us':>10} {'nofp_us':>10} {'raw_busbw':>10} {'ddp_busbw':>10} "
@@ -51,5 +56,11 @@ for b in sorted(raw):
     (rt, rb), (dt, db), (nt, nb) = raw[b], ddp[b], nofp[b]
     print(f"{b:>10} {rt:>10.2f} {dt:>10.2f} {nt:>10.2f} {rb:>10.3f} {db:>10.3f} "
           f"{db / rb:>7.3f} {nb / rb:>10.3f} {dt - rt:>8.2f} {nt - rt:>8.2f}")
+print()
+print(f"# side by side: time_us / busbw_GBs (medians)")
+print(f"{'bytes':>10} {'raw MPI':>18} {'mpi':>18} {'tcp':>18} {'shm':>18}")
+for b in sorted(raw):
+    cells = [f"{d[b][0]:.1f} / {d[b][1]:.3f}" if b in d else "-" for d in (raw, ddp, tcp, shm)]
+    print(f"{b:>10} " + " ".join(f"{c:>18}" for c in cells))
 PY
 echo "# raw results in $OUT"

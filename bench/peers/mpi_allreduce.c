@@ -16,6 +16,10 @@
  * `wrong` is the number of mismatching elements (summed over ranks) in a
  * separate correctness pass with known inputs; it should always be 0.
  *
+ * --nonblocking: MPI_Iallreduce completed by an MPI_Test loop instead (Open MPI runs it in
+ * libnbc, not in the tuned component of the blocking call); the baseline of ddp-comm's mpi
+ * backend, which issues every collective non-blocking (bench/peers/mpi_compare.sh).
+ *
  * Build:  mpicc -O2 -o mpi_allreduce bench/peers/mpi_allreduce.c
  * Run:    mpirun --allow-run-as-root --oversubscribe -np 2 ./mpi_allreduce \
  *             --min-bytes 1024 --max-bytes 67108864 [--iters 20] [--warmup 5] [--json]
@@ -24,6 +28,18 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+static int nonblocking = 0;
+
+/* MPI_Allreduce, or MPI_Iallreduce + MPI_Test until done (--nonblocking). */
+static int allreduce(void *buf, int count) {
+    if (!nonblocking)
+        return MPI_Allreduce(MPI_IN_PLACE, buf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+    MPI_Request req;
+    int done = 0, rc = MPI_Iallreduce(MPI_IN_PLACE, buf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD, &req);
+    while (rc == MPI_SUCCESS && !done) rc = MPI_Test(&req, &done, MPI_STATUS_IGNORE);
+    return rc;
+}
 
 static int cmp_double(const void *a, const void *b) {
     double x = *(const double *)a, y = *(const double *)b;
@@ -43,7 +59,7 @@ static void usage(int rank) {
     if (rank == 0)
         fprintf(stderr,
                 "usage: mpi_allreduce [--min-bytes N] [--max-bytes N] [--iters N] "
-                "[--small-iters N] [--warmup N] [--json]\n"
+                "[--small-iters N] [--warmup N] [--nonblocking] [--json]\n"
                 "  sizes accept K/M/G suffixes (binary); sizes < 1 MiB use --small-iters\n");
 }
 
@@ -59,6 +75,7 @@ int main(int argc, char **argv) {
         const char *a = argv[i];
         const char *v = (i + 1 < argc) ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = 1; continue; }
+        if (!strcmp(a, "--nonblocking")) { nonblocking = 1; continue; }
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(rank); MPI_Finalize(); return 0; }
         if (!v) { usage(rank); MPI_Abort(MPI_COMM_WORLD, 2); }
         if (!strcmp(a, "--min-bytes")) min_bytes = parse_size(v);
@@ -104,13 +121,13 @@ int main(int argc, char **argv) {
         int n = bytes < 1024 * 1024 ? small_iters : iters;
         for (int j = 0; j < count; j++) buf[j] = 1.0f;
         for (int w = 0; w < warmup; w++) {
-            MPI_Allreduce(MPI_IN_PLACE, buf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            allreduce(buf, count);
             for (int j = 0; j < count; j++) buf[j] = 1.0f; /* keep values finite */
         }
         for (int it = 0; it < n; it++) {
             MPI_Barrier(MPI_COMM_WORLD);
             double t0 = MPI_Wtime();
-            MPI_Allreduce(MPI_IN_PLACE, buf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+            allreduce(buf, count);
             t[it] = MPI_Wtime() - t0;
         }
         MPI_Allreduce(t, tmax, n, MPI_DOUBLE, MPI_MAX, MPI_COMM_WORLD);
@@ -119,7 +136,7 @@ int main(int argc, char **argv) {
 
         /* correctness pass: element j on rank r is (r+1)*(j%97); sum is known exactly. */
         for (int j = 0; j < count; j++) buf[j] = (float)((rank + 1) * (j % 97));
-        MPI_Allreduce(MPI_IN_PLACE, buf, count, MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
+        allreduce(buf, count);
         long long wrong = 0, wrong_all = 0;
         float ranksum = (float)world * (float)(world + 1) / 2.0f;
         for (int j = 0; j < count; j++)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # ddp-comm's mpi backend against raw MPI_Allreduce, in the same run, 2 ranks, interleaved:
-#   REPS x { mpi_allreduce.c ; ddp-bench allreduce --backend mpi ; the same with
+#   REPS x { mpi_allreduce.c ; mpi_allreduce.c --nonblocking ; ddp-bench allreduce --backend mpi ; the same with
 #            DDP_MPI_FINGERPRINTS=0 ; ddp-bench --backend tcp ; ddp-bench --backend shm }
 # then per size the median over runs of each, the busbw ratio ddp/raw and the latency added,
 # and tcp/shm side by side (the README's backend table).
@@ -23,6 +23,8 @@ BENCH="$ROOT/target/release/ddp-bench"
 run() { timeout 900 mpirun --allow-run-as-root --oversubscribe --bind-to none ${MPIRUN_ARGS:-} -np 2 "$@"; }
 for rep in $(seq "$REPS"); do
   run "$OUT/mpi_allreduce" --min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES" --json >"$OUT/raw.$rep.jsonl"
+  run "$OUT/mpi_allreduce" --nonblocking --min-bytes "$MIN_BYTES" --max-bytes "$MAX_BYTES" --json \
+    >"$OUT/rawnb.$rep.jsonl"
   run -x DDP_MPI_FINGERPRINTS=1 "$BENCH" allreduce --backend mpi --min-bytes "$MIN_BYTES" \
     --max-bytes "$MAX_BYTES" --json >"$OUT/ddp.$rep.jsonl"
   run -x DDP_MPI_FINGERPRINTS=0 "$BENCH" allreduce --backend mpi --min-bytes "$MIN_BYTES" \
@@ -46,6 +48,7 @@ def med(kind):
     return {b: (statistics.median(x["time_us"] for x in rs), statistics.median(x["busbw_gbs"] for x in rs))
             for b, rs in by.items()}
 raw, ddp, nofp, tcp, shm = med("raw"), med("ddp"), med("nofp"), med("tcp"), med("shm")
+rawnb = med("rawnb")
 print(f"# 2 ranks, medians of {reps} interleaved runs; ratio = ddp busbw / raw busbw; "
       f"+us = ddp time - raw time")
 print(f"{'bytes':>10} {'raw_us':>10} {'ddp_us':>10} {'nofp_us':>10} {'raw_busbw':>10} {'ddp_busbw':>10} "
@@ -57,10 +60,17 @@ for b in sorted(raw):
     print(f"{b:>10} {rt:>10.2f} {dt:>10.2f} {nt:>10.2f} {rb:>10.3f} {db:>10.3f} "
           f"{db / rb:>7.3f} {nb / rb:>10.3f} {dt - rt:>8.2f} {nt - rt:>8.2f}")
 print()
+print("# against the non-blocking baseline (MPI_Iallreduce + MPI_Test, what the backend issues)")
+print(f"{'bytes':>10} {'rawnb_us':>10} {'ddp_us':>10} {'ratio':>7} {'+us':>8}")
+for b in sorted(rawnb):
+    if b in ddp:
+        (rt, rb), (dt, db) = rawnb[b], ddp[b]
+        print(f"{b:>10} {rt:>10.2f} {dt:>10.2f} {db / rb:>7.3f} {dt - rt:>8.2f}")
+print()
 print(f"# side by side: time_us / busbw_GBs (medians)")
-print(f"{'bytes':>10} {'raw MPI':>18} {'mpi':>18} {'tcp':>18} {'shm':>18}")
+print(f"{'bytes':>10} {'raw MPI':>18} {'raw MPI_I*':>18} {'mpi':>18} {'tcp':>18} {'shm':>18}")
 for b in sorted(raw):
-    cells = [f"{d[b][0]:.1f} / {d[b][1]:.3f}" if b in d else "-" for d in (raw, ddp, tcp, shm)]
+    cells = [f"{d[b][0]:.1f} / {d[b][1]:.3f}" if b in d else "-" for d in (raw, rawnb, ddp, tcp, shm)]
     print(f"{b:>10} " + " ".join(f"{c:>18}" for c in cells))
 PY
 echo "# raw results in $OUT"

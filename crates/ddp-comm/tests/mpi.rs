@@ -59,7 +59,7 @@ fn mpi_rank() {
             } else {
                 pg.new_group(&rest).unwrap()
             };
-            assert_eq!(ge.is_some(), rank % 2 == 0);
+            assert_eq!(ge.is_some(), rank.is_multiple_of(2));
             assert_eq!(gr.is_some(), rank > 0);
             for g in [ge, gr].into_iter().flatten() {
                 common::check_all::<f32>(&g, 90 + g.size() as u64, &[0, 1, 7, 1001]);

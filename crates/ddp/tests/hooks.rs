@@ -473,8 +473,8 @@ fn train(
             *model.vals[i].borrow_mut() = t.data.clone();
         }
         let kind = red.comm_hook_state().kind;
-        red.load_comm_hook_state(&ck.hook_state(&kind).unwrap())
-            .unwrap();
+        let state = ck.hook_state(&kind).unwrap().for_rank(pg.rank());
+        red.load_comm_hook_state(&state).unwrap();
         if let Some(a) = &mut avg {
             let s = ck.hook_state("periodic_model_averager").unwrap();
             a.load_state_dict(&s).unwrap();
@@ -493,7 +493,9 @@ fn train(
             for (s, v) in model.specs.iter().zip(model.values()) {
                 ck.insert(s.name.clone(), s.shape.clone(), v).unwrap();
             }
-            ck.save_hook_state(&red.comm_hook_state()).unwrap();
+            // Every rank's residuals, as a rank-0-only checkpoint must hold them.
+            let all = ddp::hooks::gather_state(pg, &red.comm_hook_state()).unwrap();
+            ck.save_hook_state(&all).unwrap();
             if let Some(a) = &avg {
                 ck.save_hook_state(&a.state_dict()).unwrap();
             }

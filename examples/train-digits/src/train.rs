@@ -85,13 +85,17 @@ fn save(
     averager: Option<&PeriodicModelAverager>,
     pos: &TrainingState,
 ) -> BoxResult<()> {
+    if args.checkpoint_dir.is_none() {
+        return Ok(());
+    }
+    // Comm hook state (PowerSGD's residuals and Q matrices, step counters): the residuals differ
+    // between ranks, so rank 0 saves every rank's (a collective).
+    let hook_state = ddp::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
     if let (Some(dir), 0) = (&args.checkpoint_dir, pg.rank()) {
         let mut ckpt = Checkpoint::new(plan.meta(pos));
         ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
         ckpt.save_optimizer(opt)?;
-        // Comm hook state (PowerSGD's residuals and Q matrices, step counters): rank 0's. The
-        // residuals are per rank in PyTorch too; rank 0's stand for every rank's on resume.
-        ckpt.save_hook_state(&ddp.reducer().comm_hook_state())?;
+        ckpt.save_hook_state(&hook_state)?;
         if let Some(a) = averager {
             ckpt.save_hook_state(&a.state_dict())?;
         }
@@ -136,7 +140,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())?;
         r.checkpoint.load_optimizer(&mut *opt)?;
         let kind = ddp.reducer().comm_hook_state().kind;
-        let hook_state = r.checkpoint.hook_state(&kind)?;
+        let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
         ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
         if let Some(a) = &mut averager {
             a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;

@@ -75,3 +75,58 @@ impl Checkpoint {
         Ok(s)
     }
 }
+
+/// Every rank's `state` in one (a collective; every rank gets the result): the counters (the
+/// same on every rank) and each rank's tensors as `rank<r>.<name>`. Error-feedback residuals
+/// differ between ranks, so a checkpoint written by rank 0 alone needs all of them for an
+/// exact resume; [`HookState::for_rank`] picks one rank's back out.
+pub fn gather_state(pg: &ddp_comm::ProcessGroup, state: &HookState) -> Result<HookState> {
+    let mut out = HookState::new(state.kind.clone());
+    out.counters = state.counters.clone();
+    for (name, t) in &state.tensors {
+        let mut all = vec![0f32; t.data.len() * pg.size()];
+        pg.all_gather(&t.data, &mut all).map_err(|e| {
+            Error::Mismatch(format!(
+                "gathering {} comm hook state tensor {name:?} ({} elements on rank {}): {e}",
+                state.kind,
+                t.data.len(),
+                pg.rank()
+            ))
+        })?;
+        for (r, chunk) in all.chunks(t.data.len().max(1)).enumerate().take(pg.size()) {
+            let data = if t.data.is_empty() {
+                vec![]
+            } else {
+                chunk.to_vec()
+            };
+            out.tensors.insert(
+                format!("rank{r}.{name}"),
+                TensorData {
+                    shape: t.shape.clone(),
+                    data,
+                },
+            );
+        }
+    }
+    Ok(out)
+}
+
+impl HookState {
+    /// Rank `rank`'s state out of a [`gather_state`] result (a state without per-rank tensors
+    /// is returned as it is).
+    pub fn for_rank(&self, rank: usize) -> HookState {
+        if !self.tensors.keys().any(|k| k.starts_with("rank")) {
+            return self.clone();
+        }
+        let prefix = format!("rank{rank}.");
+        HookState {
+            kind: self.kind.clone(),
+            counters: self.counters.clone(),
+            tensors: self
+                .tensors
+                .iter()
+                .filter_map(|(k, t)| Some((k.strip_prefix(&prefix)?.to_string(), t.clone())))
+                .collect(),
+        }
+    }
+}

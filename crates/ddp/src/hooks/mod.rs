@@ -40,6 +40,7 @@ mod local_sgd;
 mod powersgd;
 mod spec;
 
+pub use checkpoint::gather_state;
 pub use compress::{CompressHook, Compressed, Precision};
 pub use local_sgd::{PeriodicModelAverager, PostLocalSgdHook};
 pub use powersgd::{PowerSgdHook, PowerSgdState};

@@ -101,7 +101,12 @@ pub struct TrainArgs {
     /// the benchmark calls by default).
     #[arg(long)]
     pub no_retain_memory: bool,
-    /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms.
+    /// Communication hook: none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]
+    /// (see `ddp::hooks::HookSpec`); the JSON reports the payload bytes sent per step.
+    #[arg(long, default_value = "none")]
+    pub hook: ddp::hooks::HookSpec,
+    /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms, hook,
+    /// bytes_per_step.
     #[arg(long)]
     pub json: bool,
 }

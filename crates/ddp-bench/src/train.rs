@@ -94,6 +94,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ..Default::default()
     };
     let mut ddp = Ddp::new(&varmap, &pg, opts)?;
+    if let Some(hook) = args.hook.hook()? {
+        ddp.register_comm_hook(hook)?;
+    }
+    let mut averager = args.hook.averager()?;
     let mut opt = Sgd::new(ddp.all_vars(), ParamsSgd::with_lr(0.01))?;
     let stages: Vec<&dyn Module> = blocks.iter().map(|b| b as &dyn Module).collect();
 
@@ -102,7 +106,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
-    let step = |ddp: &mut Ddp, opt: &mut Sgd| -> Result<f64, Error> {
+    let mut step = |ddp: &mut Ddp, opt: &mut Sgd| -> Result<f64, Error> {
         let out = if !args.staged {
             let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
@@ -116,6 +120,9 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             opt.step(&o.grads)?;
             o.loss
         };
+        if let Some(a) = &mut averager {
+            a.average_parameters(&pg, ddp.params())?;
+        }
         let wait = ddp
             .last_step_stats()
             .map_or(0.0, |s| s.comm_wait.as_secs_f64());
@@ -128,15 +135,24 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     pg.barrier()?;
     let t = Instant::now();
     let mut wait = 0.0;
+    let sent_before = ddp.reducer().bytes_sent();
     for _ in 0..args.steps {
         wait += step(&mut ddp, &mut opt)?;
     }
+    drop(step);
+    let averaged = averager.as_ref().map_or(0, |a| a.bytes_sent());
+    let bytes_per_step =
+        (ddp.reducer().bytes_sent() - sent_before + averaged) as f64 / args.steps as f64;
     let mut times = [t.elapsed().as_secs_f64(), wait];
     pg.all_reduce(&mut times, ReduceOp::Max)?;
     let (elapsed, wait) = (times[0], times[1]);
     let samples_per_s = (world * args.batch * args.steps) as f64 / elapsed;
     let step_ms = elapsed / args.steps as f64 * 1e3;
     let comm_wait_ms = wait / args.steps as f64 * 1e3;
+    // Local SGD: replicas differ between averagings; average once more before the check.
+    if let Some(a) = &mut averager {
+        a.average_now(&pg, ddp.params())?;
+    }
     let diff = ddp.replica_max_diff()?;
     if rank == 0 {
         println!(
@@ -148,12 +164,13 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             args.weight_layout
         );
         println!(
-            "samples/s {samples_per_s:.1}   ms/step {step_ms:.2}   comm_wait ms/step {comm_wait_ms:.2}   replicas max diff {diff:e}"
+            "samples/s {samples_per_s:.1}   ms/step {step_ms:.2}   comm_wait ms/step {comm_wait_ms:.2}   replicas max diff {diff:e}   hook {}   bytes/step {bytes_per_step:.0}",
+            args.hook
         );
         if args.json {
             println!(
                 "{}",
-                serde_json::json!({"world_size": world, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms})
+                serde_json::json!({"world_size": world, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms, "hook": args.hook.to_string(), "bytes_per_step": bytes_per_step})
             );
         }
     }

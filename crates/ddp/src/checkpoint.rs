@@ -60,6 +60,9 @@ pub const META_KEY: &str = "ddp_meta";
 /// Prefix of optimizer-state tensor names (see [`Checkpoint::optim_key`]).
 pub const OPTIM_PREFIX: &str = "optim.";
 
+/// Prefix of comm hook state tensor names (see [`Checkpoint::save_hook_state`]).
+pub const HOOK_PREFIX: &str = "hook.";
+
 /// Version of the layout of the metadata in the file: 2 adds checksums and the optimizer record.
 pub const FORMAT_VERSION: u32 = 2;
 
@@ -228,11 +231,12 @@ impl Checkpoint {
         })
     }
 
-    /// Tensors that are not optimizer state (names not starting with `optim.`).
+    /// Tensors that are neither optimizer nor comm hook state (names starting with neither
+    /// `optim.` nor `hook.`).
     pub fn params(&self) -> impl Iterator<Item = (&str, &TensorData)> {
         self.tensors
             .iter()
-            .filter(|(k, _)| !k.starts_with(OPTIM_PREFIX))
+            .filter(|(k, _)| !k.starts_with(OPTIM_PREFIX) && !k.starts_with(HOOK_PREFIX))
             .map(|(k, v)| (k.as_str(), v))
     }
 

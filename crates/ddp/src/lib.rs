@@ -2,6 +2,7 @@
 pub mod adapter;
 pub mod checkpoint;
 pub mod error;
+pub mod hooks;
 pub mod join;
 pub mod lr;
 pub mod prelude;

@@ -97,6 +97,16 @@ pub struct Args {
     /// Print progress every this many epochs (0: only the summary).
     #[arg(long, default_value_t = 5)]
     pub log_every: u64,
+    /// Communication hook (PyTorch's DDP comm hooks): none (all-reduce), fp16 / bf16
+    /// (compressed all-reduce), powersgd[:RANK[:START_ITER]] (PowerSGD, default rank 1 from
+    /// step 1000), localsgd[:PERIOD[:WARMUP]] (post-local SGD, parameters averaged every PERIOD
+    /// steps after WARMUP; default 4 and 100). Hook state is saved in checkpoints.
+    #[arg(long, default_value = "none")]
+    pub hook: ddp::hooks::HookSpec,
+    /// Stop once rank 0's held-out accuracy, evaluated after every epoch, reaches this
+    /// (reports `time_to_target_s`, training time excluding evaluations).
+    #[arg(long)]
+    pub target_accuracy: Option<f64>,
     /// Do not stop on NaN or infinite gradients (by default a non-finite averaged gradient stops
     /// the run with an error naming the step, the rank and the parameter).
     #[arg(long)]

@@ -9,6 +9,7 @@ use crate::{Args, Backend, BackwardMode, OptimizerKind};
 use candle_core::{Device, Module, Tensor};
 use candle_nn::VarMap;
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
+use ddp::hooks::PeriodicModelAverager;
 use ddp::DistributedSampler;
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
 use ddp_candle::{Ddp, DdpOptions};
@@ -70,6 +71,7 @@ fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan
             "batch_size": args.batch_size,
             "hidden": args.hidden,
             "seed": args.seed,
+            "hook": args.hook.to_string(),
         }),
         rng_state: args.seed,
     }
@@ -81,12 +83,23 @@ fn save(
     plan: &RunPlan,
     ddp: &Ddp,
     opt: &dyn DynOptimizer,
+    averager: Option<&PeriodicModelAverager>,
     pos: &TrainingState,
 ) -> BoxResult<()> {
+    if args.checkpoint_dir.is_none() {
+        return Ok(());
+    }
+    // Comm hook state (PowerSGD's residuals and Q matrices, step counters): the residuals differ
+    // between ranks, so rank 0 saves every rank's (a collective).
+    let hook_state = ddp::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
     if let (Some(dir), 0) = (&args.checkpoint_dir, pg.rank()) {
         let mut ckpt = Checkpoint::new(plan.meta(pos));
         ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
         ckpt.save_optimizer(opt)?;
+        ckpt.save_hook_state(&hook_state)?;
+        if let Some(a) = averager {
+            ckpt.save_hook_state(&a.state_dict())?;
+        }
         checkpoint::save_atomic(dir, &ckpt)?;
     }
     Ok(())
@@ -118,11 +131,21 @@ pub fn run(args: &Args) -> BoxResult<()> {
         ..Default::default()
     };
     let mut ddp = Ddp::new(&varmap, &pg, opts)?;
+    if let Some(hook) = args.hook.hook()? {
+        ddp.register_comm_hook(hook)?;
+    }
+    let mut averager = args.hook.averager()?;
     let mut opt = optimizer(args, &ddp)?;
     let mut pos = TrainingState::default();
     if let Some(r) = &resumed {
         ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())?;
         r.checkpoint.load_optimizer(&mut *opt)?;
+        let kind = ddp.reducer().comm_hook_state().kind;
+        let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
+        ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
+        if let Some(a) = &mut averager {
+            a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
+        }
         pos = r.state;
         if rank == 0 {
             println!(
@@ -164,6 +187,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let stage2 = |h: &Tensor| model.stage2(h);
     let stages: [&dyn Module; 2] = [&stage1, &stage2];
     let start = Instant::now();
+    let mut eval_time = Duration::ZERO;
+    let mut time_to_target: Option<Duration> = None;
     let mut local_samples = 0u64;
     let mut steps_run = 0u64;
     'epochs: while pos.epoch < args.epochs {
@@ -192,6 +217,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 }
             };
             opt.step(&grads)?;
+            if let Some(a) = &mut averager {
+                a.average_parameters(&pg, ddp.params())?;
+            }
             pos.step += 1;
             pos.consumed += batch.len();
             steps_run += 1;
@@ -201,7 +229,21 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
         pos.epoch += 1;
         pos.consumed = 0;
-        save(&pg, args, &plan, &ddp, &*opt, &pos)?;
+        save(&pg, args, &plan, &ddp, &*opt, averager.as_ref(), &pos)?;
+        if let Some(target) = args.target_accuracy {
+            // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
+            let paused = Instant::now();
+            let mut reached = [0f64];
+            if rank == 0 && evaluate(&model, &test.features, &test.labels)?.0 >= target {
+                reached[0] = 1.0;
+            }
+            pg.all_reduce(&mut reached, ReduceOp::Max)?;
+            eval_time += paused.elapsed();
+            if reached[0] > 0.0 {
+                time_to_target = Some(start.elapsed() - eval_time);
+                break 'epochs;
+            }
+        }
         if rank == 0
             && args.log_every > 0
             && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
@@ -218,11 +260,21 @@ pub fn run(args: &Args) -> BoxResult<()> {
             );
         }
     }
-    let train_time = start.elapsed();
+    let train_time = start.elapsed() - eval_time;
     // Stopped early (--max-steps) mid-epoch: record the exact position.
     if pos.epoch < args.epochs {
-        save(&pg, args, &plan, &ddp, &*opt, &pos)?;
+        save(&pg, args, &plan, &ddp, &*opt, averager.as_ref(), &pos)?;
     }
+    // Local SGD: the replicas differ between averagings; average once more so that every rank
+    // ends with the same model.
+    if let Some(a) = &mut averager {
+        a.average_now(&pg, ddp.params())?;
+    }
+    let bytes_per_step = {
+        let r = ddp.reducer();
+        let sent = r.bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent());
+        sent as f64 / steps_run.max(1) as f64
+    };
 
     // Summary: global samples, replica check, statistics.
     let mut counts = [local_samples as f64, train_time.as_secs_f64()];
@@ -268,7 +320,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
         );
         if args.json {
             // Keys in the documented order (serde_json's `json!` would sort them).
-            let fields: [(&str, serde_json::Value); 9] = [
+            let time_to_target: serde_json::Value =
+                time_to_target.map_or(serde_json::Value::Null, |t| t.as_secs_f64().into());
+            let fields: [(&str, serde_json::Value); 13] = [
                 ("world_size", world.into()),
                 ("steps", pos.step.into()),
                 ("test_accuracy", test_acc.into()),
@@ -278,6 +332,10 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 ("max_param_diff", max_diff.into()),
                 ("param_sum", param_sum.into()),
                 ("param_l2", param_l2.into()),
+                ("hook", args.hook.to_string().into()),
+                ("bytes_per_step", bytes_per_step.into()),
+                ("train_time_s", counts[1].into()),
+                ("time_to_target_s", time_to_target),
             ];
             let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
             println!("{{{}}}", body.join(","));

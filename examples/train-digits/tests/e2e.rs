@@ -171,6 +171,47 @@ fn interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one() {
     }
 }
 
+/// With each comm hook that keeps state (PowerSGD's per-rank residuals and warm-start Q,
+/// local SGD's averager), an interrupted-and-resumed run ends exactly like an uninterrupted one
+/// through the candle adapter; the hook's traffic shows in `bytes_per_step`, and a checkpoint of
+/// another hook is refused.
+#[test]
+fn resume_is_exact_with_stateful_comm_hooks() {
+    let mut bytes = Vec::new();
+    for hook in ["powersgd:2:5", "localsgd:3:5"] {
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap();
+        let o = ["--hook", hook, "--hidden", "256", "--epochs", "2", "--json"];
+        let (full, _) = run_ok(&o);
+        assert_eq!(full["hook"], hook);
+        assert_eq!(full["replicas_identical"], true);
+        bytes.push(full["bytes_per_step"].as_f64().unwrap());
+        let (part, _) = run_ok(&[&o[..], &["--max-steps", "30", "--checkpoint-dir", d]].concat());
+        assert_eq!(part["steps"], 30);
+        let (resumed, _) = run_ok(&[&o[..], &["--resume", "--checkpoint-dir", d]].concat());
+        for k in [
+            "steps",
+            "param_sum",
+            "param_l2",
+            "final_loss",
+            "test_accuracy",
+        ] {
+            assert_eq!(resumed[k], full[k], "{hook}: {k} differs after resume");
+        }
+        let other = [
+            &o[..2],
+            &["bf16", "--hidden", "256", "--epochs", "2"],
+            &["--resume", "--checkpoint-dir", d],
+        ]
+        .concat();
+        let f = wait_bounded(launch(&other), DEADLINE, "resume with another hook");
+        assert!(!f.success);
+        assert!(f.stderr.contains("hook"), "{}", f.stderr);
+    }
+    // 64·256 + 256·10 weights + 266 biases = 19 210 f32 = 76 840 bytes uncompressed per step.
+    assert!(bytes.iter().all(|&b| b < 76_840.0 / 2.0), "{bytes:?}");
+}
+
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()

@@ -26,7 +26,10 @@
 //! ```
 
 use super::buffer::{BucketBuffer, BucketWork};
+use crate::checkpoint::TensorData;
+use crate::error::{Error, Result};
 use ddp_comm::{ProcessGroup, ReduceOp};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Where one parameter's gradient sits in its bucket's buffer.
@@ -49,6 +52,10 @@ pub struct GradBucket {
     pub(crate) divisor: usize,
     pub(crate) buffer: BucketBuffer,
     pub(crate) params: Arc<[BucketParam]>,
+    /// Shape of each parameter, parallel to `params`.
+    pub(crate) shapes: Arc<[Vec<usize>]>,
+    /// Index of the synchronized step this bucket belongs to (the reducer's step).
+    pub(crate) step: u64,
 }
 
 impl GradBucket {
@@ -87,12 +94,93 @@ impl GradBucket {
     pub fn parameters(&self) -> &[BucketParam] {
         &self.params
     }
+
+    /// The shape of each parameter of [`parameters`](Self::parameters), in the same order
+    /// (PyTorch's `bucket.gradients()[i].shape`).
+    pub fn shapes(&self) -> &[Vec<usize>] {
+        &self.shapes
+    }
+
+    /// The index of the synchronized step this bucket belongs to (the reducer's
+    /// [`step`](super::Reducer::step)).
+    pub fn step(&self) -> u64 {
+        self.step
+    }
+
+    /// PyTorch's `bucket.set_buffer`: replaces the flat buffer (e.g. with a compressed copy, to
+    /// hand the bucket on to an inner hook) and returns the old one.
+    pub fn set_buffer(&mut self, buffer: BucketBuffer) -> BucketBuffer {
+        std::mem::replace(&mut self.buffer, buffer)
+    }
+}
+
+/// A comm hook's state in host memory (PyTorch's hook `state` as far as a checkpoint needs it):
+/// counters and named `f32` tensors (error-feedback buffers, warm-start matrices). What
+/// [`CommHook::state_dict`] returns and [`CommHook::load_state_dict`] restores; stored in a
+/// checkpoint by [`Checkpoint::save_hook_state`](crate::Checkpoint::save_hook_state).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct HookState {
+    /// The hook (`"allreduce"`, `"bf16_compress"`, `"powersgd"`, ...), checked on load.
+    pub kind: String,
+    /// Step counters and other integers (e.g. PowerSGD's `iter`).
+    pub counters: BTreeMap<String, u64>,
+    /// Named tensors (e.g. `error.3`, `q.3` for bucket 3).
+    pub tensors: BTreeMap<String, TensorData>,
+}
+
+impl HookState {
+    /// An empty state of hook `kind`.
+    pub fn new(kind: impl Into<String>) -> HookState {
+        HookState {
+            kind: kind.into(),
+            ..Default::default()
+        }
+    }
+
+    /// Counter `name`, or an error naming the hook and the counter.
+    pub fn counter(&self, name: &str) -> Result<u64> {
+        self.counters.get(name).copied().ok_or_else(|| {
+            Error::Mismatch(format!(
+                "{} comm hook state has no counter {name:?}",
+                self.kind
+            ))
+        })
+    }
+
+    /// Errors unless this state was saved by a hook of kind `kind`.
+    pub fn expect_kind(&self, kind: &str) -> Result<()> {
+        if self.kind != kind {
+            return Err(Error::Mismatch(format!(
+                "comm hook state of {:?} given to a {kind:?} hook",
+                self.kind
+            )));
+        }
+        Ok(())
+    }
 }
 
 /// How a full bucket is reduced across ranks (see the module doc for the contract).
 pub trait CommHook: Send {
     /// Starts reducing `bucket` over `pg`; the returned work yields the averaged buffer.
     fn run(&mut self, pg: &ProcessGroup, bucket: GradBucket) -> BucketWork;
+
+    /// Payload bytes this hook handed to collectives since the last call, if it counts them
+    /// (the reducer then reports them in [`Reducer::bytes_sent`](super::Reducer::bytes_sent);
+    /// `None`: the bucket bytes are counted, as for the default all-reduce).
+    fn take_sent_bytes(&mut self) -> Option<u64> {
+        None
+    }
+
+    /// The hook's state for a checkpoint (default: a stateless hook, kind `"custom"`).
+    fn state_dict(&self) -> HookState {
+        HookState::new("custom")
+    }
+
+    /// Restores a state made by [`state_dict`](Self::state_dict) (errors name what is missing
+    /// or of the wrong kind).
+    fn load_state_dict(&mut self, state: &HookState) -> Result<()> {
+        state.expect_kind(&self.state_dict().kind)
+    }
 }
 
 impl<F> CommHook for F
@@ -109,6 +197,10 @@ where
 pub struct AllReduceHook;
 
 impl CommHook for AllReduceHook {
+    fn state_dict(&self) -> HookState {
+        HookState::new("allreduce")
+    }
+
     fn run(&mut self, pg: &ProcessGroup, bucket: GradBucket) -> BucketWork {
         let divisor = bucket.divisor();
         let buffer = bucket.into_buffer();

@@ -39,7 +39,7 @@ pub use assign::{
     compute_bucket_assignment, ReducerOptions, DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB,
 };
 pub use buffer::{BucketBuffer, BucketWork, DeviceBucket, HostBuffer, HostSlice, PendingBucket};
-pub use hook::{AllReduceHook, BucketParam, CommHook, GradBucket};
+pub use hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState};
 pub use spec::{
     broadcast_coalesced, sync_seed, verify_param_specs, ParamSpec, BROADCAST_BUCKET_BYTES,
 };

@@ -21,7 +21,7 @@
 
 use super::assign::{compute_bucket_assignment, ReducerOptions};
 use super::buffer::{BucketBuffer, BucketWork, HostBuffer, HostSlice};
-use super::hook::{AllReduceHook, BucketParam, CommHook, GradBucket};
+use super::hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState};
 use super::spec::{verify_param_specs, ParamSpec};
 use crate::error::{Error, Result};
 use ddp_comm::{DType, Element, ProcessGroup};
@@ -85,6 +85,8 @@ struct Bucket {
     params: Vec<usize>,
     /// Where each parameter sits in the buffer (shared with the hook's `GradBucket`).
     layout: Arc<[BucketParam]>,
+    /// Shape of each parameter in `layout` (for the hook's `GradBucket::shapes`).
+    shapes: Arc<[Vec<usize>]>,
     numel: usize,
     /// Gradients of this bucket not yet marked in the current backward.
     pending: usize,
@@ -132,6 +134,8 @@ pub struct Reducer {
     pub(super) local_nonfinite: Option<usize>,
     /// Index of the next synchronized step.
     step: u64,
+    /// Payload bytes handed to collectives by the hook, summed over synchronized steps.
+    sent_bytes: u64,
 }
 
 impl Reducer {
@@ -196,11 +200,17 @@ impl Reducer {
                     info.dtype
                 )));
             }
+            let shapes = info
+                .params
+                .iter()
+                .map(|&p| specs[p].shape.clone())
+                .collect();
             buckets.push(Bucket {
                 dtype: info.dtype,
                 pending: info.params.len(),
                 params: info.params,
                 layout: layout.into(),
+                shapes,
                 numel: info.numel,
                 state: BucketState::Idle(buf),
             });
@@ -224,6 +234,7 @@ impl Reducer {
             check_finite: false,
             local_nonfinite: None,
             step: 0,
+            sent_bytes: 0,
         })
     }
 
@@ -269,6 +280,23 @@ impl Reducer {
         self.hook = Box::new(hook);
         self.custom_hook = true;
         Ok(())
+    }
+
+    /// The registered hook's state, for a checkpoint ([`CommHook::state_dict`]).
+    pub fn comm_hook_state(&self) -> HookState {
+        self.hook.state_dict()
+    }
+
+    /// Restores the registered hook's state from a checkpoint ([`CommHook::load_state_dict`]).
+    pub fn load_comm_hook_state(&mut self, state: &HookState) -> Result<()> {
+        self.hook.load_state_dict(state)
+    }
+
+    /// Payload bytes this rank handed to collectives for gradients, summed over every
+    /// synchronized step: the bucket bytes under the default all-reduce, what the hook reports
+    /// ([`CommHook::take_sent_bytes`]) otherwise (e.g. half of it with `bf16_compress`).
+    pub fn bytes_sent(&self) -> u64 {
+        self.sent_bytes
     }
 
     /// Turns the finite check on or off (default off; it must be the same on every rank): after
@@ -429,6 +457,8 @@ impl Reducer {
                         divisor: self.divisor,
                         buffer,
                         params: b.layout.clone(),
+                        shapes: b.shapes.clone(),
+                        step: self.step,
                     },
                 )),
                 other => other,
@@ -577,6 +607,7 @@ impl Reducer {
         self.totals.total += stats.total;
         self.totals.comm_wait += stats.comm_wait;
         self.totals.bytes += bytes as u64;
+        self.sent_bytes += self.hook.take_sent_bytes().unwrap_or(bytes as u64);
         self.last = Some(stats);
         let step = self.step;
         self.step += 1;

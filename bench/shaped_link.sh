@@ -1,0 +1,117 @@
+#!/usr/bin/env bash
+# Comm hooks on a link we throttle ourselves: two network namespaces ("hosts") joined by a veth
+# pair whose both ends are shaped with tc tbf (netem is not in these kernels), one rank per
+# namespace, TCP across (DDP_BACKEND=tcp for ddp-rs, gloo over GLOO_SOCKET_IFNAME for PyTorch).
+#
+# For each rate and hook it runs, REPEATS times (interleaved):
+#   - train-digits --hidden $HIDDEN --hook H --target-accuracy $TARGET  (time-to-accuracy)
+#   - bench/peers/torch_digits_hooks.py, the same recipe with PyTorch DDP-gloo and its own hooks
+#   - once per rate and hook: ddp-bench train --hook H (step time and bytes_per_step)
+# and prints medians as markdown tables (also written to $OUT/tables.md).
+#
+# Needs root (ip netns, tc), release builds of train-digits and ddp-bench, and python3 with
+# torch for the peer (skipped, with a note, when `import torch` fails).
+#
+#   sudo bench/shaped_link.sh                       # 100mbit and 1gbit, 3 repeats
+#   RATES=100mbit REPEATS=1 HOOKS="none bf16" sudo -E bench/shaped_link.sh
+set -euo pipefail
+
+RATES=${RATES:-"100mbit 1gbit"}
+HOOKS=${HOOKS:-"none fp16 bf16 powersgd:2:10 powersgd:4:10 localsgd:4:20"}
+REPEATS=${REPEATS:-3}
+HIDDEN=${HIDDEN:-4096}
+TARGET=${TARGET:-0.95}
+EPOCHS=${EPOCHS:-30}
+OUT=${OUT:-$(mktemp -d /tmp/shaped_link.XXXXXX)}
+mkdir -p "$OUT"
+ROOT=$(cd "$(dirname "$0")/.." && pwd)
+TD=$ROOT/target/release/train-digits
+DB=$ROOT/target/release/ddp-bench
+PEER=$ROOT/bench/peers/torch_digits_hooks.py
+
+[ "$(id -u)" = 0 ] || { echo "shaped_link.sh: needs root (ip netns, tc)" >&2; exit 2; }
+for b in "$TD" "$DB"; do
+    [ -x "$b" ] || { echo "missing $b: cargo build --release -p train-digits -p ddp-bench" >&2; exit 2; }
+done
+HAVE_TORCH=1
+python3 -c "import torch" 2>/dev/null || { HAVE_TORCH=0; echo "# torch not importable: no PyTorch peer" >&2; }
+
+# Unique names (interface names are at most 15 characters).
+TAG=$$
+NS=("hk${TAG}a" "hk${TAG}b")
+DEV=("hk${TAG}x" "hk${TAG}y")
+ADDR=(10.79.0.1 10.79.0.2)
+cleanup() { for n in "${NS[@]}"; do ip netns del "$n" 2>/dev/null || true; done; }
+trap cleanup EXIT INT TERM
+
+ip netns add "${NS[0]}"
+ip netns add "${NS[1]}"
+ip link add "${DEV[0]}" netns "${NS[0]}" type veth peer name "${DEV[1]}" netns "${NS[1]}"
+for i in 0 1; do
+    ip -n "${NS[$i]}" addr add "${ADDR[$i]}/24" dev "${DEV[$i]}"
+    ip -n "${NS[$i]}" link set lo up
+    ip -n "${NS[$i]}" link set "${DEV[$i]}" up
+done
+
+# The shaping: tbf on the egress of both ends; burst ≥ rate / HZ (HZ ≤ 1000 here).
+shape() {
+    local rate=$1 burst
+    case $rate in
+        100mbit) burst=64kb ;;
+        1gbit) burst=512kb ;;
+        *) burst=1mb ;;
+    esac
+    for i in 0 1; do
+        local cmd="tc qdisc replace dev ${DEV[$i]} root tbf rate $rate burst $burst latency 50ms"
+        echo "# [ns ${NS[$i]}] $cmd" | tee -a "$OUT/shaping.txt"
+        ip netns exec "${NS[$i]}" $cmd
+    done
+}
+
+PORT=29700
+# run_pair NAME CMD...: rank i runs CMD in namespace i with the torchrun environment; rank 0's
+# last line goes to $OUT/NAME.jsonl.
+run_pair() {
+    local name=$1; shift
+    PORT=$((PORT + 1))
+    local pids=()
+    for i in 0 1; do
+        ip netns exec "${NS[$i]}" env RANK=$i WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
+            MASTER_ADDR="${ADDR[0]}" MASTER_PORT=$PORT DDP_BACKEND=tcp \
+            GLOO_SOCKET_IFNAME="${DEV[$i]}" OMP_NUM_THREADS=1 \
+            timeout 900 "$@" >"$OUT/rank$i.log" 2>&1 &
+        pids+=($!)
+    done
+    local rc=0
+    for p in "${pids[@]}"; do wait "$p" || rc=$?; done
+    if [ $rc -ne 0 ]; then
+        echo "# $name failed ($rc):" >&2; tail -5 "$OUT/rank0.log" "$OUT/rank1.log" >&2
+        return 0
+    fi
+    grep '^{' "$OUT/rank0.log" | tail -1 >>"$OUT/$name.jsonl"
+}
+
+echo "# results in $OUT; hidden $HIDDEN, target accuracy $TARGET, $REPEATS repeats" >&2
+echo "# machine: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/machine.txt" >&2
+for rate in $RATES; do
+    shape "$rate"
+    run_pair "allreduce_$rate" "$DB" allreduce --backend tcp --min-bytes 4M --max-bytes 4M --json
+    for h in $HOOKS; do
+        # Compression from the first step here (START_ITER / WARMUP set to 0): 10 timed steps.
+        hb=$(echo "$h" | sed -E 's/^(powersgd|localsgd):([0-9]+):[0-9]+$/\1:\2:0/')
+        run_pair "bench_${rate}_$h" "$DB" train --backend tcp --hidden 1024 --layers 2 \
+            --steps 10 --warmup 2 --json --hook "$hb"
+    done
+    for rep in $(seq "$REPEATS"); do
+        for h in $HOOKS; do
+            echo "# $rate rep $rep $h" >&2
+            run_pair "ddp_${rate}_$h" "$TD" --backend tcp --hidden "$HIDDEN" --epochs "$EPOCHS" \
+                --log-every 0 --json --target-accuracy "$TARGET" --hook "$h"
+            if [ $HAVE_TORCH = 1 ]; then
+                run_pair "torch_${rate}_$h" python3 -W ignore "$PEER" --hidden "$HIDDEN" \
+                    --epochs "$EPOCHS" --target-accuracy "$TARGET" --hook "$h"
+            fi
+        done
+    done
+done
+python3 "$ROOT/bench/shaped_link_summary.py" "$OUT" "$RATES" "$HOOKS" | tee "$OUT/tables.md"

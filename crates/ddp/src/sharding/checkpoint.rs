@@ -155,12 +155,18 @@ impl Segments {
                     let mut found = Vec::new();
                     for p in &pieces {
                         let dst = &mut v[p.chunk_offset..p.chunk_offset + p.len];
-                        found.push(self.read(&specs[p.param].name, Some(slot), p.param_offset, dst)?);
+                        found.push(self.read(
+                            &specs[p.param].name,
+                            Some(slot),
+                            p.param_offset,
+                            dst,
+                        )?);
                     }
                     if found.iter().all(|&f| f) && !found.is_empty() {
                         out.slots.insert(slot.clone(), v);
                     } else if found.iter().any(|&f| f) {
-                        let name = &specs[pieces[found.iter().position(|f| !f).unwrap_or(0)].param].name;
+                        let name =
+                            &specs[pieces[found.iter().position(|f| !f).unwrap_or(0)].param].name;
                         return Err(Error::Checkpoint(format!(
                             "optimizer state `{slot}` is missing for parameter `{name}` but \
                              present for others in the same chunk"
@@ -184,8 +190,11 @@ fn check_model(index: &Index, specs: &[ParamSpec], origin: &Path) -> Result<()> 
     if want == index.params {
         return Ok(());
     }
-    let saved: BTreeMap<&str, &Vec<usize>> =
-        index.params.iter().map(|p| (p.name.as_str(), &p.shape)).collect();
+    let saved: BTreeMap<&str, &Vec<usize>> = index
+        .params
+        .iter()
+        .map(|p| (p.name.as_str(), &p.shape))
+        .collect();
     let detail = want
         .iter()
         .find_map(|p| match saved.get(p.name.as_str()) {
@@ -283,9 +292,17 @@ pub fn save_sharded(
             for p in layout.pieces(c) {
                 let name = &specs[p.param].name;
                 let seg = |v: &[f32]| v[p.chunk_offset..p.chunk_offset + p.len].to_vec();
-                ck.insert(seg_key(name, p.param_offset, None), vec![p.len], seg(&cs.params))?;
+                ck.insert(
+                    seg_key(name, p.param_offset, None),
+                    vec![p.len],
+                    seg(&cs.params),
+                )?;
                 for (slot, v) in &cs.slots {
-                    ck.insert(seg_key(name, p.param_offset, Some(slot)), vec![p.len], seg(v))?;
+                    ck.insert(
+                        seg_key(name, p.param_offset, Some(slot)),
+                        vec![p.len],
+                        seg(v),
+                    )?;
                 }
             }
         }
@@ -354,9 +371,13 @@ pub fn load_sharded(
 
 fn read_set(set: &Path) -> Result<(Index, Segments)> {
     let index_path = set.join(INDEX_FILE);
-    let bytes = fs::read(&index_path).map_err(|e| Error::io("cannot read the index", &index_path, e))?;
+    let bytes =
+        fs::read(&index_path).map_err(|e| Error::io("cannot read the index", &index_path, e))?;
     let index: Index = serde_json::from_slice(&bytes).map_err(|e| {
-        Error::Checkpoint(format!("{} is not a sharded checkpoint index: {e}", index_path.display()))
+        Error::Checkpoint(format!(
+            "{} is not a sharded checkpoint index: {e}",
+            index_path.display()
+        ))
     })?;
     if index.format != FORMAT {
         return Err(Error::Checkpoint(format!(
@@ -447,7 +468,9 @@ pub fn import(ckpt: &Checkpoint, layout: &ShardLayout, specs: &[ParamSpec]) -> R
         segs.add(&s.name, None, 0, t.data.clone());
         let prefix = format!("{}.", s.name);
         for (k, t) in &optim.tensors {
-            let Some(slot) = k.strip_prefix(&prefix) else { continue };
+            let Some(slot) = k.strip_prefix(&prefix) else {
+                continue;
+            };
             // `a.b.exp_avg` belongs to `a.b`, not to a parameter `a` with slot `b.exp_avg`.
             if slot.contains('.') || t.data.len() != s.numel() {
                 continue;

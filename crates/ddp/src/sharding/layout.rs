@@ -244,7 +244,9 @@ mod tests {
             params: vec![0],
             numel: 2,
         }];
-        let e = ShardLayout::new(&specs, &infos, 2, 0).unwrap_err().to_string();
+        let e = ShardLayout::new(&specs, &infos, 2, 0)
+            .unwrap_err()
+            .to_string();
         assert!(e.contains("emb") && e.contains("f32"), "{e}");
     }
 }

@@ -4,10 +4,12 @@
 //! Reports global samples/s (world × batch × steps ÷ the slowest rank's time), ms/step and the
 //! mean time per step that backward spent blocked on communication.
 
+use candle_core::Var;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
-use ddp_candle::optim::{ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions};
+use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
+use ddp::sharding::ZeroStage;
+use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
+use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use std::time::Instant;
 
@@ -93,8 +95,25 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         bucket_cap_mb: args.bucket_cap_mb,
         ..Default::default()
     };
-    let mut ddp = Ddp::new(&varmap, &pg, opts)?;
-    let mut opt = Sgd::new(ddp.all_vars(), ParamsSgd::with_lr(0.01))?;
+    let stage = ZeroStage::from_level(args.zero)?;
+    if args.staged && stage != ZeroStage::Ddp {
+        return Err("--staged is not supported with --zero 1/2 yet".into());
+    }
+    let adamw = args.optimizer == "adamw";
+    let make_opt = move |vars: Vec<(String, Var)>| -> ddp_candle::Result<Box<dyn DynOptimizer>> {
+        Ok(if adamw {
+            Box::new(AdamW::new_named(vars, ParamsAdamW::default())?)
+        } else {
+            Box::new(Sgd::new_named(vars, ParamsSgd::with_lr(0.01))?)
+        })
+    };
+    let mut zero = ZeroDdp::new(Ddp::new(&varmap, &pg, opts)?, stage, make_opt)?;
+    let params: usize = zero
+        .ddp()
+        .named_vars()
+        .iter()
+        .map(|(_, v)| v.elem_count())
+        .sum();
     let stages: Vec<&dyn Module> = blocks.iter().map(|b| b as &dyn Module).collect();
 
     // Synthetic data, different on every rank.
@@ -102,34 +121,37 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
-    let step = |ddp: &mut Ddp, opt: &mut Sgd| -> Result<f64, Error> {
+    let step = |zero: &mut ZeroDdp| -> Result<f64, Error> {
         let out = if !args.staged {
             let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
-            let grads = ddp.backward(&loss)?;
-            opt.step(&grads)?;
+            zero.backward(&loss)?;
+            zero.step()?;
             loss
         } else {
-            let o = ddp.forward_backward_staged(&stages, &x, |logits| {
-                candle_nn::loss::cross_entropy(logits, &y)
-            })?;
-            opt.step(&o.grads)?;
+            let o = zero
+                .ddp_mut()
+                .forward_backward_staged(&stages, &x, |logits| {
+                    candle_nn::loss::cross_entropy(logits, &y)
+                })?;
+            zero.optimizer_mut().step(&o.grads)?;
             o.loss
         };
-        let wait = ddp
+        let wait = zero
+            .ddp()
             .last_step_stats()
             .map_or(0.0, |s| s.comm_wait.as_secs_f64());
         drop(out);
         Ok(wait)
     };
     for _ in 0..args.warmup {
-        step(&mut ddp, &mut opt)?;
+        step(&mut zero)?;
     }
     pg.barrier()?;
     let t = Instant::now();
     let mut wait = 0.0;
     for _ in 0..args.steps {
-        wait += step(&mut ddp, &mut opt)?;
+        wait += step(&mut zero)?;
     }
     let mut times = [t.elapsed().as_secs_f64(), wait];
     pg.all_reduce(&mut times, ReduceOp::Max)?;
@@ -137,7 +159,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let samples_per_s = (world * args.batch * args.steps) as f64 / elapsed;
     let step_ms = elapsed / args.steps as f64 * 1e3;
     let comm_wait_ms = wait / args.steps as f64 * 1e3;
-    let diff = ddp.replica_max_diff()?;
+    let diff = zero.ddp().replica_max_diff()?;
+    let mut rss = [peak_rss_bytes()];
+    pg.all_reduce(&mut rss, ReduceOp::Max)?;
+    let bytes_per_step = zero.bytes_per_step();
     if rank == 0 {
         println!(
             "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
@@ -153,7 +178,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         if args.json {
             println!(
                 "{}",
-                serde_json::json!({"world_size": world, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms})
+                serde_json::json!({"world_size": world, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms, "zero": args.zero, "optimizer": args.optimizer, "params": params, "peak_rss_bytes": rss[0], "bytes_per_step": bytes_per_step})
             );
         }
     }
@@ -161,4 +186,17 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         return Err(format!("replicas diverged: max abs difference {diff:e}").into());
     }
     Ok(())
+}
+
+/// Peak resident memory of this process (`VmHWM` of `/proc/self/status`), in bytes; 0 where
+/// there is none.
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kb * 1024)
+        })
+        .unwrap_or(0)
 }

@@ -100,6 +100,11 @@ impl ZeroDdp {
         &self.ddp
     }
 
+    /// The wrapped DDP, mutably (stage 0's staged backward, comm timing).
+    pub fn ddp_mut(&mut self) -> &mut DistributedDataParallel {
+        &mut self.ddp
+    }
+
     /// Which elements this rank owns.
     pub fn layout(&self) -> &ShardLayout {
         &self.layout
@@ -422,6 +427,15 @@ impl ZeroDdp {
         }
         self.shard_grads = None;
         self.gather()
+    }
+}
+
+/// Read access to the wrapped DDP (replica checks, statistics, parameter names); mutable access
+/// goes through [`ZeroDdp::ddp_mut`] on purpose.
+impl std::ops::Deref for ZeroDdp {
+    type Target = DistributedDataParallel;
+    fn deref(&self) -> &DistributedDataParallel {
+        &self.ddp
     }
 }
 

@@ -6,12 +6,13 @@
 use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
 use crate::{Args, Backend, BackwardMode, OptimizerKind};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
+use ddp::sharding::ZeroStage;
 use ddp::DistributedSampler;
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions};
+use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
 use std::error::Error;
@@ -32,8 +33,7 @@ fn init_options(args: &Args) -> InitOptions {
 }
 
 /// The optimizer of the run.
-fn optimizer(args: &Args, ddp: &Ddp) -> BoxResult<Box<dyn DynOptimizer>> {
-    let vars = ddp.named_vars().to_vec();
+fn optimizer(args: &Args, vars: Vec<(String, Var)>) -> ddp_candle::Result<Box<dyn DynOptimizer>> {
     Ok(match args.optimizer {
         OptimizerKind::Sgd => Box::new(Sgd::new_named(
             vars,
@@ -78,11 +78,13 @@ fn save(
     pg: &ProcessGroup,
     args: &Args,
     plan: &RunPlan,
-    ddp: &Ddp,
-    opt: &dyn DynOptimizer,
+    zero: &ZeroDdp,
     pos: &TrainingState,
 ) -> BoxResult<()> {
-    if let (Some(dir), 0) = (&args.checkpoint_dir, pg.rank()) {
+    let (ddp, opt) = (zero.ddp(), zero.optimizer());
+    if let (Some(dir), true) = (&args.checkpoint_dir, zero.stage() != ZeroStage::Ddp) {
+        zero.save(dir, &plan.meta(pos))?;
+    } else if let (Some(dir), 0) = (&args.checkpoint_dir, pg.rank()) {
         let mut ckpt = Checkpoint::new(plan.meta(pos));
         ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
         ckpt.save_optimizer(opt)?;
@@ -107,21 +109,41 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let plan = run_plan(args, world, sampler.len());
     // Before training: rank 0 checks that the directory is writable and (with --resume) reads the
     // checkpoint and shares it, so the directory need not be shared; every rank checks it.
+    let stage = ZeroStage::from_level(args.zero)?;
+    if stage != ZeroStage::Ddp && args.backward == BackwardMode::Staged {
+        return Err("--backward staged is not supported with --zero 1/2 yet".into());
+    }
     let resumed = match &args.checkpoint_dir {
-        Some(dir) => checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?,
-        None => None,
+        Some(dir) if stage == ZeroStage::Ddp => {
+            checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?
+        }
+        _ => None,
     };
 
     let opts = DdpOptions {
         check_finite: !args.no_check_finite,
         ..Default::default()
     };
-    let mut ddp = Ddp::new(&varmap, &pg, opts)?;
-    let mut opt = optimizer(args, &ddp)?;
+    let mut ddp = ZeroDdp::new(Ddp::new(&varmap, &pg, opts)?, stage, |vars| {
+        optimizer(args, vars)
+    })?;
     let mut pos = TrainingState::default();
+    if let (Some(dir), true, true) = (&args.checkpoint_dir, args.resume, stage != ZeroStage::Ddp) {
+        // Sharded: every rank reads the set (saved at any world size), cut for this world.
+        if let Some(meta) = ddp.load(dir)? {
+            pos = plan.check(&meta)?;
+            if rank == 0 {
+                println!(
+                    "resuming from the sharded set in {} at step {}",
+                    dir.display(),
+                    pos.step
+                );
+            }
+        }
+    }
     if let Some(r) = &resumed {
         ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())?;
-        r.checkpoint.load_optimizer(&mut *opt)?;
+        r.checkpoint.load_optimizer(ddp.optimizer_mut())?;
         pos = r.state;
         if rank == 0 {
             println!(
@@ -135,7 +157,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
         println!("no checkpoint in {}: starting fresh", dir.display());
     }
-    ddp.reducer_mut().set_step(pos.step); // non-finite errors name the run's step
+    ddp.ddp_mut().reducer_mut().set_step(pos.step); // non-finite errors name the run's step
     if rank == 0 {
         println!(
             "train-digits: world_size {world}, {} train / {} test images, batch {} per rank \
@@ -177,20 +199,23 @@ pub fn run(args: &Args) -> BoxResult<()> {
             let (x, y) = train.gather(batch);
             let x = Tensor::from_vec(x, (batch.len(), FEATURES), &Device::Cpu)?;
             let y = Tensor::from_vec(y, batch.len(), &Device::Cpu)?;
-            let (loss, grads) = match args.backward {
+            let loss = match args.backward {
                 BackwardMode::Plain => {
                     let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
-                    let grads = ddp.backward(&loss)?;
-                    (loss, grads)
+                    ddp.backward(&loss)?;
+                    ddp.step()?;
+                    loss
                 }
                 BackwardMode::Staged => {
-                    let out = ddp.forward_backward_staged(&stages, &x, |logits| {
-                        candle_nn::loss::cross_entropy(logits, &y)
-                    })?;
-                    (out.loss, out.grads)
+                    let out = ddp
+                        .ddp_mut()
+                        .forward_backward_staged(&stages, &x, |logits| {
+                            candle_nn::loss::cross_entropy(logits, &y)
+                        })?;
+                    ddp.optimizer_mut().step(&out.grads)?;
+                    out.loss
                 }
             };
-            opt.step(&grads)?;
             pos.step += 1;
             pos.consumed += batch.len();
             steps_run += 1;
@@ -200,7 +225,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
         pos.epoch += 1;
         pos.consumed = 0;
-        save(&pg, args, &plan, &ddp, &*opt, &pos)?;
+        save(&pg, args, &plan, &ddp, &pos)?;
         if rank == 0
             && args.log_every > 0
             && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
@@ -220,7 +245,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let train_time = start.elapsed();
     // Stopped early (--max-steps) mid-epoch: record the exact position.
     if pos.epoch < args.epochs {
-        save(&pg, args, &plan, &ddp, &*opt, &pos)?;
+        save(&pg, args, &plan, &ddp, &pos)?;
     }
 
     // Summary: global samples, replica check, statistics.

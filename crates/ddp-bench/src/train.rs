@@ -160,7 +160,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let step_ms = elapsed / args.steps as f64 * 1e3;
     let comm_wait_ms = wait / args.steps as f64 * 1e3;
     let diff = zero.ddp().replica_max_diff()?;
-    let mut rss = [peak_rss_bytes()];
+    let mut rss = [peak_rss_bytes() as i64];
     pg.all_reduce(&mut rss, ReduceOp::Max)?;
     let bytes_per_step = zero.bytes_per_step();
     if rank == 0 {

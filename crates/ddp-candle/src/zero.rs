@@ -115,11 +115,11 @@ impl ZeroDdp {
         &self.shard
     }
 
-    pub fn optimizer(&self) -> &dyn DynOptimizer {
+    pub fn optimizer(&self) -> &(dyn DynOptimizer + 'static) {
         &*self.opt
     }
 
-    pub fn optimizer_mut(&mut self) -> &mut dyn DynOptimizer {
+    pub fn optimizer_mut(&mut self) -> &mut (dyn DynOptimizer + 'static) {
         &mut *self.opt
     }
 

@@ -92,7 +92,10 @@ fn parse_key(key: &str) -> Option<(&str, usize, Option<&str>)> {
 
 /// Parameter-space segments: `(param name, slot)` to `(start, values)`.
 #[derive(Default)]
-struct Segments(BTreeMap<(String, Option<String>), Vec<(usize, Vec<f32>)>>);
+struct Segments(BTreeMap<SegmentKey, Vec<(usize, Vec<f32>)>>);
+
+/// `(parameter name, optimizer slot)`; no slot for the parameter values.
+type SegmentKey = (String, Option<String>);
 
 impl Segments {
     fn add(&mut self, name: &str, slot: Option<&str>, start: usize, values: Vec<f32>) {

@@ -105,10 +105,16 @@ pub struct TrainArgs {
     /// (see `ddp::hooks::HookSpec`); the JSON reports the payload bytes sent per step.
     #[arg(long, default_value = "none")]
     pub hook: ddp::hooks::HookSpec,
-    /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms, hook,
-    /// bytes_per_step.
+    /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms, hook, zero,
+    /// optimizer, params, peak_rss_bytes, bytes_per_step.
     #[arg(long)]
     pub json: bool,
+    /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients); 3 is not built yet.
+    #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 3))]
+    pub zero: u8,
+    /// Optimizer: sgd (lr 0.01) or adamw (lr 1e-3, candle's defaults otherwise).
+    #[arg(long, default_value = "sgd", value_parser = ["sgd", "adamw"])]
+    pub optimizer: String,
 }
 
 /// Options shared by every sweep.

@@ -4,10 +4,12 @@
 //! Reports global samples/s (world × batch × steps ÷ the slowest rank's time), ms/step and the
 //! mean time per step that backward spent blocked on communication.
 
+use candle_core::Var;
 use candle_core::{DType, Device, Module, Tensor};
-use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
-use ddp_candle::optim::{ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions};
+use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
+use ddp::sharding::ZeroStage;
+use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
+use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use std::time::Instant;
 
@@ -93,12 +95,38 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         bucket_cap_mb: args.bucket_cap_mb,
         ..Default::default()
     };
+    let stage = ZeroStage::from_level(args.zero)?;
+    if args.staged && stage != ZeroStage::Ddp {
+        return Err("--staged is not supported with --zero 1/2 yet".into());
+    }
+    if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
+        return Err(format!(
+            "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
+             through its own comm hook",
+            args.hook, args.zero
+        )
+        .into());
+    }
+    let adamw = args.optimizer == "adamw";
+    let make_opt = move |vars: Vec<(String, Var)>| -> ddp_candle::Result<Box<dyn DynOptimizer>> {
+        Ok(if adamw {
+            Box::new(AdamW::new_named(vars, ParamsAdamW::default())?)
+        } else {
+            Box::new(Sgd::new_named(vars, ParamsSgd::with_lr(0.01))?)
+        })
+    };
     let mut ddp = Ddp::new(&varmap, &pg, opts)?;
     if let Some(hook) = args.hook.hook()? {
         ddp.register_comm_hook(hook)?;
     }
     let mut averager = args.hook.averager()?;
-    let mut opt = Sgd::new(ddp.all_vars(), ParamsSgd::with_lr(0.01))?;
+    let mut zero = ZeroDdp::new(ddp, stage, make_opt)?;
+    let params: usize = zero
+        .ddp()
+        .named_vars()
+        .iter()
+        .map(|(_, v)| v.elem_count())
+        .sum();
     let stages: Vec<&dyn Module> = blocks.iter().map(|b| b as &dyn Module).collect();
 
     // Synthetic data, different on every rank.
@@ -106,43 +134,46 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
-    let mut step = |ddp: &mut Ddp, opt: &mut Sgd| -> Result<f64, Error> {
+    let mut step = |zero: &mut ZeroDdp| -> Result<f64, Error> {
         let out = if !args.staged {
             let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
-            let grads = ddp.backward(&loss)?;
-            opt.step(&grads)?;
+            zero.backward(&loss)?;
+            zero.step()?;
             loss
         } else {
-            let o = ddp.forward_backward_staged(&stages, &x, |logits| {
-                candle_nn::loss::cross_entropy(logits, &y)
-            })?;
-            opt.step(&o.grads)?;
+            let o = zero
+                .ddp_mut()
+                .forward_backward_staged(&stages, &x, |logits| {
+                    candle_nn::loss::cross_entropy(logits, &y)
+                })?;
+            zero.optimizer_mut().step(&o.grads)?;
             o.loss
         };
         if let Some(a) = &mut averager {
-            a.average_parameters(&pg, ddp.params())?;
+            a.average_parameters(&pg, zero.ddp().params())?;
         }
-        let wait = ddp
+        let wait = zero
+            .ddp()
             .last_step_stats()
             .map_or(0.0, |s| s.comm_wait.as_secs_f64());
         drop(out);
         Ok(wait)
     };
     for _ in 0..args.warmup {
-        step(&mut ddp, &mut opt)?;
+        step(&mut zero)?;
     }
     pg.barrier()?;
     let t = Instant::now();
     let mut wait = 0.0;
-    let sent_before = ddp.reducer().bytes_sent();
+    let sent_before = zero.ddp().reducer().bytes_sent();
     for _ in 0..args.steps {
-        wait += step(&mut ddp, &mut opt)?;
+        wait += step(&mut zero)?;
     }
     drop(step);
     let averaged = averager.as_ref().map_or(0, |a| a.bytes_sent());
     let bytes_per_step =
-        (ddp.reducer().bytes_sent() - sent_before + averaged) as f64 / args.steps as f64;
+        (zero.ddp().reducer().bytes_sent() - sent_before + averaged) as f64 / args.steps as f64;
     let mut times = [t.elapsed().as_secs_f64(), wait];
     pg.all_reduce(&mut times, ReduceOp::Max)?;
     let (elapsed, wait) = (times[0], times[1]);
@@ -151,9 +182,18 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let comm_wait_ms = wait / args.steps as f64 * 1e3;
     // Local SGD: replicas differ between averagings; average once more before the check.
     if let Some(a) = &mut averager {
-        a.average_now(&pg, ddp.params())?;
+        a.average_now(&pg, zero.ddp().params())?;
     }
-    let diff = ddp.replica_max_diff()?;
+    let diff = zero.ddp().replica_max_diff()?;
+    let mut rss = [peak_rss_bytes() as i64];
+    pg.all_reduce(&mut rss, ReduceOp::Max)?;
+    // Stage 0: the payload the reducer (and its hook, and local SGD's averager) really sent;
+    // ZeRO: its reduce-scatter plus all-gather.
+    let bytes_per_step = if stage == ZeroStage::Ddp {
+        bytes_per_step
+    } else {
+        zero.bytes_per_step() as f64
+    };
     if rank == 0 {
         println!(
             "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
@@ -170,7 +210,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         if args.json {
             println!(
                 "{}",
-                serde_json::json!({"world_size": world, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms, "hook": args.hook.to_string(), "bytes_per_step": bytes_per_step})
+                serde_json::json!({"world_size": world, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms, "hook": args.hook.to_string(), "zero": args.zero, "optimizer": args.optimizer, "params": params, "peak_rss_bytes": rss[0], "bytes_per_step": bytes_per_step})
             );
         }
     }
@@ -178,4 +218,17 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         return Err(format!("replicas diverged: max abs difference {diff:e}").into());
     }
     Ok(())
+}
+
+/// Peak resident memory of this process (`VmHWM` of `/proc/self/status`), in bytes; 0 where
+/// there is none.
+fn peak_rss_bytes() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+            let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+            Some(kb * 1024)
+        })
+        .unwrap_or(0)
 }

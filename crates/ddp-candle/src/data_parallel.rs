@@ -278,6 +278,28 @@ impl DistributedDataParallel {
         })
     }
 
+    /// `loss.backward()` and the reduction through the registered hook, without collecting the
+    /// averaged gradients into a `GradStore` (for `ZeroDdp`, which reads its shard from the
+    /// reducer).
+    pub(crate) fn reduce_backward(&mut self, loss: &Tensor) -> Result<StepStats> {
+        self.local_backward(loss)?;
+        Ok(self.reducer.finish()?)
+    }
+
+    /// [`backward_join`](Self::backward_join) without collecting the averaged gradients.
+    pub(crate) fn reduce_backward_join(
+        &mut self,
+        loss: Option<&Tensor>,
+        join: &Join,
+        step: &JoinStep,
+    ) -> Result<StepStats> {
+        self.reducer.set_divisor(step.divisor)?;
+        if let Some(loss) = loss {
+            self.local_backward(loss)?;
+        }
+        Ok(join.sync_gradients(&mut self.reducer, step)?)
+    }
+
     fn finish(&mut self, local: GradStore) -> Result<GradStore> {
         let stats = self.reducer.finish()?;
         self.reduced_grads(stats, local)

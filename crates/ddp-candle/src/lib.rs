@@ -61,10 +61,12 @@ pub mod params;
 pub mod prelude;
 pub mod staged;
 pub mod tensors;
+pub mod zero;
 
 pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutput};
 pub use ddp_comm::ProcessGroup;
 pub use params::CandleParams;
+pub use zero::ZeroDdp;
 
 /// Short alias of [`DistributedDataParallel`].
 pub type Ddp = DistributedDataParallel;

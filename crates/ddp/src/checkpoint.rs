@@ -456,7 +456,7 @@ pub fn load(dir: &Path) -> Result<Option<Checkpoint>> {
     Checkpoint::from_bytes(&bytes, &path.display().to_string()).map(Some)
 }
 
-fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
+pub(crate) fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
     let mut f = OpenOptions::new()
         .write(true)
         .create(true)
@@ -470,7 +470,7 @@ fn write_synced(path: &Path, bytes: &[u8]) -> Result<()> {
 }
 
 /// Makes the rename durable: fsync the directory entry (a no-op where directories can't be opened).
-fn sync_dir(dir: &Path) -> Result<()> {
+pub(crate) fn sync_dir(dir: &Path) -> Result<()> {
     #[cfg(unix)]
     fs::File::open(dir)
         .and_then(|d| d.sync_all())

@@ -8,6 +8,7 @@ pub mod lr;
 pub mod prelude;
 pub mod reducer;
 pub mod sampler;
+pub mod sharding;
 pub mod verify;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta, TensorData};

@@ -111,6 +111,10 @@ pub struct Args {
     /// the run with an error naming the step, the rank and the parameter).
     #[arg(long)]
     pub no_check_finite: bool,
+    /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over the ranks), 2 (+ gradients); with
+    /// --checkpoint-dir, stages 1 and 2 write sharded checkpoints (`ddp::sharding`).
+    #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 3))]
+    pub zero: u8,
 }
 
 impl Args {

@@ -6,13 +6,14 @@
 use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
 use crate::{Args, Backend, BackwardMode, OptimizerKind};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Device, Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
 use ddp::hooks::PeriodicModelAverager;
+use ddp::sharding::ZeroStage;
 use ddp::DistributedSampler;
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions};
+use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
 use std::error::Error;
@@ -34,8 +35,7 @@ fn init_options(args: &Args) -> InitOptions {
 }
 
 /// The optimizer of the run.
-fn optimizer(args: &Args, ddp: &Ddp) -> BoxResult<Box<dyn DynOptimizer>> {
-    let vars = ddp.named_vars().to_vec();
+fn optimizer(args: &Args, vars: Vec<(String, Var)>) -> ddp_candle::Result<Box<dyn DynOptimizer>> {
     Ok(match args.optimizer {
         OptimizerKind::Sgd => Box::new(Sgd::new_named(
             vars,
@@ -81,18 +81,23 @@ fn save(
     pg: &ProcessGroup,
     args: &Args,
     plan: &RunPlan,
-    ddp: &Ddp,
-    opt: &dyn DynOptimizer,
+    zero: &ZeroDdp,
     averager: Option<&PeriodicModelAverager>,
     pos: &TrainingState,
 ) -> BoxResult<()> {
-    if args.checkpoint_dir.is_none() {
+    let Some(dir) = &args.checkpoint_dir else {
+        return Ok(());
+    };
+    if zero.stage() != ZeroStage::Ddp {
+        // Sharded: every rank writes its own shard (loadable at any world size).
+        zero.save(dir, &plan.meta(pos))?;
         return Ok(());
     }
+    let (ddp, opt) = (zero.ddp(), zero.optimizer());
     // Comm hook state (PowerSGD's residuals and Q matrices, step counters): the residuals differ
     // between ranks, so rank 0 saves every rank's (a collective).
     let hook_state = ddp::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
-    if let (Some(dir), 0) = (&args.checkpoint_dir, pg.rank()) {
+    if pg.rank() == 0 {
         let mut ckpt = Checkpoint::new(plan.meta(pos));
         ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
         ckpt.save_optimizer(opt)?;
@@ -121,9 +126,23 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let plan = run_plan(args, world, sampler.len());
     // Before training: rank 0 checks that the directory is writable and (with --resume) reads the
     // checkpoint and shares it, so the directory need not be shared; every rank checks it.
+    let stage = ZeroStage::from_level(args.zero)?;
+    if stage != ZeroStage::Ddp && args.backward == BackwardMode::Staged {
+        return Err("--backward staged is not supported with --zero 1/2 yet".into());
+    }
+    if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
+        return Err(format!(
+            "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
+             through its own comm hook",
+            args.hook, args.zero
+        )
+        .into());
+    }
     let resumed = match &args.checkpoint_dir {
-        Some(dir) => checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?,
-        None => None,
+        Some(dir) if stage == ZeroStage::Ddp => {
+            checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?
+        }
+        _ => None,
     };
 
     let opts = DdpOptions {
@@ -135,14 +154,27 @@ pub fn run(args: &Args) -> BoxResult<()> {
         ddp.register_comm_hook(hook)?;
     }
     let mut averager = args.hook.averager()?;
-    let mut opt = optimizer(args, &ddp)?;
+    let mut ddp = ZeroDdp::new(ddp, stage, |vars| optimizer(args, vars))?;
     let mut pos = TrainingState::default();
+    if let (Some(dir), true, true) = (&args.checkpoint_dir, args.resume, stage != ZeroStage::Ddp) {
+        // Sharded: every rank reads the set (saved at any world size), cut for this world.
+        if let Some(meta) = ddp.load(dir)? {
+            pos = plan.check(&meta)?;
+            if rank == 0 {
+                println!(
+                    "resuming from the sharded set in {} at step {}",
+                    dir.display(),
+                    pos.step
+                );
+            }
+        }
+    }
     if let Some(r) = &resumed {
         ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())?;
-        r.checkpoint.load_optimizer(&mut *opt)?;
+        r.checkpoint.load_optimizer(ddp.optimizer_mut())?;
         let kind = ddp.reducer().comm_hook_state().kind;
         let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
-        ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
+        ddp.ddp_mut().reducer_mut().load_comm_hook_state(&hook_state)?;
         if let Some(a) = &mut averager {
             a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
         }
@@ -159,7 +191,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
         println!("no checkpoint in {}: starting fresh", dir.display());
     }
-    ddp.reducer_mut().set_step(pos.step); // non-finite errors name the run's step
+    ddp.ddp_mut().reducer_mut().set_step(pos.step); // non-finite errors name the run's step
     if rank == 0 {
         println!(
             "train-digits: world_size {world}, {} train / {} test images, batch {} per rank \
@@ -203,20 +235,23 @@ pub fn run(args: &Args) -> BoxResult<()> {
             let (x, y) = train.gather(batch);
             let x = Tensor::from_vec(x, (batch.len(), FEATURES), &Device::Cpu)?;
             let y = Tensor::from_vec(y, batch.len(), &Device::Cpu)?;
-            let (loss, grads) = match args.backward {
+            let loss = match args.backward {
                 BackwardMode::Plain => {
                     let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
-                    let grads = ddp.backward(&loss)?;
-                    (loss, grads)
+                    ddp.backward(&loss)?;
+                    ddp.step()?;
+                    loss
                 }
                 BackwardMode::Staged => {
-                    let out = ddp.forward_backward_staged(&stages, &x, |logits| {
-                        candle_nn::loss::cross_entropy(logits, &y)
-                    })?;
-                    (out.loss, out.grads)
+                    let out = ddp
+                        .ddp_mut()
+                        .forward_backward_staged(&stages, &x, |logits| {
+                            candle_nn::loss::cross_entropy(logits, &y)
+                        })?;
+                    ddp.optimizer_mut().step(&out.grads)?;
+                    out.loss
                 }
             };
-            opt.step(&grads)?;
             if let Some(a) = &mut averager {
                 a.average_parameters(&pg, ddp.params())?;
             }
@@ -229,7 +264,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
         pos.epoch += 1;
         pos.consumed = 0;
-        save(&pg, args, &plan, &ddp, &*opt, averager.as_ref(), &pos)?;
+        save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)?;
         if let Some(target) = args.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
@@ -263,14 +298,16 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let train_time = start.elapsed() - eval_time;
     // Stopped early (--max-steps) mid-epoch: record the exact position.
     if pos.epoch < args.epochs {
-        save(&pg, args, &plan, &ddp, &*opt, averager.as_ref(), &pos)?;
+        save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)?;
     }
     // Local SGD: the replicas differ between averagings; average once more so that every rank
     // ends with the same model.
     if let Some(a) = &mut averager {
         a.average_now(&pg, ddp.params())?;
     }
-    let bytes_per_step = {
+    let bytes_per_step = if stage != ZeroStage::Ddp {
+        ddp.bytes_per_step() as f64
+    } else {
         let r = ddp.reducer();
         let sent = r.bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent());
         sent as f64 / steps_run.max(1) as f64

@@ -421,6 +421,7 @@ impl Reducer {
         let BucketState::Idle(buf) = &mut bucket.state else {
             unreachable!("a bucket with unmarked gradients is never in flight");
         };
+        reallocate_released(buf, bucket.dtype, bucket.numel);
         if let Err(e) = buf.write(slot.offset, grad, slot.accumulated) {
             let spec = &self.specs[index];
             return Err(Error::InvalidArgument(format!("mark_ready: {spec}: {e}")));
@@ -517,6 +518,7 @@ impl Reducer {
             let BucketState::Idle(buf) = &mut b.state else {
                 unreachable!("an incomplete bucket is idle");
             };
+            reallocate_released(buf, b.dtype, b.numel);
             for &p in &b.params {
                 let s = &mut self.slots[p];
                 if !s.marked {
@@ -677,6 +679,27 @@ impl Reducer {
         })
     }
 
+    /// Frees every host bucket buffer until the next backward needs it (ZeRO stage 2, which
+    /// keeps only its gradient shard between steps): a released bucket is reallocated, zeroed,
+    /// when its first gradient arrives. The averaged gradients are no longer readable. Only
+    /// between steps and with nothing accumulated under `no_sync` (an error otherwise).
+    pub fn release_buffers(&mut self) -> Result<()> {
+        if self.current.is_some() || self.slots.iter().any(|s| s.accumulated) {
+            return Err(Error::InvalidArgument(
+                "release_buffers: a backward is in progress or no_sync gradients are \
+                 accumulated; release after a synchronized finish"
+                    .into(),
+            ));
+        }
+        for b in &mut self.buckets {
+            if let BucketState::Idle(BucketBuffer::Host(h)) = &mut b.state {
+                *h = HostBuffer::zeros(b.dtype, 0);
+            }
+        }
+        self.results_valid = false;
+        Ok(())
+    }
+
     /// Timing of the last backward (`None` before the first `finish`).
     pub fn last_step_stats(&self) -> Option<StepStats> {
         self.last
@@ -685,5 +708,14 @@ impl Reducer {
     /// Timing summed over every synchronized step.
     pub fn total_stats(&self) -> TotalStats {
         self.totals
+    }
+}
+
+/// A host bucket freed by [`Reducer::release_buffers`] gets its zeroed buffer back.
+fn reallocate_released(buf: &mut BucketBuffer, dtype: DType, numel: usize) {
+    if let BucketBuffer::Host(h) = buf {
+        if h.len() != numel {
+            *h = HostBuffer::zeros(dtype, numel);
+        }
     }
 }

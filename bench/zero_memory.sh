@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# ZeRO memory and throughput: ddp-bench train with AdamW at --zero 0, 1, 2 on an MLP of
+# ~52 M parameters (784-2048x13-10), world 2 by default; RUNS runs each, medians, and the
+# per-rank formulas (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N bytes for fp32 AdamW) next to the measured peak RSS.
+#   bench/zero_memory.sh [NPROC] [RUNS]
+set -euo pipefail
+NPROC=${1:-2}
+RUNS=${2:-3}
+HIDDEN=${HIDDEN:-2048}
+LAYERS=${LAYERS:-13}
+BATCH=${BATCH:-16}
+cd "$(dirname "$0")/.."
+cargo build --release -q -p ddp-bench
+out=$(mktemp)
+for run in $(seq "$RUNS"); do
+  for z in 0 1 2; do
+    ./target/release/ddp-bench train --nproc "$NPROC" --hidden "$HIDDEN" --layers "$LAYERS" \
+      --batch "$BATCH" --steps 4 --warmup 1 --optimizer adamw --zero "$z" --json |
+      tail -n 1 >>"$out"
+  done
+done
+python3 - "$out" "$NPROC" <<'PY'
+import json, statistics, sys
+rows = [json.loads(l) for l in open(sys.argv[1])]
+n = int(sys.argv[2])
+psi = rows[0]["params"]
+formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n}
+print(f"params {psi/1e6:.1f} M, world {n}, AdamW fp32; medians of {len(rows)//3} runs")
+print("| stage | peak RSS/rank (MiB) | formula (MiB) | ratio | bytes/step (MiB) | samples/s | vs stage 0 |")
+print("|---|---|---|---|---|---|---|")
+base = None
+for z in (0, 1, 2):
+    rs = [r for r in rows if r["zero"] == z]
+    rss = statistics.median(r["peak_rss_bytes"] for r in rs)
+    sps = statistics.median(r["samples_per_s"] for r in rs)
+    base = base or sps
+    f = formula[z]
+    print(f"| {z} | {rss/2**20:.0f} | {f/2**20:.0f} | {rss/f:.2f} | {rs[0]['bytes_per_step']/2**20:.0f} | {sps:.1f} | {sps/base:.2f} |")
+PY
+rm -f "$out"

@@ -242,6 +242,11 @@ fn watchdog_completes_finished_work_and_aborts_every_rank_on_a_timeout() {
             )
             .wait()
             .unwrap_err();
+        // the communicator is aborted once, right after the errors are handed out
+        let until = Instant::now() + Duration::from_secs(5);
+        while aborts.load(Ordering::SeqCst) == 0 && Instant::now() < until {
+            std::thread::sleep(Duration::from_millis(5));
+        }
         (e, waited, later, aborts.load(Ordering::SeqCst))
     });
     let (e0, w0, later0, aborts0) = &out[0];

@@ -7,8 +7,8 @@
 //!  watch(fp, timeout, completion) ──▶ pending ──poll──▶ done ─────────────▶ Watched::wait = Ok
 //!                                        │ past deadline / async error
 //!                                        ▼
-//!                        abort (ncclCommAbort) ─▶ store key "<key>" = "rank: cause"
-//!                        every pending and later collective fails, naming collective + #seq
+//!                        every pending and later collective fails, naming collective + #seq;
+//!                        store key "<key>" = "rank: cause"; then abort (ncclCommAbort)
 //!  other ranks' watchdogs see the key (polled while they have work pending) and fail likewise
 //! ```
 
@@ -257,13 +257,15 @@ fn run(
             }
         }
         if let Some((i, cause)) = failure {
+            // Fail every pending collective first, then abort outside the lock: an abort that
+            // blocks (NCCL may wait for the device) must not keep anyone waiting.
             tracing::error!("device watchdog of rank {rank}: {cause}");
-            abort(&cause);
+            let pending = std::mem::take(&mut st.pending);
+            st.broken = Some(cause.clone());
+            drop(st);
             if !matches!(cause, Error::PeerFailed { .. }) {
                 let _ = store.set(key, format!("{rank}\n{cause}").as_bytes());
             }
-            let pending = std::mem::take(&mut st.pending);
-            st.broken = Some(cause.clone());
             for (j, e) in pending.into_iter().enumerate() {
                 let r = if j == i {
                     cause.clone()
@@ -272,6 +274,8 @@ fn run(
                 };
                 e.slot.complete(Err(r));
             }
+            abort(&cause);
+            st = sh.lock();
             continue;
         }
         st = sh

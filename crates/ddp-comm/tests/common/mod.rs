@@ -653,3 +653,20 @@ pub fn stalled_rank_1_is_warned_about(backend: &str) {
         );
     }
 }
+
+// ----- GPU tests ----------------------------------------------------------------------------
+
+/// Env var that turns a GPU test's skip for want of a GPU or its libraries into a failure;
+/// `scripts/gpu-check` sets it on the GPU machine. (Tests that need more GPUs than there are
+/// still skip, saying how many they need.)
+pub const REQUIRE_GPU: &str = "DDP_TEST_REQUIRE_GPU";
+
+/// Call when GPU test `test` cannot run here for `reason`, then return from the test: prints
+/// `SKIPPED test: reason` (shown by nextest, so a skip never reads as a pass); panics instead
+/// when [`REQUIRE_GPU`]` = 1` and `fatal` (no GPU or no library, as opposed to too few GPUs).
+pub fn skip_gpu(test: &str, reason: &str, fatal: bool) {
+    if fatal && std::env::var(REQUIRE_GPU).is_ok_and(|v| v == "1") {
+        panic!("{test} cannot run: {reason} ({REQUIRE_GPU}=1)");
+    }
+    eprintln!("SKIPPED {test}: {reason}");
+}

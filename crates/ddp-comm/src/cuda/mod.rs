@@ -1,7 +1,7 @@
 //! Collectives on CUDA device memory (feature `nccl`): [`CudaGroup`], built from a host
 //! [`ProcessGroup`] (its store, rank and world) and a device, runs every collective either on
 //! an NCCL communicator or host-staged ([`crate::device::staged`]); [`CudaGroup::topology`]
-//! says which. Buffers are cudarc's [`CudaSlice`] (candle's CUDA storage hands these out too:
+//! says which. Buffers are cudarc's [`CudaSlice`](cudarc::driver::CudaSlice) (candle's CUDA storage hands these out too:
 //! both use cudarc 0.19).
 //!
 //! ```text

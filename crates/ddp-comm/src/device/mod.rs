@@ -1,5 +1,5 @@
 //! Collectives on device memory: the part that does not depend on CUDA, so that it builds and is
-//! tested on every machine. The CUDA side ([`crate::cuda`], feature `nccl`) is built on it.
+//! tested on every machine. The CUDA side (module `cuda`, feature `nccl`) is built on it.
 //!
 //! ```text
 //!  user / reducer bucket (device memory)
@@ -116,7 +116,7 @@ impl DeviceId {
     }
 }
 
-/// What a device group resolved to ([`crate::cuda::CudaGroup::topology`] with feature `nccl`).
+/// What a device group resolved to (`CudaGroup::topology` of module `cuda`, feature `nccl`).
 /// Displays as `nccl: 4 ranks, one GPU each` or `staged: 2 ranks, ranks 0 and 1 share a GPU`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceTopology {

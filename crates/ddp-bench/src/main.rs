@@ -11,6 +11,8 @@
 
 mod launch;
 mod sweep;
+#[cfg(feature = "nccl")]
+mod sweep_cuda;
 mod train;
 
 use clap::{Args, Parser, Subcommand};
@@ -123,8 +125,9 @@ pub struct SweepArgs {
     /// Transport: tcp (loopback or network), shm (shared memory, all ranks on this host),
     /// auto (shm when every rank is on this host, else tcp) or mpi (feature `mpi`: run under
     /// `mpirun -np N`, every process a rank; `--nproc` is ignored). Sets `DDP_BACKEND` for the
-    /// workers.
-    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto", "mpi"])]
+    /// workers. nccl: buffers in GPU memory (device `LOCAL_RANK % device_count`), reduced by NCCL
+    /// (needs the `nccl` feature; the host group underneath uses auto).
+    #[arg(long, default_value = "tcp", value_parser = ["tcp", "shm", "auto", "mpi", "nccl"])]
     pub backend: String,
     /// Number of local processes to start (ignored under a launcher that sets RANK/WORLD_SIZE).
     #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, MAX_LOCAL_WORKERS as u64))]
@@ -166,7 +169,9 @@ fn main() {
         }
     };
     // Workers (this process under a launcher, or its children) read the backend from the env.
-    std::env::set_var("DDP_BACKEND", &backend);
+    // NCCL runs on device buffers beside a host group, which picks its own transport.
+    let host_backend = if backend == "nccl" { "auto" } else { &backend };
+    std::env::set_var("DDP_BACKEND", host_backend);
     if !launch::is_worker() && backend != "mpi" {
         std::process::exit(launch::run_local(nproc));
     }

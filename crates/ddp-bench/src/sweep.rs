@@ -2,6 +2,10 @@
 //! then timed iterations (each after a barrier) whose median is reported, and a correctness pass that
 //! counts the elements differing from the exact expected result.
 //!
+//! The buffers live where the [`Target`] keeps them: host memory (`--backend tcp|shm|auto`) or,
+//! with feature `nccl`, device memory reduced by NCCL (`--backend nccl`, module `sweep_cuda`).
+//! Each timed iteration ends when the collective has finished on the device.
+//!
 //! `algbw = bytes / time`; `busbw = algbw * factor` with nccl-tests' factors: all_reduce
 //! `2(N-1)/N`, all_gather and reduce_scatter `(N-1)/N`, broadcast `1`.
 
@@ -54,14 +58,50 @@ fn value(rank: usize, i: usize) -> f32 {
     ((i % 13) + rank) as f32
 }
 
-/// One iteration of `op` over `bytes` (f32 elements); returns the count of wrong elements when
-/// `check` is set (inputs are re-initialised first).
-struct Bufs {
-    a: Vec<f32>,
-    b: Vec<f32>,
+/// The host buffers of one size: `a` the input (in place for all_reduce and broadcast), `b` the
+/// output of all_gather and reduce_scatter.
+pub struct Bufs {
+    pub a: Vec<f32>,
+    pub b: Vec<f32>,
 }
 
-fn setup(op: Op, pg: &ProcessGroup, elems: usize) -> Bufs {
+/// Where the sweep's buffers live and what runs the collective: host memory and the process
+/// group, or (feature `nccl`) device memory and a `CudaGroup`.
+pub trait Target {
+    /// The host group (barriers, agreeing on times and counts).
+    fn pg(&self) -> &ProcessGroup;
+    /// Fresh inputs for `op` over `elems` f32 elements.
+    fn prepare(&mut self, op: Op, elems: usize) -> ddp_comm::Result<()>;
+    /// One iteration of `op`, finished when this returns.
+    fn run_once(&mut self, op: Op) -> ddp_comm::Result<()>;
+    /// The elements of the last result that differ from the exact expected one.
+    fn count_wrong(&mut self, op: Op) -> ddp_comm::Result<usize>;
+}
+
+/// Host buffers and the process group's collectives.
+struct Host {
+    pg: ProcessGroup,
+    bufs: Bufs,
+}
+
+impl Target for Host {
+    fn pg(&self) -> &ProcessGroup {
+        &self.pg
+    }
+    fn prepare(&mut self, op: Op, elems: usize) -> ddp_comm::Result<()> {
+        self.bufs = setup(op, &self.pg, elems);
+        Ok(())
+    }
+    fn run_once(&mut self, op: Op) -> ddp_comm::Result<()> {
+        run_once(op, &self.pg, &mut self.bufs)
+    }
+    fn count_wrong(&mut self, op: Op) -> ddp_comm::Result<usize> {
+        Ok(count_wrong(op, &self.pg, &self.bufs))
+    }
+}
+
+/// The inputs of `op` over `elems` f32 elements on this rank.
+pub fn setup(op: Op, pg: &ProcessGroup, elems: usize) -> Bufs {
     let (r, p) = (pg.rank(), pg.size());
     match op {
         // bytes = the per-rank buffer
@@ -90,7 +130,8 @@ fn run_once(op: Op, pg: &ProcessGroup, bufs: &mut Bufs) -> ddp_comm::Result<()> 
     }
 }
 
-fn count_wrong(op: Op, pg: &ProcessGroup, bufs: &Bufs) -> usize {
+/// The elements of `bufs` (after `op`) that differ from the exact expected result.
+pub fn count_wrong(op: Op, pg: &ProcessGroup, bufs: &Bufs) -> usize {
     let p = pg.size();
     let sum = |i: usize| (0..p).map(|r| value(r, i)).sum::<f32>();
     match op {
@@ -129,7 +170,41 @@ fn count_wrong(op: Op, pg: &ProcessGroup, bufs: &Bufs) -> usize {
 /// Run the sweep as one worker; rank 0 prints.
 pub fn run(op: Op, args: &SweepArgs) -> Result<(), Box<dyn std::error::Error>> {
     let pg = init_process_group(InitOptions::default())?;
-    let (rank, p) = (pg.rank(), pg.size());
+    if args.backend == "nccl" {
+        return run_nccl(op, args, pg);
+    }
+    let mut host = Host {
+        pg,
+        bufs: Bufs {
+            a: Vec::new(),
+            b: Vec::new(),
+        },
+    };
+    sweep(op, args, &mut host)
+}
+
+#[cfg(feature = "nccl")]
+fn run_nccl(op: Op, args: &SweepArgs, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
+    let mut dev = crate::sweep_cuda::Device::new(pg)?;
+    sweep(op, args, &mut dev)
+}
+
+#[cfg(not(feature = "nccl"))]
+fn run_nccl(_: Op, _: &SweepArgs, _: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
+    Err(
+        "--backend nccl needs ddp-bench built with the nccl feature \
+         (cargo build --release -p ddp-bench --features nccl)"
+            .into(),
+    )
+}
+
+/// The sweep over `target`; rank 0 prints.
+fn sweep(
+    op: Op,
+    args: &SweepArgs,
+    target: &mut impl Target,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let (rank, p) = (target.pg().rank(), target.pg().size());
     if rank == 0 && !args.json {
         println!(
             "# ddp-bench {op:?}  world_size {p}  backend {}  dtype f32",
@@ -146,28 +221,28 @@ pub fn run(op: Op, args: &SweepArgs) -> Result<(), Box<dyn std::error::Error>> {
         let iters = args
             .iters
             .unwrap_or_else(|| ((256 << 20) / bytes).clamp(5, 500));
-        let mut bufs = setup(op, &pg, elems);
+        target.prepare(op, elems)?;
         for _ in 0..args.warmup {
-            run_once(op, &pg, &mut bufs)?;
+            target.run_once(op)?;
         }
         // As the peer scripts do: a barrier before every timed iteration, so each one starts
         // with the ranks in step; the median over iterations of the slowest rank is reported.
         let mut times = Vec::with_capacity(iters);
         for _ in 0..iters {
-            pg.barrier()?;
+            target.pg().barrier()?;
             let t = Instant::now();
-            run_once(op, &pg, &mut bufs)?;
+            target.run_once(op)?;
             times.push(t.elapsed().as_secs_f64());
         }
         // Agree on the slowest rank's median, like nccl-tests reports the max over ranks.
         times.sort_by(|a, b| a.partial_cmp(b).unwrap());
         let mut med = [times[times.len() / 2]];
-        pg.all_reduce(&mut med, ReduceOp::Max)?;
+        target.pg().all_reduce(&mut med, ReduceOp::Max)?;
         // Correctness pass on fresh inputs, every size.
-        let mut bufs = setup(op, &pg, elems);
-        run_once(op, &pg, &mut bufs)?;
-        let mut wrong = [count_wrong(op, &pg, &bufs) as i64];
-        pg.all_reduce(&mut wrong, ReduceOp::Sum)?;
+        target.prepare(op, elems)?;
+        target.run_once(op)?;
+        let mut wrong = [target.count_wrong(op)? as i64];
+        target.pg().all_reduce(&mut wrong, ReduceOp::Sum)?;
         if rank == 0 {
             let t = med[0];
             let algbw = bytes as f64 / t / 1e9;

@@ -78,3 +78,36 @@ fn train_flags_at_their_bounds() {
     }
     assert_eq!(outcome(&all, "--hidden", "1").code, Some(0));
 }
+
+/// `--backend nccl` without a GPU: a clear error naming what is missing (the feature, or with
+/// it, libcuda and `LD_LIBRARY_PATH`), exit status 1, no panic.
+#[test]
+fn nccl_backend_without_a_gpu_says_what_is_missing() {
+    let out = std::process::Command::new(BIN)
+        .args([
+            "allreduce",
+            "--backend",
+            "nccl",
+            "--nproc",
+            "1",
+            "--max-bytes",
+            "4K",
+        ])
+        .env("LD_LIBRARY_PATH", "/nonexistent")
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(!err.contains("panicked"), "{err}");
+    let want = if cfg!(feature = "nccl") {
+        "libcuda: not found"
+    } else {
+        "--backend nccl needs ddp-bench built with the nccl feature"
+    };
+    if cfg!(feature = "nccl") && !err.contains(want) && err.contains("nccl") {
+        // a machine with libcuda: the error is about NCCL or the device instead
+        eprintln!("libcuda present here: {err}");
+        return;
+    }
+    assert!(err.contains(want), "{err}");
+}

@@ -6,6 +6,9 @@
 #![allow(dead_code)]
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
+pub mod api;
+
+pub use api::Collectives;
 use ddp_comm::algorithms::AllReduceAlgorithm;
 use ddp_comm::process_group::Backend;
 use ddp_comm::{Element, ReduceOp};
@@ -266,9 +269,11 @@ pub fn check_every_collective(pg: &ProcessGroup, seed: u64) {
     assert_eq!(pg.broadcast_bytes(&mine, root).unwrap(), all[root]);
 }
 
-/// Run every collective of `T` on `pg` for the sizes in `sizes`, checking each against the reference.
-pub fn check_all<T: Num>(pg: &ProcessGroup, seed: u64, sizes: &[usize]) {
-    let (rank, world) = (pg.rank(), pg.size());
+/// Run every collective of `T` on `g` for the sizes in `sizes`, checking each against the
+/// reference: blocking and async forms (alternating by size case); gather, scatter and all_to_all where `g` is a
+/// host group.
+pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
+    let (rank, world) = (g.rank(), g.size());
     let mut rng = StdRng::seed_from_u64(seed); // same sequence on every rank
     for (k, &n) in sizes.iter().enumerate() {
         let case = seed * 100 + k as u64;
@@ -277,113 +282,117 @@ pub fn check_all<T: Num>(pg: &ProcessGroup, seed: u64, sizes: &[usize]) {
         let large = n > 100_000;
         let ops: &[ReduceOp] = if large { &[ReduceOp::Sum] } else { &OPS };
         let blk = if large { n / world } else { n };
+        // The blocking form for even cases, the async one for odd (all_reduce: both, always).
+        let asy = k % 2 == 1;
         for &op in ops {
-            // all_reduce, blocking and async
-            let mut buf = input::<T>(case, rank, n, op);
-            pg.all_reduce(&mut buf, op).unwrap();
-            assert_same(
-                &format!("all_reduce {dt} {op} n={n} world={world}"),
-                &buf,
-                &reference(case, world, n, op),
-            );
-            let got = pg
-                .all_reduce_async(input::<T>(case, rank, n, op), op)
-                .wait()
-                .unwrap();
-            assert_same("all_reduce_async", &got, &reference(case, world, n, op));
+            let how = format!("{dt} {op} n={n} world={world} async={asy}");
+            let want = reference(case, world, n, op);
+            for a in [false, true] {
+                let got = g.all_reduce(input::<T>(case, rank, n, op), op, a);
+                assert_same(&format!("all_reduce {how} (async={a})"), &got, &want);
+            }
             // reduce to a random root
             let root = rng.gen_range(0..world);
-            let mut buf = input::<T>(case, rank, n, op);
-            pg.reduce(&mut buf, op, root).unwrap();
+            let got = g.reduce(input::<T>(case, rank, n, op), op, root, asy);
             if rank == root {
-                assert_same(
-                    &format!("reduce {dt} {op} n={n} root={root}"),
-                    &buf,
-                    &reference(case, world, n, op),
-                );
+                assert_same(&format!("reduce {how} root={root}"), &got, &want);
             } else {
-                assert_same(
-                    "reduce leaves non-root input unchanged",
-                    &buf,
-                    &input::<T>(case, rank, n, op),
-                );
+                let mine = input::<T>(case, rank, n, op);
+                assert_same("reduce leaves non-root input unchanged", &got, &mine);
             }
             // reduce_scatter: rank r gets block r of the reduction
             let full: Vec<T> = input(case, rank, blk * world, op);
-            let mut out = vec![T::from_i(0); blk];
-            pg.reduce_scatter(&full, &mut out, op).unwrap();
+            let got = g.reduce_scatter(full, op, asy);
             let want = reference::<T>(case, world, blk * world, op);
             assert_same(
-                &format!("reduce_scatter {dt} {op} n={blk}"),
-                &out,
+                &format!("reduce_scatter {how} blk={blk}"),
+                &got,
                 &want[rank * blk..(rank + 1) * blk],
             );
         }
         let op = ReduceOp::Sum;
-        // broadcast
-        let root = rng.gen_range(0..world);
-        let mut buf = input::<T>(case, rank, n, op);
-        pg.broadcast(&mut buf, root).unwrap();
-        assert_same(
-            &format!("broadcast {dt} n={n} root={root}"),
-            &buf,
-            &input::<T>(case, root, n, op),
-        );
-        // all_gather
         let mine = input::<T>(case, rank, blk, op);
-        let mut out = vec![T::from_i(0); blk * world];
-        pg.all_gather(&mine, &mut out).unwrap();
-        let want: Vec<T> = (0..world)
+        let want_all: Vec<T> = (0..world)
             .flat_map(|r| input::<T>(case, r, blk, op))
             .collect();
-        assert_same(&format!("all_gather {dt} n={blk}"), &out, &want);
-        // gather
-        let mut out = vec![T::from_i(0); blk * world];
-        pg.gather(&mine, (rank == root).then_some(&mut out[..]), root)
-            .unwrap();
-        if rank == root {
-            assert_same(&format!("gather {dt} n={blk}"), &out, &want);
-        }
-        // scatter: root's input is everyone's blocks
-        let mut out = vec![T::from_i(0); blk];
-        let all_in: Vec<T> = input(case + 7, root, blk * world, op);
-        pg.scatter((rank == root).then_some(&all_in[..]), &mut out, root)
-            .unwrap();
+        let root = rng.gen_range(0..world);
+        // broadcast
+        let got = g.broadcast(input::<T>(case, rank, n, op), root, asy);
+        let want = input::<T>(case, root, n, op);
         assert_same(
-            &format!("scatter {dt} n={blk}"),
-            &out,
-            &input::<T>(case + 7, root, blk * world, op)[rank * blk..(rank + 1) * blk],
+            &format!("broadcast {dt} n={n} root={root} async={asy}"),
+            &got,
+            &want,
         );
-        // all_to_all: block j of rank i goes to rank j's block i
-        let send: Vec<T> = input(case + 9, rank, blk * world, op);
-        let mut recv = vec![T::from_i(0); blk * world];
-        pg.all_to_all(&send, &mut recv).unwrap();
-        let want: Vec<T> = (0..world)
-            .flat_map(|i| {
-                input::<T>(case + 9, i, blk * world, op)[rank * blk..(rank + 1) * blk].to_vec()
-            })
-            .collect();
-        assert_same(&format!("all_to_all {dt} n={blk}"), &recv, &want);
+        // all_gather
+        let got = g.all_gather(mine.clone(), asy);
+        assert_same(
+            &format!("all_gather {dt} n={blk} async={asy}"),
+            &got,
+            &want_all,
+        );
+        if let Some(pg) = g.host() {
+            check_host_only::<T>(pg, case, blk, root, &mine, &want_all);
+        }
         // send / recv around the ring (even ranks send first, odd ranks receive first)
         if world > 1 {
             let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
             let mine = input::<T>(case, rank, n, op);
-            let mut got = vec![T::from_i(0); n];
-            if rank % 2 == 0 {
-                pg.send(&mine, next).unwrap();
-                pg.recv(&mut got, prev).unwrap();
+            let got = if rank % 2 == 0 {
+                g.send(mine, next);
+                g.recv(n, prev)
             } else {
-                pg.recv(&mut got, prev).unwrap();
-                pg.send(&mine, next).unwrap();
-            }
+                let got = g.recv(n, prev);
+                g.send(mine, next);
+                got
+            };
             assert_same(
                 &format!("send/recv {dt} n={n}"),
                 &got,
                 &input::<T>(case, prev, n, op),
             );
         }
-        pg.barrier().unwrap();
+        g.barrier();
     }
+}
+
+/// gather, scatter and all_to_all (host groups only) against the reference.
+fn check_host_only<T: Num>(
+    pg: &ProcessGroup,
+    case: u64,
+    blk: usize,
+    root: usize,
+    mine: &[T],
+    want: &[T],
+) {
+    let (rank, world, dt, op) = (pg.rank(), pg.size(), T::DTYPE, ReduceOp::Sum);
+    // gather
+    let mut out = vec![T::from_i(0); blk * world];
+    pg.gather(mine, (rank == root).then_some(&mut out[..]), root)
+        .unwrap();
+    if rank == root {
+        assert_same(&format!("gather {dt} n={blk}"), &out, want);
+    }
+    // scatter: root's input is everyone's blocks
+    let mut out = vec![T::from_i(0); blk];
+    let all_in: Vec<T> = input(case + 7, root, blk * world, op);
+    pg.scatter((rank == root).then_some(&all_in[..]), &mut out, root)
+        .unwrap();
+    assert_same(
+        &format!("scatter {dt} n={blk}"),
+        &out,
+        &input::<T>(case + 7, root, blk * world, op)[rank * blk..(rank + 1) * blk],
+    );
+    // all_to_all: block j of rank i goes to rank j's block i
+    let send: Vec<T> = input(case + 9, rank, blk * world, op);
+    let mut recv = vec![T::from_i(0); blk * world];
+    pg.all_to_all(&send, &mut recv).unwrap();
+    let want: Vec<T> = (0..world)
+        .flat_map(|i| {
+            input::<T>(case + 9, i, blk * world, op)[rank * blk..(rank + 1) * blk].to_vec()
+        })
+        .collect();
+    assert_same(&format!("all_to_all {dt} n={blk}"), &recv, &want);
 }
 
 pub fn sizes(seed: u64, large: bool) -> Vec<usize> {
@@ -643,4 +652,21 @@ pub fn stalled_rank_1_is_warned_about(backend: &str) {
             "the warning must name the collective, its sequence number and rank 1: {w}"
         );
     }
+}
+
+// ----- GPU tests ----------------------------------------------------------------------------
+
+/// Env var that turns a GPU test's skip for want of a GPU or its libraries into a failure;
+/// `scripts/gpu-check` sets it on the GPU machine. (Tests that need more GPUs than there are
+/// still skip, saying how many they need.)
+pub const REQUIRE_GPU: &str = "DDP_TEST_REQUIRE_GPU";
+
+/// Call when GPU test `test` cannot run here for `reason`, then return from the test: prints
+/// `SKIPPED test: reason` (shown by nextest, so a skip never reads as a pass); panics instead
+/// when [`REQUIRE_GPU`]` = 1` and `fatal` (no GPU or no library, as opposed to too few GPUs).
+pub fn skip_gpu(test: &str, reason: &str, fatal: bool) {
+    if fatal && std::env::var(REQUIRE_GPU).is_ok_and(|v| v == "1") {
+        panic!("{test} cannot run: {reason} ({REQUIRE_GPU}=1)");
+    }
+    eprintln!("SKIPPED {test}: {reason}");
 }

@@ -104,6 +104,11 @@ pub struct TrainArgs {
     /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms.
     #[arg(long)]
     pub json: bool,
+    /// Device of every rank: `cpu`, or `cuda` (GPU `LOCAL_RANK % device_count`; needs a build
+    /// with `--features cuda`). Gradient buckets then live on the GPU: NCCL when every rank has
+    /// its own GPU, host-staged when ranks share one (`DDP_DEVICE_BACKEND` overrides).
+    #[arg(long, default_value = "cpu")]
+    pub device: ddp_candle::device::DeviceKind,
 }
 
 /// Options shared by every sweep.
@@ -143,6 +148,12 @@ fn main() {
                 "ddp-bench: error: --min-bytes {} is larger than --max-bytes {}",
                 a.min_bytes, a.max_bytes
             );
+            std::process::exit(2);
+        }
+    }
+    if let Cmd::Train(a) = &cli.cmd {
+        if let Err(e) = a.device.check_built("ddp-bench") {
+            eprintln!("ddp-bench: error: {e}");
             std::process::exit(2);
         }
     }

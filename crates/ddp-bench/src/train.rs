@@ -4,7 +4,7 @@
 //! Reports global samples/s (world × batch × steps ÷ the slowest rank's time), ms/step and the
 //! mean time per step that backward spent blocked on communication.
 
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, Optimizer, VarBuilder, VarMap};
 use ddp_candle::optim::{ParamsSgd, Sgd};
 use ddp_candle::{Ddp, DdpOptions};
@@ -61,16 +61,8 @@ impl Module for Block {
 
 type Error = Box<dyn std::error::Error>;
 
-/// Run the benchmark as one worker; rank 0 prints.
-pub fn run(args: &TrainArgs) -> Result<(), Error> {
-    if !args.no_retain_memory {
-        ddp_candle::alloc::retain_freed_memory();
-    }
-    let pg = init_process_group(InitOptions::default())?;
-    let (rank, world) = (pg.rank(), pg.size());
-    let dev = Device::Cpu;
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// The MLP's blocks, their variables taken from (or created in) `vb`'s map.
+fn build(args: &TrainArgs, vb: VarBuilder) -> Result<Vec<Block>, Error> {
     let mut blocks = Vec::new();
     let mut width = 784;
     for l in 0..args.layers {
@@ -89,6 +81,36 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         lin: Dense::new(&args.weight_layout, width, 10, vb.pp("out"))?,
         relu: false,
     });
+    Ok(blocks)
+}
+
+/// Run the benchmark as one worker; rank 0 prints.
+pub fn run(args: &TrainArgs) -> Result<(), Error> {
+    if !args.no_retain_memory {
+        ddp_candle::alloc::retain_freed_memory();
+    }
+    let pg = init_process_group(InitOptions::default())?;
+    let (rank, world) = (pg.rank(), pg.size());
+    let dev = ddp_candle::device::worker_device(args.device)?;
+    // Initialized on the host (no device RNG), then the variables are copied to the device.
+    let host_map = VarMap::new();
+    build(args, VarBuilder::from_varmap(&host_map, DType::F32, &Device::Cpu))?;
+    let varmap = match dev.is_cpu() {
+        true => host_map,
+        false => {
+            let on_dev = VarMap::new();
+            for (name, v) in host_map.data().lock().expect("VarMap lock").iter() {
+                let t = v.as_tensor().to_device(&dev)?;
+                on_dev
+                    .data()
+                    .lock()
+                    .expect("VarMap lock")
+                    .insert(name.clone(), Var::from_tensor(&t)?);
+            }
+            on_dev
+        }
+    };
+    let blocks = build(args, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
     let opts = DdpOptions {
         bucket_cap_mb: args.bucket_cap_mb,
         ..Default::default()
@@ -97,8 +119,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let mut opt = Sgd::new(ddp.all_vars(), ParamsSgd::with_lr(0.01))?;
     let stages: Vec<&dyn Module> = blocks.iter().map(|b| b as &dyn Module).collect();
 
-    // Synthetic data, different on every rank.
-    let x = Tensor::randn(0f32, 1.0, (args.batch, 784), &dev)?.affine(1.0, rank as f64 * 0.01)?;
+    // Synthetic data, different on every rank (drawn on the host).
+    let x = Tensor::randn(0f32, 1.0, (args.batch, 784), &Device::Cpu)?
+        .affine(1.0, rank as f64 * 0.01)?
+        .to_device(&dev)?;
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
@@ -131,6 +155,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     for _ in 0..args.steps {
         wait += step(&mut ddp, &mut opt)?;
     }
+    dev.synchronize()?; // the GPU has finished the timed steps
     let mut times = [t.elapsed().as_secs_f64(), wait];
     pg.all_reduce(&mut times, ReduceOp::Max)?;
     let (elapsed, wait) = (times[0], times[1]);
@@ -140,7 +165,8 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let diff = ddp.replica_max_diff()?;
     if rank == 0 {
         println!(
-            "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
+            "# ddp-bench train  world_size {world}  device {}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
+            args.device,
             args.hidden,
             args.layers,
             args.batch,

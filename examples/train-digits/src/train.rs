@@ -6,7 +6,7 @@
 use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
 use crate::{Args, Backend, BackwardMode, OptimizerKind};
-use candle_core::{Device, Module, Tensor};
+use candle_core::{Module, Tensor};
 use candle_nn::VarMap;
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
 use ddp::DistributedSampler;
@@ -100,8 +100,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let all = data::load()?;
     let (train, test) = data::train_test_split(&all);
 
+    let device = ddp_candle::device::worker_device(args.device)?;
     let varmap = VarMap::new();
-    let model = Mlp::new(&varmap, FEATURES, args.hidden, CLASSES, args.seed)?;
+    let model = Mlp::new(&varmap, FEATURES, args.hidden, CLASSES, args.seed, &device)?;
 
     let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
     let plan = run_plan(args, world, sampler.len());
@@ -138,8 +139,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     ddp.reducer_mut().set_step(pos.step); // non-finite errors name the run's step
     if rank == 0 {
         println!(
-            "train-digits: world_size {world}, {} train / {} test images, batch {} per rank \
+            "train-digits: world_size {world} on {}, {} train / {} test images, batch {} per rank \
              (global {}), {} steps per epoch, {} lr {}, {} backward, {} parameters",
+            args.device,
             train.len(),
             test.len(),
             args.batch_size,
@@ -175,8 +177,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 break 'epochs;
             }
             let (x, y) = train.gather(batch);
-            let x = Tensor::from_vec(x, (batch.len(), FEATURES), &Device::Cpu)?;
-            let y = Tensor::from_vec(y, batch.len(), &Device::Cpu)?;
+            let x = Tensor::from_vec(x, (batch.len(), FEATURES), &device)?;
+            let y = Tensor::from_vec(y, batch.len(), &device)?;
             let (loss, grads) = match args.backward {
                 BackwardMode::Plain => {
                     let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;

@@ -66,6 +66,27 @@ pub enum Error {
         remote_bytes: Option<u64>,
     },
 
+    /// A library loaded at run time (libcuda, libnccl) is missing or failed; the message says
+    /// which names were tried and what to set (`LD_LIBRARY_PATH`).
+    #[error("{library}: {message}")]
+    Library {
+        /// `libcuda`, `libnccl`, or `CUDA` for a failure inside the CUDA bindings.
+        library: &'static str,
+        /// What went wrong and what to do.
+        message: String,
+    },
+
+    /// A CUDA driver or NCCL call failed (not a missing library).
+    #[error("{call} failed on rank {rank}: {message}")]
+    Device {
+        /// The call (`cuMemcpyDtoH`, `ncclAllReduce`, ...) or the collective.
+        call: String,
+        /// This rank.
+        rank: usize,
+        /// The error the library reported.
+        message: String,
+    },
+
     /// The process group shut down (dropped, or its thread ended) before an operation ran.
     #[error("{0}: the process group shut down before it ran")]
     Shutdown(String),

@@ -23,6 +23,9 @@
 
 pub mod algorithms;
 pub mod backend;
+#[cfg(feature = "nccl")]
+pub mod cuda;
+pub mod device;
 pub mod dtype;
 pub mod env;
 pub mod error;

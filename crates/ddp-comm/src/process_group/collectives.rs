@@ -261,7 +261,7 @@ impl ProcessGroup {
         })
     }
 
-    fn check_peer(&self, peer: usize) -> Result<()> {
+    pub(crate) fn check_peer(&self, peer: usize) -> Result<()> {
         if peer >= self.size() || peer == self.rank() {
             return Err(Error::InvalidArgument(format!(
                 "send/recv peer {peer} must be another rank of this group of size {} (this is rank {})",
@@ -273,7 +273,12 @@ impl ProcessGroup {
     }
 
     /// The engine replaces `seq` with the per-pair counter; `reduce: Some` marks a send.
-    fn p2p_fingerprint<T: Element>(&self, count: usize, peer: usize, is_send: bool) -> Fingerprint {
+    pub(crate) fn p2p_fingerprint<T: Element>(
+        &self,
+        count: usize,
+        peer: usize,
+        is_send: bool,
+    ) -> Fingerprint {
         let mut fp = self.fingerprint(OpKind::SendRecv, T::DTYPE, None, count, Some(peer));
         fp.reduce = is_send.then_some(ReduceOp::Sum);
         fp

@@ -45,6 +45,8 @@ struct Inner {
     /// Keeps the store server alive when this process hosts it.
     _server: Option<Arc<StoreServer>>,
     subgroups: AtomicU64,
+    /// Device groups made from this group so far (each gets its own store keys).
+    device_groups: AtomicU64,
     /// How this group was connected (subgroups connect the same way, on their own store).
     plan: BackendPlan,
     /// What the backend resolved to.
@@ -103,6 +105,7 @@ impl ProcessGroup {
                 store: plan.store.clone(),
                 _server: server,
                 subgroups: AtomicU64::new(0),
+                device_groups: AtomicU64::new(0),
                 plan,
                 topology,
             }),
@@ -209,7 +212,14 @@ impl ProcessGroup {
         .map(Some)
     }
 
-    fn fingerprint(
+    /// A number for the next device group made from this group (the same on every rank when
+    /// every rank makes its device groups in the same order).
+    #[allow(dead_code)] // used by the `nccl` feature's `cuda` module
+    pub(crate) fn next_device_group(&self) -> u64 {
+        self.inner.device_groups.fetch_add(1, Ordering::SeqCst)
+    }
+
+    pub(crate) fn fingerprint(
         &self,
         op: OpKind,
         dtype: DType,
@@ -227,7 +237,7 @@ impl ProcessGroup {
         }
     }
 
-    fn check_root(&self, root: usize) -> Result<()> {
+    pub(crate) fn check_root(&self, root: usize) -> Result<()> {
         if root >= self.size() {
             return Err(Error::InvalidArgument(format!(
                 "root rank {root} is not in this group of size {}",
@@ -238,7 +248,7 @@ impl ProcessGroup {
     }
 
     /// Queue `f` on the group's thread; the returned work completes with its result.
-    fn spawn<R: Send + 'static>(
+    pub(crate) fn spawn<R: Send + 'static>(
         &self,
         fp: Fingerprint,
         f: impl FnOnce(&mut dyn CollectiveBackend) -> Result<R> + Send + 'static,
@@ -255,7 +265,7 @@ impl ProcessGroup {
     }
 
     /// Run `f` on the group's thread (after everything queued before it) and wait for it.
-    fn blocking<R: Send + 'static>(
+    pub(crate) fn blocking<R: Send + 'static>(
         &self,
         fp: Fingerprint,
         f: impl FnOnce(&mut dyn CollectiveBackend) -> Result<R> + Send,

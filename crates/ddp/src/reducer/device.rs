@@ -59,7 +59,6 @@ impl CudaView<'_> {
 
     /// Number of elements.
     pub fn len(&self) -> usize {
-        use cudarc::driver::DeviceSlice as _;
         match self {
             CudaView::F32(v) => v.len(),
             CudaView::F64(v) => v.len(),

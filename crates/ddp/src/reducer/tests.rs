@@ -579,7 +579,7 @@ fn device_path_through_cpu_buckets_matches_host_buckets_bit_for_bit() {
                     assert_eq!(a.unwrap().synced, b.unwrap().synced);
                 }
                 for i in 0..12 {
-                    let want = host.with_grad(i, |s| to_f64(s)).unwrap();
+                    let want = host.with_grad(i, to_f64).unwrap();
                     let got = dev
                         .with_device_grad(i, |d| match d {
                             DeviceSlice::Cpu(s) => to_f64(s),
@@ -588,7 +588,7 @@ fn device_path_through_cpu_buckets_matches_host_buckets_bit_for_bit() {
                         .unwrap()
                         .expect("a cpu bucket offers device views");
                     assert_eq!(got, want, "world {world} step {step} param {i}");
-                    assert_eq!(dev.with_grad(i, |s| to_f64(s)).unwrap(), want);
+                    assert_eq!(dev.with_grad(i, to_f64).unwrap(), want);
                     assert_eq!(host.with_device_grad(i, |_| ()).unwrap(), None);
                 }
             }

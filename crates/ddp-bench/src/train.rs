@@ -94,7 +94,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let dev = ddp_candle::device::worker_device(args.device)?;
     // Initialized on the host (no device RNG), then the variables are copied to the device.
     let host_map = VarMap::new();
-    build(args, VarBuilder::from_varmap(&host_map, DType::F32, &Device::Cpu))?;
+    build(
+        args,
+        VarBuilder::from_varmap(&host_map, DType::F32, &Device::Cpu),
+    )?;
     let varmap = match dev.is_cpu() {
         true => host_map,
         false => {

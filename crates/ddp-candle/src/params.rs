@@ -7,9 +7,9 @@ use crate::tensors::{comm_dtype, tensor_from_host, with_host_slice};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Var;
+use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use ddp::adapter::ParamAccess;
-use candle_core::{Device, Storage, Tensor};
 use ddp::reducer::{DeviceSlice, HostBuffer, HostSlice, ParamSpec};
 
 /// Named candle variables sorted by name: the registration order, the same on every rank.
@@ -68,21 +68,17 @@ pub fn with_device_slice<R>(t: &Tensor, f: impl FnOnce(DeviceSlice<'_>) -> R) ->
     if !t.is_contiguous() {
         return with_device_slice(&t.contiguous()?, f);
     }
-    let (storage, layout) = t.storage_and_layout();
-    match &*storage {
-        #[cfg(feature = "cuda")]
-        Storage::Cuda(cs) => {
+    #[cfg(feature = "cuda")]
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let candle_core::Storage::Cuda(cs) = &*storage {
             let (start, end) = layout
                 .contiguous_offsets()
                 .expect("a contiguous tensor has contiguous offsets");
-            crate::cuda::with_cuda_view(cs, start, end, f)
-        }
-        _ => {
-            let _ = layout;
-            drop(storage);
-            with_host_slice(t, |s| f(DeviceSlice::Cpu(s)))
+            return crate::cuda::with_cuda_view(cs, start, end, f);
         }
     }
+    with_host_slice(t, |s| f(DeviceSlice::Cpu(s)))
 }
 
 impl ParamAccess for CandleParams {

@@ -450,6 +450,9 @@ fn device_buckets_on_the_cpu_match_host_buckets_bit_for_bit() {
         };
         let host = run(false);
         let device = run(true);
-        assert_eq!(device, host, "world {world}: device buckets differ from host buckets");
+        assert_eq!(
+            device, host,
+            "world {world}: device buckets differ from host buckets"
+        );
     }
 }

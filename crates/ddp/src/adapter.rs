@@ -26,9 +26,7 @@
 //! ```
 
 use crate::error::Result;
-use crate::reducer::{
-    broadcast_coalesced, DeviceSlice, HostBuffer, HostSlice, ParamSpec, Reducer,
-};
+use crate::reducer::{broadcast_coalesced, DeviceSlice, HostBuffer, HostSlice, ParamSpec, Reducer};
 use ddp_comm::{Element, ProcessGroup};
 use half::{bf16, f16};
 

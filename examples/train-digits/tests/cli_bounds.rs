@@ -84,5 +84,8 @@ fn device_flag_is_checked_before_any_worker_starts() {
     assert_eq!(o.status.code(), Some(2), "{err}");
     assert!(err.contains("built without the `cuda` feature"), "{err}");
     assert!(err.contains("--features cuda -p train-digits"), "{err}");
-    assert!(!err.contains("rank "), "refused before any worker started: {err}");
+    assert!(
+        !err.contains("rank "),
+        "refused before any worker started: {err}"
+    );
 }

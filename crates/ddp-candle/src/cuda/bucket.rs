@@ -211,7 +211,11 @@ impl DeviceBucket for CudaBucket {
     fn write(&mut self, offset: usize, src: HostSlice<'_>, add: bool) -> Result<(), String> {
         self.check_deferred()?;
         if src.dtype() != self.dtype() {
-            return Err(format!("{} data written into a {} bucket", src.dtype(), self.dtype()));
+            return Err(format!(
+                "{} data written into a {} bucket",
+                src.dtype(),
+                self.dtype()
+            ));
         }
         let t = self.host_tensor(src)?;
         match add {
@@ -239,16 +243,19 @@ impl DeviceBucket for CudaBucket {
         let stream = self.dev.cuda_stream();
         let (len, mine) = (v.len(), self.dtype());
         let copied = match (&mut self.buf, v) {
-            (Buf::F32(d), CudaView::F32(v)) => stream.memcpy_dtod(&v, &mut d.slice_mut(offset..offset + len)),
-            (Buf::F64(d), CudaView::F64(v)) => stream.memcpy_dtod(&v, &mut d.slice_mut(offset..offset + len)),
-            (Buf::F16(d), CudaView::F16(v)) => stream.memcpy_dtod(&v, &mut d.slice_mut(offset..offset + len)),
-            (Buf::BF16(d), CudaView::BF16(v)) => stream.memcpy_dtod(&v, &mut d.slice_mut(offset..offset + len)),
-            (_, v) => {
-                return Err(format!(
-                    "{} data written into a {mine} bucket",
-                    v.dtype()
-                ))
+            (Buf::F32(d), CudaView::F32(v)) => {
+                stream.memcpy_dtod(&v, &mut d.slice_mut(offset..offset + len))
             }
+            (Buf::F64(d), CudaView::F64(v)) => {
+                stream.memcpy_dtod(&v, &mut d.slice_mut(offset..offset + len))
+            }
+            (Buf::F16(d), CudaView::F16(v)) => {
+                stream.memcpy_dtod(&v, &mut d.slice_mut(offset..offset + len))
+            }
+            (Buf::BF16(d), CudaView::BF16(v)) => {
+                stream.memcpy_dtod(&v, &mut d.slice_mut(offset..offset + len))
+            }
+            (_, v) => return Err(format!("{} data written into a {mine} bucket", v.dtype())),
         };
         copied.map_err(cuda_err("copy of a gradient into its bucket"))
     }

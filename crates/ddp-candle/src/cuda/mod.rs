@@ -23,6 +23,7 @@ mod bucket;
 pub use bucket::CudaBucket;
 
 use crate::{Error, Result};
+use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::op::BackpropOp;
@@ -65,7 +66,11 @@ pub fn cuda_reducer(
 ) -> Result<Reducer> {
     let group = Arc::new(cuda_group(pg, dev)?);
     if pg.rank() == 0 {
-        tracing::info!("DDP gradient buckets on cuda:{}: {}", group.device(), group.topology());
+        tracing::info!(
+            "DDP gradient buckets on cuda:{}: {}",
+            group.device(),
+            group.topology()
+        );
     }
     // Allocate every bucket first so that an allocation failure is an error, not a panic.
     let assignment = ddp::reducer::compute_bucket_assignment(&specs, &opts);
@@ -78,7 +83,9 @@ pub fn cuda_reducer(
     let mut buffers = buffers.into_iter();
     Ok(Reducer::with_buffers(pg, specs, opts, |_| {
         ddp::reducer::BucketBuffer::Device(Box::new(
-            buffers.next().expect("one buffer per bucket of the same assignment"),
+            buffers
+                .next()
+                .expect("one buffer per bucket of the same assignment"),
         ))
     })?)
 }
@@ -105,7 +112,11 @@ pub(crate) fn with_cuda_view<R>(
 }
 
 /// A tensor of `shape` on `device` holding a device copy of `view`.
-pub(crate) fn tensor_from_view(view: CudaView<'_>, shape: &Shape, device: &Device) -> Result<Tensor> {
+pub(crate) fn tensor_from_view(
+    view: CudaView<'_>,
+    shape: &Shape,
+    device: &Device,
+) -> Result<Tensor> {
     let Device::Cuda(dev) = device else {
         return Err(Error::Unsupported(format!(
             "a CUDA gradient for a parameter on {:?}",

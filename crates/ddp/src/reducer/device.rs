@@ -166,10 +166,7 @@ impl DeviceBucket for CpuBucket {
     ) -> Result<(), String> {
         match src {
             DeviceSlice::Cpu(s) => self.0.write(offset, s, add),
-            other => Err(format!(
-                "{} written into a cpu bucket",
-                other.describe()
-            )),
+            other => Err(format!("{} written into a cpu bucket", other.describe())),
         }
     }
     fn device_range(&self, start: usize, len: usize) -> Option<DeviceSlice<'_>> {

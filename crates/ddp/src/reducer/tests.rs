@@ -598,7 +598,10 @@ fn device_path_through_cpu_buckets_matches_host_buckets_bit_for_bit() {
                 .mark_ready_device(4, DeviceSlice::Cpu(buf.as_host_slice()))
                 .unwrap_err()
                 .to_string();
-            assert!(e.contains("p04") && e.contains("written into a host bucket"), "{e}");
+            assert!(
+                e.contains("p04") && e.contains("written into a host bucket"),
+                "{e}"
+            );
             let e = dev
                 .mark_ready_device(4, DeviceSlice::Cpu(HostSlice::of(&[1.0f64; 3])))
                 .unwrap_err()

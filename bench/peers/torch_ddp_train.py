@@ -14,13 +14,19 @@ rank, SGD lr 0.01, cross-entropy, torch.set_num_threads(1) per rank.
 --mode plain no process group, no DDP: a plain single-process training loop
              (only valid with --nproc 1).
 
+--device cuda  the model and batches on GPU LOCAL_RANK % device_count
+             (torch.cuda.set_device(local_rank)); the process group is NCCL when every
+             rank has its own GPU and gloo when ranks share one (NCCL refuses two ranks on
+             one device), the same choice ddp-rs's device backend makes. Steps end with
+             torch.cuda.synchronize() before the clock is read.
+
 After --warmup (10) untimed steps, all ranks barrier and --steps (100) steps are
 timed as one wall-clock span (ending with a barrier). Rank 0 prints global
 samples/s (= nproc * batch * steps / elapsed) and ms/step, and with --json a
 last line {"world_size", "mode", "samples_per_s", "step_ms"}.
 
 Usage:
-    python3 bench/peers/torch_ddp_train.py --nproc 2 [--mode ddp] [--steps 100] [--json]
+    python3 bench/peers/torch_ddp_train.py --nproc 2 [--mode ddp] [--steps 100] [--json] [--device cuda]
 """
 
 import argparse
@@ -48,22 +54,35 @@ def train(args):
     torch.set_num_threads(1)
     ddp = args.mode == "ddp"
     rank, world = 0, 1
+    device = torch.device("cpu")
+    backend = "gloo"
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("torch_ddp_train: --device cuda but torch sees no CUDA device", file=sys.stderr)
+            return 2
+        count = torch.cuda.device_count()
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local % count)
+        device = torch.device("cuda", local % count)
+        # NCCL needs one GPU per rank ("Duplicate GPU detected" otherwise): gloo when shared.
+        backend = "nccl" if int(os.environ.get("WORLD_SIZE", "1")) <= count else "gloo"
     if ddp:
         import torch.distributed as dist
         from torch.nn.parallel import DistributedDataParallel as DDP
 
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=args.timeout))
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=args.timeout))
         rank, world = dist.get_rank(), dist.get_world_size()
 
     torch.manual_seed(0)  # same initial weights everywhere (DDP also broadcasts them from rank 0)
-    model = build_model(torch)
+    model = build_model(torch).to(device)
     if ddp:
-        model = DDP(model)
+        model = DDP(model, device_ids=[device.index] if device.type == "cuda" else None)
     opt = torch.optim.SGD(model.parameters(), lr=args.lr)
     loss_fn = torch.nn.CrossEntropyLoss()
 
     g = torch.Generator().manual_seed(1000 + rank)
-    pool = [(torch.randn(args.batch, 784, generator=g), torch.randint(0, 10, (args.batch,), generator=g))
+    pool = [(torch.randn(args.batch, 784, generator=g).to(device),
+             torch.randint(0, 10, (args.batch,), generator=g).to(device))
             for _ in range(8)]
 
     def step(i):
@@ -75,6 +94,8 @@ def train(args):
         return loss
 
     def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize()
         if ddp:
             dist.barrier()
 
@@ -91,12 +112,14 @@ def train(args):
     samples_per_s = world * args.batch * args.steps / elapsed
     step_ms = elapsed / args.steps * 1e3
     if rank == 0:
-        print(f"# torch_ddp_train: torch {torch.__version__} mode={args.mode} world_size={world} "
+        print(f"# torch_ddp_train: torch {torch.__version__} mode={args.mode} device={device} "
+              f"backend={backend if ddp else '-'} world_size={world} "
               f"params={nparams} batch/rank={args.batch} warmup={args.warmup} steps={args.steps} "
               f"final_loss={loss.item():.4f}", flush=True)
         print(f"samples/s {samples_per_s:.1f}  ms/step {step_ms:.3f}", flush=True)
         if args.json:
-            print(json.dumps(dict(world_size=world, mode=args.mode, samples_per_s=round(samples_per_s, 3),
+            print(json.dumps(dict(world_size=world, mode=args.mode, device=device.type,
+                                  backend=backend if ddp else None, samples_per_s=round(samples_per_s, 3),
                                   step_ms=round(step_ms, 4))), flush=True)
     if ddp:
         dist.destroy_process_group()
@@ -114,6 +137,8 @@ def main():
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--timeout", type=float, default=600, help="seconds before everything is killed")
     p.add_argument("--json", action="store_true", help="end with a JSON summary line")
+    p.add_argument("--device", choices=["cpu", "cuda"], default="cpu",
+                   help="cuda: GPU LOCAL_RANK %% count; NCCL if every rank has its own GPU, else gloo")
     args = p.parse_args()
     if args.mode == "plain" and args.nproc != 1:
         p.error("--mode plain needs --nproc 1")

@@ -117,6 +117,11 @@ pub struct TrainArgs {
     /// Optimizer: sgd (lr 0.01) or adamw (lr 1e-3, candle's defaults otherwise).
     #[arg(long, default_value = "sgd", value_parser = ["sgd", "adamw"])]
     pub optimizer: String,
+    /// Device of every rank: `cpu`, or `cuda` (GPU `LOCAL_RANK % device_count`; needs a build
+    /// with `--features cuda`). Gradient buckets then live on the GPU: NCCL when every rank has
+    /// its own GPU, host-staged when ranks share one (`DDP_DEVICE_BACKEND` overrides).
+    #[arg(long, default_value = "cpu")]
+    pub device: ddp_candle::device::DeviceKind,
 }
 
 /// Options shared by every sweep.
@@ -159,6 +164,12 @@ fn main() {
                 "ddp-bench: error: --min-bytes {} is larger than --max-bytes {}",
                 a.min_bytes, a.max_bytes
             );
+            std::process::exit(2);
+        }
+    }
+    if let Cmd::Train(a) = &cli.cmd {
+        if let Err(e) = a.device.check_built("ddp-bench") {
+            eprintln!("ddp-bench: error: {e}");
             std::process::exit(2);
         }
     }

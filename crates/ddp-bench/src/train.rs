@@ -4,8 +4,7 @@
 //! Reports global samples/s (world × batch × steps ÷ the slowest rank's time), ms/step and the
 //! mean time per step that backward spent blocked on communication.
 
-use candle_core::Var;
-use candle_core::{DType, Device, Module, Tensor};
+use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
 use ddp::sharding::ZeroStage;
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
@@ -63,16 +62,8 @@ impl Module for Block {
 
 type Error = Box<dyn std::error::Error>;
 
-/// Run the benchmark as one worker; rank 0 prints.
-pub fn run(args: &TrainArgs) -> Result<(), Error> {
-    if !args.no_retain_memory {
-        ddp_candle::alloc::retain_freed_memory();
-    }
-    let pg = init_process_group(InitOptions::default())?;
-    let (rank, world) = (pg.rank(), pg.size());
-    let dev = Device::Cpu;
-    let varmap = VarMap::new();
-    let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
+/// The MLP's blocks, their variables taken from (or created in) `vb`'s map.
+fn build(args: &TrainArgs, vb: VarBuilder) -> Result<Vec<Block>, Error> {
     let mut blocks = Vec::new();
     let mut width = 784;
     for l in 0..args.layers {
@@ -91,6 +82,39 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         lin: Dense::new(&args.weight_layout, width, 10, vb.pp("out"))?,
         relu: false,
     });
+    Ok(blocks)
+}
+
+/// Run the benchmark as one worker; rank 0 prints.
+pub fn run(args: &TrainArgs) -> Result<(), Error> {
+    if !args.no_retain_memory {
+        ddp_candle::alloc::retain_freed_memory();
+    }
+    let pg = init_process_group(InitOptions::default())?;
+    let (rank, world) = (pg.rank(), pg.size());
+    let dev = ddp_candle::device::worker_device(args.device)?;
+    // Initialized on the host (no device RNG), then the variables are copied to the device.
+    let host_map = VarMap::new();
+    build(
+        args,
+        VarBuilder::from_varmap(&host_map, DType::F32, &Device::Cpu),
+    )?;
+    let varmap = match dev.is_cpu() {
+        true => host_map,
+        false => {
+            let on_dev = VarMap::new();
+            for (name, v) in host_map.data().lock().expect("VarMap lock").iter() {
+                let t = v.as_tensor().to_device(&dev)?;
+                on_dev
+                    .data()
+                    .lock()
+                    .expect("VarMap lock")
+                    .insert(name.clone(), Var::from_tensor(&t)?);
+            }
+            on_dev
+        }
+    };
+    let blocks = build(args, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
     let opts = DdpOptions {
         bucket_cap_mb: args.bucket_cap_mb,
         ..Default::default()
@@ -98,6 +122,9 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let stage = ZeroStage::from_level(args.zero)?;
     if args.staged && stage != ZeroStage::Ddp {
         return Err("--staged is not supported with --zero 1/2 yet".into());
+    }
+    if stage != ZeroStage::Ddp && !dev.is_cpu() {
+        return Err("--zero 1/2 keeps its shards in host memory: run it with --device cpu".into());
     }
     if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
         return Err(format!(
@@ -129,8 +156,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         .sum();
     let stages: Vec<&dyn Module> = blocks.iter().map(|b| b as &dyn Module).collect();
 
-    // Synthetic data, different on every rank.
-    let x = Tensor::randn(0f32, 1.0, (args.batch, 784), &dev)?.affine(1.0, rank as f64 * 0.01)?;
+    // Synthetic data, different on every rank (drawn on the host).
+    let x = Tensor::randn(0f32, 1.0, (args.batch, 784), &Device::Cpu)?
+        .affine(1.0, rank as f64 * 0.01)?
+        .to_device(&dev)?;
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
@@ -170,7 +199,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     for _ in 0..args.steps {
         wait += step(&mut zero)?;
     }
-    drop(step);
+    dev.synchronize()?; // the GPU has finished the timed steps
     let averaged = averager.as_ref().map_or(0, |a| a.bytes_sent());
     let bytes_per_step =
         (zero.ddp().reducer().bytes_sent() - sent_before + averaged) as f64 / args.steps as f64;
@@ -196,7 +225,8 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     };
     if rank == 0 {
         println!(
-            "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
+            "# ddp-bench train  world_size {world}  device {}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
+            args.device,
             args.hidden,
             args.layers,
             args.batch,

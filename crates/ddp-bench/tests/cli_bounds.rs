@@ -111,3 +111,19 @@ fn nccl_backend_without_a_gpu_says_what_is_missing() {
     }
     assert!(err.contains(want), "{err}");
 }
+
+/// `ddp-bench train --device cuda` without the `cuda` feature: exit 2 before any rank starts,
+/// saying how to rebuild.
+#[test]
+fn train_device_cuda_needs_the_feature() {
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    let o = std::process::Command::new(BIN)
+        .args(["train", "--device", "cuda", "--nproc", "2", "--steps", "1"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("--features cuda -p ddp-bench"), "{err}");
+}

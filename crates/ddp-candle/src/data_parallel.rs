@@ -27,6 +27,12 @@ pub struct DdpOptions {
     /// naming the step, the rank and the parameter (default false; see
     /// `Reducer::set_check_finite`). Must be the same on every rank.
     pub check_finite: bool,
+    /// Where the gradient buckets live: `None` (default) puts them in device memory when the
+    /// parameters are on a GPU (flatten, all-reduce and unflatten on the device; feature `cuda`)
+    /// and in host memory otherwise; `Some(true)` forces device buckets (on the CPU:
+    /// `ddp::reducer::CpuBucket`, the device path run on host memory), `Some(false)` host buckets
+    /// (GPU gradients then go through host copies).
+    pub device_buckets: Option<bool>,
 }
 
 impl Default for DdpOptions {
@@ -37,6 +43,7 @@ impl Default for DdpOptions {
             first_bucket_cap_mb: r.first_bucket_cap_mb,
             init_sync: true,
             check_finite: false,
+            device_buckets: None,
         }
     }
 }
@@ -81,14 +88,15 @@ impl DistributedDataParallel {
 
     fn from_params(params: CandleParams, pg: &ProcessGroup, opts: DdpOptions) -> Result<Self> {
         let specs = adapter::param_specs(&params)?;
-        let mut reducer = Reducer::new(
-            pg,
-            specs,
-            ReducerOptions {
-                bucket_cap_mb: opts.bucket_cap_mb,
-                first_bucket_cap_mb: opts.first_bucket_cap_mb,
-            },
-        )?;
+        let ropts = ReducerOptions {
+            bucket_cap_mb: opts.bucket_cap_mb,
+            first_bucket_cap_mb: opts.first_bucket_cap_mb,
+        };
+        let device = params.device()?;
+        let mut reducer = match opts.device_buckets.unwrap_or(device.is_cuda()) {
+            true => crate::buckets::device_reducer(pg, specs, ropts, &device)?,
+            false => Reducer::new(pg, specs, ropts)?,
+        };
         reducer.set_check_finite(opts.check_finite);
         let ddp = DistributedDataParallel {
             pg: pg.clone(),

@@ -54,8 +54,12 @@
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 pub mod alloc;
+pub mod buckets;
 pub mod checkpoint;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod data_parallel;
+pub mod device;
 pub mod optim;
 pub mod params;
 pub mod prelude;

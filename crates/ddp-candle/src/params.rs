@@ -7,9 +7,10 @@ use crate::tensors::{comm_dtype, tensor_from_host, with_host_slice};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Var;
+use candle_core::{Device, Tensor};
 use candle_nn::VarMap;
 use ddp::adapter::ParamAccess;
-use ddp::reducer::{HostBuffer, HostSlice, ParamSpec};
+use ddp::reducer::{DeviceSlice, HostBuffer, HostSlice, ParamSpec};
 
 /// Named candle variables sorted by name: the registration order, the same on every rank.
 #[derive(Debug, Clone)]
@@ -39,6 +40,45 @@ impl CandleParams {
     pub fn vars(&self) -> &[(String, Var)] {
         &self.vars
     }
+
+    /// The device every variable lives on (the CPU when there are none); an error naming two
+    /// variables on different devices.
+    pub fn device(&self) -> Result<Device> {
+        let Some((first, v0)) = self.vars.first() else {
+            return Ok(Device::Cpu);
+        };
+        for (name, v) in &self.vars[1..] {
+            if !v.device().same_device(v0.device()) {
+                return Err(Error::Unsupported(format!(
+                    "parameters on different devices: `{first}` on {:?}, `{name}` on {:?} (DDP \
+                     keeps one replica per device: move the model to one device)",
+                    v0.device().location(),
+                    v.device().location()
+                )));
+            }
+        }
+        Ok(v0.device().clone())
+    }
+}
+
+/// Runs `f` on `t` as device memory: borrowed from a contiguous tensor (made contiguous on its
+/// device first otherwise). CPU tensors give [`DeviceSlice::Cpu`], CUDA tensors
+/// [`DeviceSlice::Cuda`](ddp::reducer::DeviceSlice) (feature `cuda`).
+pub fn with_device_slice<R>(t: &Tensor, f: impl FnOnce(DeviceSlice<'_>) -> R) -> Result<R> {
+    if !t.is_contiguous() {
+        return with_device_slice(&t.contiguous()?, f);
+    }
+    #[cfg(feature = "cuda")]
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let candle_core::Storage::Cuda(cs) = &*storage {
+            let (start, end) = layout
+                .contiguous_offsets()
+                .expect("a contiguous tensor has contiguous offsets");
+            return crate::cuda::with_cuda_view(cs, start, end, f);
+        }
+    }
+    with_host_slice(t, |s| f(DeviceSlice::Cpu(s)))
 }
 
 impl ParamAccess for CandleParams {
@@ -75,6 +115,35 @@ impl ParamAccess for CandleParams {
             tensor_from_host(grad, var.shape(), var.device())?,
         );
         Ok(())
+    }
+
+    fn with_device_grad<R>(
+        &self,
+        grads: &GradStore,
+        index: usize,
+        f: impl FnOnce(DeviceSlice<'_>) -> R,
+    ) -> Result<Option<R>> {
+        match grads.get(self.vars[index].1.as_tensor()) {
+            Some(g) => with_device_slice(g, f).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn put_device_grad(
+        &self,
+        out: &mut GradStore,
+        index: usize,
+        grad: DeviceSlice<'_>,
+    ) -> Result<bool> {
+        let var = &self.vars[index].1;
+        let t = match grad {
+            DeviceSlice::Cpu(h) => tensor_from_host(h, var.shape(), var.device())?,
+            #[cfg(feature = "cuda")]
+            DeviceSlice::Cuda(v) => crate::cuda::tensor_from_view(v, var.shape(), var.device())?,
+            _ => return Ok(false),
+        };
+        out.insert(var.as_tensor(), t);
+        Ok(true)
     }
 
     fn read_param(&self, index: usize) -> Result<HostBuffer> {

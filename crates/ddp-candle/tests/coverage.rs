@@ -356,10 +356,15 @@ fn staged_backward_launches_buckets_before_earlier_stages_compute() {
         let log = Arc::new(Mutex::new(Vec::new()));
         let hook_log = Arc::clone(&log);
         let mut inner = ddp::reducer::AllReduceHook;
-        ddp.register_comm_hook(move |pg: &ddp_comm::ProcessGroup, b: ddp::reducer::GradBucket| {
-            hook_log.lock().unwrap().push(Event::BucketLaunched(b.index()));
-            ddp::reducer::CommHook::run(&mut inner, pg, b)
-        })
+        ddp.register_comm_hook(
+            move |pg: &ddp_comm::ProcessGroup, b: ddp::reducer::GradBucket| {
+                hook_log
+                    .lock()
+                    .unwrap()
+                    .push(Event::BucketLaunched(b.index()));
+                ddp::reducer::CommHook::run(&mut inner, pg, b)
+            },
+        )
         .unwrap();
         let marker_log = Arc::clone(&log);
         let s1 = |t: &Tensor| m.stage1(t)?.apply_op1(Marker(Arc::clone(&marker_log)));
@@ -392,7 +397,11 @@ fn staged_backward_launches_buckets_before_earlier_stages_compute() {
                  backward began: {events:?}"
             );
             launched.sort();
-            assert_eq!(launched, (0..n_buckets).collect::<Vec<_>>(), "rank {rank}, step {k}");
+            assert_eq!(
+                launched,
+                (0..n_buckets).collect::<Vec<_>>(),
+                "rank {rank}, step {k}"
+            );
         }
     });
 }

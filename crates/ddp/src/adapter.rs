@@ -9,6 +9,9 @@
 //!   without a copy;
 //! - writing averaged gradients back into the framework's gradient container
 //!   ([`ParamAccess::put_grad`]);
+//! - optionally, gradients in device memory ([`ParamAccess::with_device_grad`],
+//!   [`ParamAccess::put_device_grad`]): with device buckets the drivers flatten into and
+//!   unflatten out of them on the device, and fall back to the host views otherwise;
 //! - reading and writing parameter values ([`ParamAccess::read_param`],
 //!   [`ParamAccess::write_param`]).
 //!
@@ -23,7 +26,7 @@
 //! ```
 
 use crate::error::Result;
-use crate::reducer::{broadcast_coalesced, HostBuffer, HostSlice, ParamSpec, Reducer};
+use crate::reducer::{broadcast_coalesced, DeviceSlice, HostBuffer, HostSlice, ParamSpec, Reducer};
 use ddp_comm::{Element, ProcessGroup};
 use half::{bf16, f16};
 
@@ -57,6 +60,34 @@ pub trait ParamAccess {
         grad: HostSlice<'_>,
     ) -> Result<(), Self::Error>;
 
+    /// Calls `f` with the gradient of parameter `index` in `grads` as device memory, when it
+    /// lives on a device the reducer's device buckets take (flatten on the device, no host
+    /// copy). `Ok(None)` when there is no such gradient (absent, or in host memory): the
+    /// drivers then use [`with_grad`](Self::with_grad). Default: `Ok(None)`.
+    fn with_device_grad<R>(
+        &self,
+        grads: &Self::Grads,
+        index: usize,
+        f: impl FnOnce(DeviceSlice<'_>) -> R,
+    ) -> Result<Option<R>, Self::Error> {
+        let _ = (grads, index, f);
+        Ok(None)
+    }
+
+    /// Stores `grad` (device memory, a view into a device bucket) as the gradient of parameter
+    /// `index` in `out` with a device copy (the unflatten); `Ok(false)` when this adapter cannot
+    /// take that memory (the drivers then copy through the host with
+    /// [`put_grad`](Self::put_grad)). Default: `Ok(false)`.
+    fn put_device_grad(
+        &self,
+        out: &mut Self::Grads,
+        index: usize,
+        grad: DeviceSlice<'_>,
+    ) -> Result<bool, Self::Error> {
+        let _ = (out, index, grad);
+        Ok(false)
+    }
+
     /// The values of parameter `index`, flat and row-major.
     fn read_param(&self, index: usize) -> Result<HostBuffer, Self::Error>;
 
@@ -79,6 +110,21 @@ pub fn mark_grads<P: ParamAccess + ?Sized>(
     mut before: impl FnMut(usize) -> Result<(), P::Error>,
 ) -> Result<(), P::Error> {
     for i in (0..params.param_count()).rev() {
+        if reducer.is_device_bucket(i) {
+            let mut checked = Ok(());
+            let marked = params.with_device_grad(grads, i, |g| {
+                checked = before(i);
+                match &checked {
+                    Ok(()) => reducer.mark_ready_device(i, g),
+                    Err(_) => Ok(()),
+                }
+            })?;
+            if let Some(r) = marked {
+                checked?;
+                r?;
+                continue;
+            }
+        }
         let mut checked = Ok(());
         let marked = params.with_grad(grads, i, |g| {
             checked = before(i);
@@ -104,7 +150,11 @@ where
 {
     let mut out = P::Grads::default();
     for i in 0..params.param_count() {
-        reducer.with_grad(i, |g| params.put_grad(&mut out, i, g))??;
+        let on_device = reducer.with_device_grad(i, |g| params.put_device_grad(&mut out, i, g))?;
+        if !matches!(on_device, Some(Ok(true))) {
+            on_device.transpose()?;
+            reducer.with_grad(i, |g| params.put_grad(&mut out, i, g))??;
+        }
     }
     Ok(out)
 }

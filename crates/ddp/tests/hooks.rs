@@ -547,6 +547,9 @@ fn resume_is_exact_with_every_hook() {
     }
 }
 
+/// Makes a function that registers one hook on a reducer (one per rank).
+type MakeRegister = Box<dyn Fn() -> Box<dyn FnOnce(&mut Reducer) + Send> + Sync>;
+
 /// Hooks under Join (uneven inputs: the divisor is the number of ranks with data) and after
 /// no_sync accumulation: the result is the mean over the active ranks of the accumulated sums.
 #[test]
@@ -557,11 +560,7 @@ fn hooks_under_join_and_no_sync() {
         min_compression_rate: 0.0,
         ..Default::default()
     };
-    let hooks: Vec<(
-        &str,
-        f64,
-        Box<dyn Fn() -> Box<dyn FnOnce(&mut Reducer) + Send> + Sync>,
-    )> = vec![
+    let hooks: Vec<(&str, f64, MakeRegister)> = vec![
         (
             "fp16",
             1e-2,

@@ -107,6 +107,12 @@ pub struct Args {
     /// (reports `time_to_target_s`, training time excluding evaluations).
     #[arg(long)]
     pub target_accuracy: Option<f64>,
+    /// Device of every worker: `cpu`, or `cuda` (GPU `LOCAL_RANK % device_count`, like
+    /// `torch.cuda.set_device(local_rank)`; needs a build with `--features cuda`). Gradients are
+    /// then bucketed and all-reduced on the GPU: NCCL when every rank has its own GPU, staged
+    /// through host memory when ranks share one (env `DDP_DEVICE_BACKEND`: auto, nccl, staged).
+    #[arg(long, default_value = "cpu")]
+    pub device: ddp_candle::device::DeviceKind,
     /// Do not stop on NaN or infinite gradients (by default a non-finite averaged gradient stops
     /// the run with an error naming the step, the rank and the parameter).
     #[arg(long)]
@@ -142,6 +148,10 @@ const MAX_BATCH: u64 = 1 << 20;
 fn main() {
     // Validates every flag (clap's error and exit status 2) before any worker starts.
     let args = Args::parse();
+    if let Err(e) = args.device.check_built("train-digits") {
+        eprintln!("train-digits: error: {e}");
+        std::process::exit(2);
+    }
     if !ddprun::spawn::is_worker() && args.backend != Some(Backend::Mpi) {
         std::process::exit(launcher::launch(args.nproc));
     }

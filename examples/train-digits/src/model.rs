@@ -12,27 +12,35 @@ pub struct Mlp {
     pub fc2: Linear,
 }
 
-fn uniform_var(rng: &mut rand::rngs::StdRng, shape: &[usize], bound: f32) -> Result<Var> {
+/// Drawn on the host (the same values on every device; no device RNG needed), then copied to
+/// `device`.
+fn uniform_var(
+    rng: &mut rand::rngs::StdRng,
+    shape: &[usize],
+    bound: f32,
+    device: &Device,
+) -> Result<Var> {
     let n: usize = shape.iter().product();
     let data: Vec<f32> = (0..n).map(|_| rng.gen_range(-bound..bound)).collect();
-    Var::from_tensor(&Tensor::from_vec(data, shape, &Device::Cpu)?)
+    Var::from_tensor(&Tensor::from_vec(data, shape, device)?)
 }
 
 impl Mlp {
-    /// A new model whose parameters (`fc1.weight`, `fc1.bias`, `fc2.weight`, `fc2.bias`) are
-    /// registered in `varmap`.
+    /// A new model on `device` whose parameters (`fc1.weight`, `fc1.bias`, `fc2.weight`,
+    /// `fc2.bias`) are registered in `varmap`.
     pub fn new(
         varmap: &VarMap,
         inputs: usize,
         hidden: usize,
         classes: usize,
         seed: u64,
+        device: &Device,
     ) -> Result<Mlp> {
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut layer = |name: &str, fan_in: usize, fan_out: usize| -> Result<Linear> {
             let bound = 1.0 / (fan_in as f32).sqrt();
-            let w = uniform_var(&mut rng, &[fan_out, fan_in], bound)?;
-            let b = uniform_var(&mut rng, &[fan_out], bound)?;
+            let w = uniform_var(&mut rng, &[fan_out, fan_in], bound, device)?;
+            let b = uniform_var(&mut rng, &[fan_out], bound, device)?;
             let mut data = varmap.data().lock().unwrap();
             data.insert(format!("{name}.weight"), w.clone());
             data.insert(format!("{name}.bias"), b.clone());
@@ -63,8 +71,9 @@ impl Mlp {
 /// `(accuracy, mean cross-entropy)` of `model` on `(features, labels)`.
 pub fn evaluate(model: &Mlp, features: &[f32], labels: &[u32]) -> Result<(f64, f64)> {
     let n = labels.len();
-    let x = Tensor::from_slice(features, (n, features.len() / n.max(1)), &Device::Cpu)?;
-    let y = Tensor::from_slice(labels, n, &Device::Cpu)?;
+    let device = model.fc1.weight().device();
+    let x = Tensor::from_slice(features, (n, features.len() / n.max(1)), device)?;
+    let y = Tensor::from_slice(labels, n, device)?;
     let logits = model.forward(&x)?;
     let loss = candle_nn::loss::cross_entropy(&logits, &y)?
         .to_dtype(DType::F64)?

@@ -6,7 +6,7 @@
 use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
 use crate::{Args, Backend, BackwardMode, OptimizerKind};
-use candle_core::{Device, Module, Tensor, Var};
+use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
 use ddp::hooks::PeriodicModelAverager;
@@ -119,8 +119,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let all = data::load()?;
     let (train, test) = data::train_test_split(&all);
 
+    let device = ddp_candle::device::worker_device(args.device)?;
     let varmap = VarMap::new();
-    let model = Mlp::new(&varmap, FEATURES, args.hidden, CLASSES, args.seed)?;
+    let model = Mlp::new(&varmap, FEATURES, args.hidden, CLASSES, args.seed, &device)?;
 
     let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
     let plan = run_plan(args, world, sampler.len());
@@ -129,6 +130,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let stage = ZeroStage::from_level(args.zero)?;
     if stage != ZeroStage::Ddp && args.backward == BackwardMode::Staged {
         return Err("--backward staged is not supported with --zero 1/2 yet".into());
+    }
+    if stage != ZeroStage::Ddp && !device.is_cpu() {
+        return Err("--zero 1/2 keeps its shards in host memory: run it with --device cpu".into());
     }
     if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
         return Err(format!(
@@ -174,7 +178,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
         r.checkpoint.load_optimizer(ddp.optimizer_mut())?;
         let kind = ddp.reducer().comm_hook_state().kind;
         let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
-        ddp.ddp_mut().reducer_mut().load_comm_hook_state(&hook_state)?;
+        ddp.ddp_mut()
+            .reducer_mut()
+            .load_comm_hook_state(&hook_state)?;
         if let Some(a) = &mut averager {
             a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
         }
@@ -194,8 +200,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     ddp.ddp_mut().reducer_mut().set_step(pos.step); // non-finite errors name the run's step
     if rank == 0 {
         println!(
-            "train-digits: world_size {world}, {} train / {} test images, batch {} per rank \
+            "train-digits: world_size {world} on {}, {} train / {} test images, batch {} per rank \
              (global {}), {} steps per epoch, {} lr {}, {} backward, {} parameters",
+            args.device,
             train.len(),
             test.len(),
             args.batch_size,
@@ -233,8 +240,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 break 'epochs;
             }
             let (x, y) = train.gather(batch);
-            let x = Tensor::from_vec(x, (batch.len(), FEATURES), &Device::Cpu)?;
-            let y = Tensor::from_vec(y, batch.len(), &Device::Cpu)?;
+            let x = Tensor::from_vec(x, (batch.len(), FEATURES), &device)?;
+            let y = Tensor::from_vec(y, batch.len(), &device)?;
             let loss = match args.backward {
                 BackwardMode::Plain => {
                     let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;

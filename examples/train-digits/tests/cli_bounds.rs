@@ -61,3 +61,31 @@ fn every_numeric_flag_at_its_bounds() {
         assert_eq!(o.code, Some(0), "{o:?}");
     }
 }
+
+/// `--device cuda` in a build without the `cuda` feature: exit 2 at once, before any worker,
+/// saying how to rebuild; an unknown device is a usage error naming it.
+#[test]
+fn device_flag_is_checked_before_any_worker_starts() {
+    let run = |device: &str| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_train-digits"))
+            .args(["--device", device, "--nproc", "2", "--epochs", "1"])
+            .output()
+            .unwrap()
+    };
+    let o = run("gpu");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("unknown device 'gpu'"), "{err}");
+    if cfg!(feature = "cuda") {
+        return;
+    }
+    let o = run("cuda");
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(2), "{err}");
+    assert!(err.contains("built without the `cuda` feature"), "{err}");
+    assert!(err.contains("--features cuda -p train-digits"), "{err}");
+    assert!(
+        !err.contains("rank "),
+        "refused before any worker started: {err}"
+    );
+}

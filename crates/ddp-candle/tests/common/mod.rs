@@ -168,3 +168,19 @@ pub fn assert_close(got: &[(String, Vec<f32>)], want: &[(String, Vec<f32>)], tol
         assert!(d <= tol, "{what} `{name}`: relative difference {d:e}");
     }
 }
+
+/// The first CUDA device, or `None` after printing why a GPU test cannot run here (no `cuda`
+/// feature, no driver or no device). Under `DDP_TEST_REQUIRE_ALL=1` a missing GPU fails the
+/// test instead of skipping it.
+pub fn gpu(test: &str) -> Option<Device> {
+    let reason =
+        match ddp_candle::device::device_for_local_rank(ddp_candle::device::DeviceKind::Cuda, 0) {
+            Ok(d) => return Some(d),
+            Err(e) => e.to_string(),
+        };
+    if std::env::var("DDP_TEST_REQUIRE_ALL").is_ok_and(|v| v == "1") {
+        panic!("{test}: needs a GPU (DDP_TEST_REQUIRE_ALL=1): {reason}");
+    }
+    eprintln!("SKIPPED {test}: needs a GPU: {reason}");
+    None
+}

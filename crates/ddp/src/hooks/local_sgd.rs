@@ -136,8 +136,8 @@ impl PeriodicModelAverager {
         pg: &ProcessGroup,
         params: &P,
     ) -> std::result::Result<bool, P::Error> {
-        let due =
-            self.step >= self.warmup_steps && (self.step - self.warmup_steps) % self.period == 0;
+        let due = self.step >= self.warmup_steps
+            && (self.step - self.warmup_steps).is_multiple_of(self.period);
         self.step += 1;
         if due {
             self.average_now(pg, params)?;

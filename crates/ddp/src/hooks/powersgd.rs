@@ -118,7 +118,8 @@ impl PowerSgdHook {
                 state.min_compression_rate
             )));
         }
-        if !(state.orthogonalization_epsilon >= 0.0) {
+        // Also refuses NaN.
+        if state.orthogonalization_epsilon.is_nan() || state.orthogonalization_epsilon < 0.0 {
             return Err(Error::InvalidArgument(format!(
                 "PowerSGD: orthogonalization_epsilon must be >= 0, got {}",
                 state.orthogonalization_epsilon
@@ -202,7 +203,7 @@ impl PowerSgdHook {
         }
         for (param, shape) in bucket.parameters().iter().zip(bucket.shapes()) {
             let n = shape.first().copied().unwrap_or(1);
-            let m = if n == 0 { 0 } else { param.numel / n };
+            let m = param.numel.checked_div(n).unwrap_or(0);
             let r = rank.min(n).min(m);
             let compressed = ((n + m) * r) as f64 * self.state.min_compression_rate;
             if r > 0 && shape.len() >= 2 && compressed < (n * m) as f64 {

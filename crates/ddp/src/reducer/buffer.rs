@@ -7,10 +7,16 @@
 //! - [`DeviceBucket`]: what a bucket living in device memory implements (a GPU/NCCL bucket is an
 //!   addition: a type implementing this trait, allocated through
 //!   [`Reducer::with_buffers`](super::Reducer::with_buffers)).
+//!   Gradients that already live in device memory reach it as a [`DeviceSlice`]
+//!   ([`DeviceBucket::write_device`]) and averaged gradients leave it the same way
+//!   ([`DeviceBucket::device_range`]): flatten and unflatten on the device, no host round trip.
+//!   [`CpuBucket`](super::CpuBucket) is the CPU implementation, so everything above the trait is
+//!   tested on every machine; the CUDA one is in `ddp-candle` (feature `cuda`).
 //! - [`BucketBuffer`]: either of the two, what the reducer and the comm hooks hold.
 //! - [`BucketWork`]: a bucket whose reduction is in flight (what a comm hook returns, like the
 //!   `Future` of PyTorch's hooks), with [`then`](BucketWork::then) to chain a step after it.
 
+use super::device::DeviceSlice;
 use ddp_comm::{DType, Element, ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
 
@@ -296,6 +302,27 @@ pub trait DeviceBucket: Send + std::fmt::Debug {
     /// Starts the all-reduce of the whole buffer (over `pg`, or a device communicator of the
     /// same ranks).
     fn all_reduce(self: Box<Self>, pg: &ProcessGroup, op: ReduceOp) -> BucketWork;
+    /// Copies a gradient that lives in device memory into elements `[offset, offset +
+    /// src.len())`, or adds it there with `add`, without a host round trip (the flatten of
+    /// c10d's bucket view). By default only host data is taken: an error.
+    fn write_device(
+        &mut self,
+        offset: usize,
+        src: DeviceSlice<'_>,
+        add: bool,
+    ) -> Result<(), String> {
+        let _ = (offset, add);
+        Err(format!(
+            "this device bucket takes host gradients only, not {}",
+            src.describe()
+        ))
+    }
+    /// Elements `[start, start + len)` as device memory (to unflatten averaged gradients on the
+    /// device); `None` when this bucket offers no device view (the reducer then copies to host).
+    fn device_range(&self, start: usize, len: usize) -> Option<DeviceSlice<'_>> {
+        let _ = (start, len);
+        None
+    }
 }
 
 /// A bucket's flat buffer: host memory, or a device bucket.
@@ -359,6 +386,33 @@ impl BucketBuffer {
         match self {
             BucketBuffer::Host(h) => h.div_by(n),
             BucketBuffer::Device(d) => d.div_by(n),
+        }
+    }
+
+    /// Copies (or with `add` adds) a device gradient into elements `[offset, offset +
+    /// src.len())` of a device bucket (see [`DeviceBucket::write_device`]); an error for a host
+    /// bucket.
+    pub fn write_device(
+        &mut self,
+        offset: usize,
+        src: DeviceSlice<'_>,
+        add: bool,
+    ) -> Result<(), String> {
+        match self {
+            BucketBuffer::Host(_) => Err(format!(
+                "{} written into a host bucket (device gradients need device buckets)",
+                src.describe()
+            )),
+            BucketBuffer::Device(d) => d.write_device(offset, src, add),
+        }
+    }
+
+    /// Elements `[start, start + len)` as device memory (`None` for a host bucket, or a device
+    /// bucket without device views).
+    pub fn device_range(&self, start: usize, len: usize) -> Option<DeviceSlice<'_>> {
+        match self {
+            BucketBuffer::Host(_) => None,
+            BucketBuffer::Device(d) => d.device_range(start, len),
         }
     }
 

@@ -9,6 +9,9 @@
 //!   per dtype, 1 MiB first bucket and 25 MiB others (PyTorch's defaults).
 //! - [`buffer`]: the bucket buffers — a closed enum over host dtypes ([`HostBuffer`]) or a
 //!   [`DeviceBucket`] — and [`BucketWork`], a bucket whose reduction is in flight.
+//! - [`device`]: gradients in device memory ([`DeviceSlice`]: flatten into and unflatten out
+//!   of device buckets without a host round trip) and [`CpuBucket`], the CPU implementation
+//!   of [`DeviceBucket`] that runs that path on every machine.
 //! - [`hook`]: how a full bucket is reduced ([`CommHook`], default [`AllReduceHook`];
 //!   [`Reducer::register_comm_hook`]).
 //! - [`state`]: the per-step state machine ([`Reducer::mark_ready`], [`Reducer::finish`],
@@ -28,6 +31,7 @@
 
 pub mod assign;
 pub mod buffer;
+pub mod device;
 mod finite;
 pub mod hook;
 pub mod spec;
@@ -39,6 +43,9 @@ pub use assign::{
     compute_bucket_assignment, ReducerOptions, DEFAULT_BUCKET_CAP_MB, DEFAULT_FIRST_BUCKET_CAP_MB,
 };
 pub use buffer::{BucketBuffer, BucketWork, DeviceBucket, HostBuffer, HostSlice, PendingBucket};
+#[cfg(feature = "cuda")]
+pub use device::CudaView;
+pub use device::{CpuBucket, DeviceSlice};
 pub use hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState};
 pub use spec::{
     broadcast_coalesced, sync_seed, verify_param_specs, ParamSpec, BROADCAST_BUCKET_BYTES,

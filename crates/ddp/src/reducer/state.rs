@@ -21,6 +21,7 @@
 
 use super::assign::{compute_bucket_assignment, ReducerOptions};
 use super::buffer::{BucketBuffer, BucketWork, HostBuffer, HostSlice};
+use super::device::DeviceSlice;
 use super::hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState};
 use super::spec::{verify_param_specs, ParamSpec};
 use crate::error::{Error, Result};
@@ -389,6 +390,40 @@ impl Reducer {
     /// [`mark_ready`](Self::mark_ready) with the gradient in its enum form (what framework
     /// adapters hand over without knowing the element type statically).
     pub fn mark_ready_flat(&mut self, index: usize, grad: HostSlice<'_>) -> Result<()> {
+        self.mark_ready_with(index, grad.dtype(), grad.len(), |buf, offset, add| {
+            buf.write(offset, grad, add)
+        })
+    }
+
+    /// [`mark_ready`](Self::mark_ready) for a gradient in device memory: copied (or added) into
+    /// its device bucket on the device, without a host round trip. The bucket must be a device
+    /// bucket that takes this kind of memory (an error naming the parameter otherwise).
+    pub fn mark_ready_device(&mut self, index: usize, grad: DeviceSlice<'_>) -> Result<()> {
+        let (dtype, len) = (grad.dtype(), grad.len());
+        self.mark_ready_with(index, dtype, len, |buf, offset, add| {
+            buf.write_device(offset, grad, add)
+        })
+    }
+
+    /// Whether parameter `index`'s bucket lives in device memory (adapters then hand its
+    /// gradients over with [`mark_ready_device`](Self::mark_ready_device)).
+    pub fn is_device_bucket(&self, index: usize) -> bool {
+        self.slots.get(index).is_some_and(|s| {
+            matches!(
+                self.buckets[s.bucket].state,
+                BucketState::Idle(BucketBuffer::Device(_))
+            )
+        })
+    }
+
+    /// The bookkeeping of every `mark_ready*`: checks, then `write(buffer, offset, add)`.
+    fn mark_ready_with(
+        &mut self,
+        index: usize,
+        dtype: DType,
+        len: usize,
+        write: impl FnOnce(&mut BucketBuffer, usize, bool) -> std::result::Result<(), String>,
+    ) -> Result<()> {
         self.check_failed()?;
         let spec = self.specs.get(index).ok_or_else(|| {
             Error::InvalidArgument(format!(
@@ -396,17 +431,15 @@ impl Reducer {
                 self.specs.len()
             ))
         })?;
-        if grad.dtype() != spec.dtype {
+        if dtype != spec.dtype {
             return Err(Error::InvalidArgument(format!(
-                "mark_ready: gradient of {spec} given as {}",
-                grad.dtype()
+                "mark_ready: gradient of {spec} given as {dtype}"
             )));
         }
         let slot = self.slots[index];
-        if grad.len() != slot.numel {
+        if len != slot.numel {
             return Err(Error::InvalidArgument(format!(
-                "mark_ready: gradient of {spec} has {} elements, expected {}",
-                grad.len(),
+                "mark_ready: gradient of {spec} has {len} elements, expected {}",
                 slot.numel
             )));
         }
@@ -422,7 +455,7 @@ impl Reducer {
             unreachable!("a bucket with unmarked gradients is never in flight");
         };
         reallocate_released(buf, bucket.dtype, bucket.numel);
-        if let Err(e) = buf.write(slot.offset, grad, slot.accumulated) {
+        if let Err(e) = write(buf, slot.offset, slot.accumulated) {
             let spec = &self.specs[index];
             return Err(Error::InvalidArgument(format!("mark_ready: {spec}: {e}")));
         }
@@ -698,6 +731,18 @@ impl Reducer {
         }
         self.results_valid = false;
         Ok(())
+    }
+
+    /// Calls `f` with the averaged gradient of parameter `index` as device memory, a view into
+    /// its device bucket (after a synchronized `finish`); `Ok(None)` for a host bucket or a
+    /// device bucket without device views (use [`with_grad`](Self::with_grad) then).
+    pub fn with_device_grad<R>(
+        &self,
+        index: usize,
+        f: impl FnOnce(DeviceSlice<'_>) -> R,
+    ) -> Result<Option<R>> {
+        let (buf, slot) = self.results(index, "with_device_grad")?;
+        Ok(buf.device_range(slot.offset, slot.numel).map(f))
     }
 
     /// Timing of the last backward (`None` before the first `finish`).

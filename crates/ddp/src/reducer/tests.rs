@@ -515,3 +515,103 @@ fn without_the_check_non_finite_gradients_pass() {
         assert!(red.grad::<f32>(0).unwrap()[0].is_nan());
     });
 }
+
+/// Rank `r`'s gradient of parameter `i` as a host buffer of the parameter's dtype.
+fn grad_buf(red: &Reducer, r: usize, i: usize, scale: f64) -> HostBuffer {
+    let spec = &red.specs()[i];
+    let v: Vec<f64> = (0..spec.numel()).map(|k| g(r, i, k) * scale).collect();
+    match spec.dtype {
+        DType::F32 => HostBuffer::from(v.iter().map(|&x| x as f32).collect::<Vec<_>>()),
+        _ => HostBuffer::from(v),
+    }
+}
+
+fn to_f64(s: HostSlice<'_>) -> Vec<f64> {
+    match s {
+        HostSlice::F32(v) => v.iter().map(|&x| x as f64).collect(),
+        HostSlice::F64(v) => v.to_vec(),
+        other => panic!("{other:?}"),
+    }
+}
+
+/// The device path (gradients handed over as `DeviceSlice`s, flattened into and read back out
+/// of `DeviceBucket`s) through the CPU implementation of the trait: bit-identical to host
+/// buckets over 1, 2, 3 and 5 ranks, with no_sync accumulation, unused parameters, a Join
+/// divisor and the finite check; wrong memory kinds are named errors.
+#[test]
+fn device_path_through_cpu_buckets_matches_host_buckets_bit_for_bit() {
+    for world in [1usize, 2, 3, 5] {
+        run_ranks(world, T, |rank, pg| {
+            let mut host = Reducer::new(&pg, mixed_specs(), small()).unwrap();
+            let mut dev = Reducer::with_buffers(&pg, mixed_specs(), small(), |b| {
+                CpuBucket::zeros(b.dtype, b.numel)
+            })
+            .unwrap();
+            assert!((0..12).all(|i| dev.is_device_bucket(i) && !host.is_device_bucket(i)));
+            for red in [&mut host, &mut dev] {
+                red.set_check_finite(true);
+            }
+            // Step 0: plain. Step 1: a no_sync micro-batch, then a synced one (accumulated sum).
+            // Step 2: parameter 7 unused, divisor 1 (Join: one rank with data).
+            for step in 0..3 {
+                let micro = if step == 1 { 2 } else { 1 };
+                for m in 0..micro {
+                    let sync = m + 1 == micro;
+                    if step == 2 {
+                        host.set_divisor(1).unwrap();
+                        dev.set_divisor(1).unwrap();
+                    }
+                    for red in [&mut host, &mut dev] {
+                        red.set_require_backward_grad_sync(sync);
+                    }
+                    for i in (0..12).rev().filter(|&i| step != 2 || i != 7) {
+                        let scale = 1.0 + m as f64 + step as f64;
+                        let buf = grad_buf(&host, rank, i, scale);
+                        host.mark_ready_flat(i, buf.as_host_slice()).unwrap();
+                        dev.mark_ready_device(i, DeviceSlice::Cpu(buf.as_host_slice()))
+                            .unwrap();
+                    }
+                    let (a, b) = if step == 2 {
+                        (host.finish_with_divisor(1), dev.finish_with_divisor(1))
+                    } else {
+                        (host.finish(), dev.finish())
+                    };
+                    assert_eq!(a.unwrap().synced, b.unwrap().synced);
+                }
+                for i in 0..12 {
+                    let want = host.with_grad(i, to_f64).unwrap();
+                    let got = dev
+                        .with_device_grad(i, |d| match d {
+                            DeviceSlice::Cpu(s) => to_f64(s),
+                            other => panic!("{}", other.describe()),
+                        })
+                        .unwrap()
+                        .expect("a cpu bucket offers device views");
+                    assert_eq!(got, want, "world {world} step {step} param {i}");
+                    assert_eq!(dev.with_grad(i, to_f64).unwrap(), want);
+                    assert_eq!(host.with_device_grad(i, |_| ()).unwrap(), None);
+                }
+            }
+            // A device gradient for a host bucket, and the wrong dtype or length, are named.
+            let buf = grad_buf(&host, rank, 4, 1.0);
+            let e = host
+                .mark_ready_device(4, DeviceSlice::Cpu(buf.as_host_slice()))
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("p04") && e.contains("written into a host bucket"),
+                "{e}"
+            );
+            let e = dev
+                .mark_ready_device(4, DeviceSlice::Cpu(HostSlice::of(&[1.0f64; 3])))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("p04") && e.contains("given as f64"), "{e}");
+            let e = dev
+                .mark_ready_device(5, DeviceSlice::Cpu(HostSlice::of(&[1.0f32; 3])))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("p05") && e.contains("has 3 elements"), "{e}");
+        });
+    }
+}

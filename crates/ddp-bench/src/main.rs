@@ -12,6 +12,7 @@
 mod launch;
 mod sweep;
 mod train;
+mod train_burn;
 
 use clap::{Args, Parser, Subcommand};
 use ddprun::cli::MAX_LOCAL_WORKERS;
@@ -104,6 +105,10 @@ pub struct TrainArgs {
     /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms.
     #[arg(long)]
     pub json: bool,
+    /// Framework of the model: candle (`ddp-candle`) or burn (`ddp-burn`, Burn's `Linear` on
+    /// the burn-flex CPU backend; `--staged` and `--weight-layout` are candle's).
+    #[arg(long, default_value = "candle", value_parser = ["candle", "burn"])]
+    pub framework: String,
 }
 
 /// Options shared by every sweep.
@@ -158,6 +163,7 @@ fn main() {
         std::process::exit(launch::run_local(nproc));
     }
     let result = match cli.cmd {
+        Cmd::Train(a) if a.framework == "burn" => train_burn::run(&a),
         Cmd::Train(a) => train::run(&a),
         Cmd::Allreduce(a) => sweep::run(sweep::Op::AllReduce, &a),
         Cmd::AllGather(a) => sweep::run(sweep::Op::AllGather, &a),

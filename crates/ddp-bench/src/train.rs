@@ -1,6 +1,9 @@
 //! Training throughput: an MLP `784 - H×L - 10` on synthetic data, one thread per rank, with
 //! DDP (plain backward by default; `--staged` communicates buckets while earlier layers compute).
 //!
+//! [`measure`] and [`check_replicas`] are shared with the Burn side ([`crate::train_burn`],
+//! `--framework burn`).
+//!
 //! Reports global samples/s (world × batch × steps ÷ the slowest rank's time), ms/step and the
 //! mean time per step that backward spent blocked on communication.
 
@@ -59,7 +62,7 @@ impl Module for Block {
     }
 }
 
-type Error = Box<dyn std::error::Error>;
+pub(crate) type Error = Box<dyn std::error::Error>;
 
 /// Run the benchmark as one worker; rank 0 prints.
 pub fn run(args: &TrainArgs) -> Result<(), Error> {
@@ -67,7 +70,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ddp_candle::alloc::retain_freed_memory();
     }
     let pg = init_process_group(InitOptions::default())?;
-    let (rank, world) = (pg.rank(), pg.size());
+    let rank = pg.rank();
     let dev = Device::Cpu;
     let varmap = VarMap::new();
     let vb = VarBuilder::from_varmap(&varmap, DType::F32, &dev);
@@ -122,14 +125,29 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         drop(out);
         Ok(wait)
     };
+    let path = if args.staged { "staged" } else { "plain" };
+    let label = format!("{path} path  weights {}", args.weight_layout);
+    measure(args, &pg, &label, || step(&mut ddp, &mut opt))?;
+    check_replicas(rank, ddp.replica_max_diff()?)
+}
+
+/// Times `args.steps` calls of `step` (returning its communication wait in seconds) after
+/// `args.warmup` untimed ones, and prints rank 0's line (and JSON): shared by every framework.
+pub(crate) fn measure(
+    args: &TrainArgs,
+    pg: &ddp_comm::ProcessGroup,
+    label: &str,
+    mut step: impl FnMut() -> Result<f64, Error>,
+) -> Result<(), Error> {
+    let (rank, world) = (pg.rank(), pg.size());
     for _ in 0..args.warmup {
-        step(&mut ddp, &mut opt)?;
+        step()?;
     }
     pg.barrier()?;
     let t = Instant::now();
     let mut wait = 0.0;
     for _ in 0..args.steps {
-        wait += step(&mut ddp, &mut opt)?;
+        wait += step()?;
     }
     let mut times = [t.elapsed().as_secs_f64(), wait];
     pg.all_reduce(&mut times, ReduceOp::Max)?;
@@ -137,25 +155,28 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let samples_per_s = (world * args.batch * args.steps) as f64 / elapsed;
     let step_ms = elapsed / args.steps as f64 * 1e3;
     let comm_wait_ms = wait / args.steps as f64 * 1e3;
-    let diff = ddp.replica_max_diff()?;
     if rank == 0 {
         println!(
-            "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
-            args.hidden,
-            args.layers,
-            args.batch,
-            if args.staged { "staged" } else { "plain" },
-            args.weight_layout
+            "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {}  {label}",
+            args.hidden, args.layers, args.batch, args.framework
         );
         println!(
-            "samples/s {samples_per_s:.1}   ms/step {step_ms:.2}   comm_wait ms/step {comm_wait_ms:.2}   replicas max diff {diff:e}"
+            "samples/s {samples_per_s:.1}   ms/step {step_ms:.2}   comm_wait ms/step {comm_wait_ms:.2}"
         );
         if args.json {
             println!(
                 "{}",
-                serde_json::json!({"world_size": world, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms})
+                serde_json::json!({"world_size": world, "framework": args.framework, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms})
             );
         }
+    }
+    Ok(())
+}
+
+/// Fails the run when the replicas differ after training; rank 0 prints the difference.
+pub(crate) fn check_replicas(rank: usize, diff: f64) -> Result<(), Error> {
+    if rank == 0 {
+        println!("replicas max diff {diff:e}");
     }
     if diff != 0.0 {
         return Err(format!("replicas diverged: max abs difference {diff:e}").into());

@@ -193,24 +193,24 @@ impl<M: Module> DistributedDataParallel<M> {
     /// [`backward`](Self::backward). Under [`no_sync`](Self::no_sync) it accumulates and returns
     /// `grads` unchanged.
     pub fn sync_gradients(&mut self, grads: GradientsParams) -> Result<GradientsParams> {
-        self.reducer.prepare_for_backward()?;
-        let module = self
-            .module
-            .as_ref()
-            .expect("the module is present between calls");
-        self.params.refresh_ids(module)?;
-        adapter::mark_grads(&self.params, &mut self.reducer, &grads, |_| Ok(()))?;
+        let grads = self.mark(|_| grads)?;
         self.finish(grads)
     }
 
     fn local_backward<const D: usize>(&mut self, loss: Tensor<D>) -> Result<GradientsParams> {
+        self.mark(|module| GradientsParams::from_grads(loss.backward(), module))
+    }
+
+    /// Starts a reducer step, gets this rank's gradients from `grads(module)` and hands every
+    /// one of them to the reducer (last parameter first); returns them.
+    fn mark(&mut self, grads: impl FnOnce(&M) -> GradientsParams) -> Result<GradientsParams> {
         self.reducer.prepare_for_backward()?;
         let module = self
             .module
             .as_ref()
             .expect("the module is present between calls");
         self.params.refresh_ids(module)?;
-        let grads = GradientsParams::from_grads(loss.backward(), module);
+        let grads = grads(module);
         adapter::mark_grads(&self.params, &mut self.reducer, &grads, |_| Ok(()))?;
         Ok(grads)
     }

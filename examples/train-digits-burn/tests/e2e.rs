@@ -8,17 +8,20 @@ use std::time::{Duration, Instant};
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-digits-burn");
 
-/// Starts the binary as a user would (no launcher environment), output piped.
-fn start(args: &[&str]) -> Child {
-    Command::new(BIN)
-        .args(args)
-        .env_remove("RANK")
+/// Starts `cmd` without a launcher environment of ours, output piped.
+fn spawn_piped(cmd: &mut Command) -> Child {
+    cmd.env_remove("RANK")
         .env_remove("WORLD_SIZE")
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .spawn()
         .unwrap()
+}
+
+/// Starts the binary as a user would.
+fn start(args: &[&str]) -> Child {
+    spawn_piped(Command::new(BIN).args(args))
 }
 
 /// Waits at most `limit` (killing on overrun); `(exit code, stdout, stderr)`.
@@ -140,4 +143,43 @@ fn a_killed_worker_is_named() {
     assert!(err.contains("  rank       : 1\n"), "{err}");
     assert!(err.contains(&format!("  pid        : {victim}\n")), "{err}");
     assert!(err.contains("signal SIGKILL (9)"), "{err}");
+}
+
+/// Under OpenMPI's `mpirun` (no ddprun): each process is a worker (`OMPI_COMM_WORLD_*`), they
+/// train together and agree. Skips with a message when `mpirun` is missing, fails instead under
+/// `DDP_TEST_REQUIRE_ALL=1` (CI installs it).
+#[test]
+fn runs_under_mpirun() {
+    let have = Command::new("sh")
+        .args(["-c", "command -v mpirun"])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have {
+        let why = "`mpirun` not found (install openmpi-bin)";
+        assert!(
+            std::env::var("DDP_TEST_REQUIRE_ALL").map_or(true, |v| v != "1"),
+            "runs_under_mpirun cannot run: {why} (DDP_TEST_REQUIRE_ALL=1: no test may skip)"
+        );
+        eprintln!("SKIPPED runs_under_mpirun: {why}");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = spawn_piped(
+        Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", BIN])
+            .args(["--json", "--epochs", "3", "--log-every", "0"])
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string()),
+    );
+    let (code, out, err) = finish(child, Duration::from_secs(300));
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let j: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(j["world_size"], 2, "{j}");
+    assert_eq!(j["replicas_identical"], true, "{j}");
+    assert_eq!(j["steps"], 23 * 3, "{j}");
 }

@@ -10,6 +10,10 @@ efficiency (world-2 samples/s / (2 x world-1 samples/s)) and the ratio ours/peer
     python3 bench/peers/compare_train.py [--reps 3] [--steps 50] [--backend auto] \
         [--weight-layout out-in,in-out]
 
+`--framework candle,burn` adds `ddp-bench train --framework burn` (ddp-burn on burn-flex) as the
+side `burn`; every side also gets DDP's added time per step (world-2 ms/step - world-1 ms/step)
+and its ratio to PyTorch's.
+
 `--weight-layout` takes a comma-separated list: each layout is its own ddp-rs side (`ours-w2` for
 the first, `ours:in-out-w2` and so on for the others).
 """
@@ -34,6 +38,7 @@ def main():
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--backend", default="auto")
     ap.add_argument("--weight-layout", default="out-in")
+    ap.add_argument("--framework", default="candle", help="comma-separated: candle, burn")
     ap.add_argument("--bench", default=os.environ.get("DDP_BENCH", os.path.join(ROOT, "target/release/ddp-bench")))
     a = ap.parse_args()
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", RAYON_NUM_THREADS="1")
@@ -44,6 +49,9 @@ def main():
             name = "ours" if i == 0 else f"ours:{layout}"
             sides[f"{name}-w{n}"] = [a.bench, "train", "--nproc", str(n), "--backend", a.backend, "--steps", str(a.steps),
                                      "--weight-layout", layout, "--json"]
+        if "burn" in a.framework.split(","):
+            sides[f"burn-w{n}"] = [a.bench, "train", "--framework", "burn", "--nproc", str(n), "--backend", a.backend,
+                                   "--steps", str(a.steps), "--json"]
         sides[f"torch-w{n}"] = [sys.executable, os.path.join(HERE, "torch_ddp_train.py"), "--nproc", str(n), "--mode", "ddp", "--steps", str(a.steps), "--json"]
     res = {k: [] for k in sides}
     for rep in range(a.reps):
@@ -57,13 +65,18 @@ def main():
     print("%-18s %12s %10s %14s" % ("side", "samples/s", "ms/step", "comm_wait_ms"))
     for k in sides:
         print("%-18s %12.1f %10.2f %14s" % (k, med(k, "samples_per_s"), med(k, "step_ms"),
-                                            "%.2f" % med(k, "comm_wait_ms") if k.startswith("ours") else "-"))
+                                            "%.2f" % med(k, "comm_wait_ms") if not k.startswith("torch") else "-"))
     names = ["ours" if i == 0 else f"ours:{l}" for i, l in enumerate(layouts)]
+    if "burn" in a.framework.split(","):
+        names.append("burn")
     for side in names + ["torch"]:
         eff = med(f"{side}-w2", "samples_per_s") / (2 * med(f"{side}-w1", "samples_per_s"))
         print(f"# scaling efficiency {side}: {eff:.2f}")
     for side in names:
         print("# world-2 samples/s %s/torch: %.2f" % (side, med(f"{side}-w2", "samples_per_s") / med("torch-w2", "samples_per_s")))
+    added = lambda side: med(f"{side}-w2", "step_ms") - med(f"{side}-w1", "step_ms")
+    for side in names + ["torch"]:
+        print("# DDP added ms/step %s: %.2f (%.2f of torch's %.2f)" % (side, added(side), added(side) / added("torch"), added("torch")))
 
 
 if __name__ == "__main__":

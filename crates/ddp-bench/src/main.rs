@@ -14,6 +14,7 @@ mod sweep;
 #[cfg(feature = "nccl")]
 mod sweep_cuda;
 mod train;
+mod train_burn;
 
 use clap::{Args, Parser, Subcommand};
 use ddprun::cli::MAX_LOCAL_WORKERS;
@@ -122,6 +123,10 @@ pub struct TrainArgs {
     /// its own GPU, host-staged when ranks share one (`DDP_DEVICE_BACKEND` overrides).
     #[arg(long, default_value = "cpu")]
     pub device: ddp_candle::device::DeviceKind,
+    /// Framework of the model: candle (`ddp-candle`) or burn (`ddp-burn`, Burn's `Linear` on
+    /// the burn-flex CPU backend; `--staged` and `--weight-layout` are candle's).
+    #[arg(long, default_value = "candle", value_parser = ["candle", "burn"])]
+    pub framework: String,
 }
 
 /// Options shared by every sweep.
@@ -187,6 +192,7 @@ fn main() {
         std::process::exit(launch::run_local(nproc));
     }
     let result = match cli.cmd {
+        Cmd::Train(a) if a.framework == "burn" => train_burn::run(&a),
         Cmd::Train(a) => train::run(&a),
         Cmd::Allreduce(a) => sweep::run(sweep::Op::AllReduce, &a),
         Cmd::AllGather(a) => sweep::run(sweep::Op::AllGather, &a),

@@ -60,7 +60,7 @@ impl Module for Block {
     }
 }
 
-type Error = Box<dyn std::error::Error>;
+pub(crate) type Error = Box<dyn std::error::Error>;
 
 /// The MLP's blocks, their variables taken from (or created in) `vb`'s map.
 fn build(args: &TrainArgs, vb: VarBuilder) -> Result<Vec<Block>, Error> {
@@ -91,7 +91,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ddp_candle::alloc::retain_freed_memory();
     }
     let pg = init_process_group(InitOptions::default())?;
-    let (rank, world) = (pg.rank(), pg.size());
+    let rank = pg.rank();
     let dev = ddp_candle::device::worker_device(args.device)?;
     // Initialized on the host (no device RNG), then the variables are copied to the device.
     let host_map = VarMap::new();
@@ -163,7 +163,11 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
-    let mut step = |zero: &mut ZeroDdp| -> Result<f64, Error> {
+    let sent = |zero: &ZeroDdp, averager: &Option<ddp::hooks::PeriodicModelAverager>| {
+        zero.ddp().reducer().bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent())
+    };
+    let mut step = || -> Result<StepCost, Error> {
+        let before = sent(&zero, &averager);
         let out = if !args.staged {
             let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
             let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
@@ -182,66 +186,129 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         if let Some(a) = &mut averager {
             a.average_parameters(&pg, zero.ddp().params())?;
         }
-        let wait = zero
+        let wait_s = zero
             .ddp()
             .last_step_stats()
             .map_or(0.0, |s| s.comm_wait.as_secs_f64());
         drop(out);
-        Ok(wait)
+        Ok(StepCost {
+            wait_s,
+            bytes: sent(&zero, &averager) - before,
+        })
     };
-    for _ in 0..args.warmup {
-        step(&mut zero)?;
-    }
-    pg.barrier()?;
-    let t = Instant::now();
-    let mut wait = 0.0;
-    let sent_before = zero.ddp().reducer().bytes_sent();
-    for _ in 0..args.steps {
-        wait += step(&mut zero)?;
-    }
-    dev.synchronize()?; // the GPU has finished the timed steps
-    let averaged = averager.as_ref().map_or(0, |a| a.bytes_sent());
-    let bytes_per_step =
-        (zero.ddp().reducer().bytes_sent() - sent_before + averaged) as f64 / args.steps as f64;
-    let mut times = [t.elapsed().as_secs_f64(), wait];
-    pg.all_reduce(&mut times, ReduceOp::Max)?;
-    let (elapsed, wait) = (times[0], times[1]);
-    let samples_per_s = (world * args.batch * args.steps) as f64 / elapsed;
-    let step_ms = elapsed / args.steps as f64 * 1e3;
-    let comm_wait_ms = wait / args.steps as f64 * 1e3;
+    // `dev.synchronize()`: the GPU has finished the timed steps before the clock stops.
+    let timing = measure(args, &pg, &mut step, || Ok(dev.synchronize()?))?;
     // Local SGD: replicas differ between averagings; average once more before the check.
     if let Some(a) = &mut averager {
         a.average_now(&pg, zero.ddp().params())?;
     }
     let diff = zero.ddp().replica_max_diff()?;
-    let mut rss = [peak_rss_bytes() as i64];
-    pg.all_reduce(&mut rss, ReduceOp::Max)?;
     // Stage 0: the payload the reducer (and its hook, and local SGD's averager) really sent;
     // ZeRO: its reduce-scatter plus all-gather.
     let bytes_per_step = if stage == ZeroStage::Ddp {
-        bytes_per_step
+        timing.bytes_per_step
     } else {
         zero.bytes_per_step() as f64
     };
+    let path = if args.staged { "staged" } else { "plain" };
+    let label = format!(
+        "device {}  {path} path  weights {}  hook {}  zero {}  {}",
+        args.device, args.weight_layout, args.hook, args.zero, args.optimizer
+    );
+    let extra = serde_json::json!({
+        "hook": args.hook.to_string(),
+        "zero": args.zero,
+        "optimizer": args.optimizer,
+        "params": params,
+        "bytes_per_step": bytes_per_step,
+    });
+    report(args, &pg, &label, &timing, diff, extra)
+}
+
+/// What one training step cost: seconds backward spent blocked on communication, payload bytes
+/// this rank handed to collectives.
+pub(crate) struct StepCost {
+    pub wait_s: f64,
+    pub bytes: u64,
+}
+
+/// The timed steps, over every rank.
+pub(crate) struct Timing {
+    samples_per_s: f64,
+    step_ms: f64,
+    comm_wait_ms: f64,
+    /// This rank's mean payload bytes per timed step.
+    bytes_per_step: f64,
+}
+
+/// Times `args.steps` calls of `step` after `args.warmup` untimed ones (the slowest rank's
+/// time; `sync` runs before the clock stops, e.g. a device synchronize): shared by every
+/// framework.
+pub(crate) fn measure(
+    args: &TrainArgs,
+    pg: &ddp_comm::ProcessGroup,
+    mut step: impl FnMut() -> Result<StepCost, Error>,
+    sync: impl FnOnce() -> Result<(), Error>,
+) -> Result<Timing, Error> {
+    for _ in 0..args.warmup {
+        step()?;
+    }
+    pg.barrier()?;
+    let t = Instant::now();
+    let (mut wait, mut bytes) = (0.0, 0u64);
+    for _ in 0..args.steps {
+        let c = step()?;
+        wait += c.wait_s;
+        bytes += c.bytes;
+    }
+    sync()?;
+    let mut times = [t.elapsed().as_secs_f64(), wait];
+    pg.all_reduce(&mut times, ReduceOp::Max)?;
+    let (elapsed, wait) = (times[0], times[1]);
+    Ok(Timing {
+        samples_per_s: (pg.size() * args.batch * args.steps) as f64 / elapsed,
+        step_ms: elapsed / args.steps as f64 * 1e3,
+        comm_wait_ms: wait / args.steps as f64 * 1e3,
+        bytes_per_step: bytes as f64 / args.steps as f64,
+    })
+}
+
+/// Rank 0 prints the run (and with `--json` a last line with the common keys plus `extra`'s,
+/// and `peak_rss_bytes`, the largest over the ranks); every rank fails when the replicas differ.
+pub(crate) fn report(
+    args: &TrainArgs,
+    pg: &ddp_comm::ProcessGroup,
+    label: &str,
+    t: &Timing,
+    diff: f64,
+    extra: serde_json::Value,
+) -> Result<(), Error> {
+    let (rank, world) = (pg.rank(), pg.size());
+    let mut rss = [peak_rss_bytes() as i64];
+    pg.all_reduce(&mut rss, ReduceOp::Max)?;
     if rank == 0 {
         println!(
-            "# ddp-bench train  world_size {world}  device {}  MLP 784-{}x{}-10  batch {} per rank  {} path  weights {}",
-            args.device,
-            args.hidden,
-            args.layers,
-            args.batch,
-            if args.staged { "staged" } else { "plain" },
-            args.weight_layout
+            "# ddp-bench train  world_size {world}  MLP 784-{}x{}-10  batch {} per rank  {}  {label}",
+            args.hidden, args.layers, args.batch, args.framework
         );
         println!(
-            "samples/s {samples_per_s:.1}   ms/step {step_ms:.2}   comm_wait ms/step {comm_wait_ms:.2}   replicas max diff {diff:e}   hook {}   bytes/step {bytes_per_step:.0}",
-            args.hook
+            "samples/s {:.1}   ms/step {:.2}   comm_wait ms/step {:.2}   replicas max diff {diff:e}",
+            t.samples_per_s, t.step_ms, t.comm_wait_ms
         );
         if args.json {
-            println!(
-                "{}",
-                serde_json::json!({"world_size": world, "samples_per_s": samples_per_s, "step_ms": step_ms, "comm_wait_ms": comm_wait_ms, "hook": args.hook.to_string(), "zero": args.zero, "optimizer": args.optimizer, "params": params, "peak_rss_bytes": rss[0], "bytes_per_step": bytes_per_step})
-            );
+            let mut row = serde_json::json!({
+                "world_size": world,
+                "framework": args.framework,
+                "samples_per_s": t.samples_per_s,
+                "step_ms": t.step_ms,
+                "comm_wait_ms": t.comm_wait_ms,
+                "bytes_per_step": t.bytes_per_step,
+                "peak_rss_bytes": rss[0],
+            });
+            if let (Some(row), serde_json::Value::Object(extra)) = (row.as_object_mut(), extra) {
+                row.extend(extra);
+            }
+            println!("{row}");
         }
     }
     if diff != 0.0 {

@@ -88,3 +88,33 @@ fn train_prints_a_json_line_with_every_key() {
     );
     assert_eq!(last["world_size"], 1);
 }
+
+#[test]
+fn train_with_burn_prints_a_json_line_with_every_key() {
+    let args = [
+        "train",
+        "--framework",
+        "burn",
+        "--nproc",
+        "2",
+        "--hidden",
+        "16",
+        "--layers",
+        "2",
+        "--batch",
+        "4",
+        "--steps",
+        "2",
+        "--warmup",
+        "1",
+        "--json",
+    ];
+    let rows = json_lines(&args);
+    let last = rows.last().expect("a JSON line");
+    assert_keys(
+        last,
+        &["world_size", "samples_per_s", "step_ms", "comm_wait_ms"],
+    );
+    assert_eq!(last["world_size"], 2);
+    assert_eq!(last["framework"], "burn");
+}

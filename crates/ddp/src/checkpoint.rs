@@ -23,6 +23,10 @@
 //! 0 checks the directory, loads and shares the checkpoint, every rank checks it against its
 //! [`RunPlan`]).
 //!
+//! Frameworks with serializers of their own (Burn's burnpack records) store their bytes as named
+//! *blobs* ([`Checkpoint::insert_blob`]): `U8` tensors in the same file, checksummed like the
+//! tensors, so they share the atomic update, the verification and [`resume_or_start`].
+//!
 //! Keeping everything in one file makes the update a single atomic rename: [`save_atomic`] writes a
 //! temporary file in the same directory, fsyncs it, renames it over the old checkpoint and fsyncs the
 //! directory. A crash at any point leaves either the old or the new checkpoint, never a torn one or
@@ -184,6 +188,9 @@ pub struct Checkpoint {
     pub meta: CheckpointMeta,
     /// Step, kind and hyper-parameters of the optimizer (see [`Checkpoint::save_optimizer`]).
     pub optimizer: Option<OptimizerRecord>,
+    /// Named opaque byte strings (a framework's own serialized records; see
+    /// [`Checkpoint::insert_blob`]), stored as `U8` tensors and checksummed like the tensors.
+    pub blobs: BTreeMap<String, Vec<u8>>,
 }
 
 impl Checkpoint {
@@ -193,7 +200,25 @@ impl Checkpoint {
             tensors: BTreeMap::new(),
             meta,
             optimizer: None,
+            blobs: BTreeMap::new(),
         }
+    }
+
+    /// Adds (or replaces) a named byte string, e.g. a framework's serialized model record. Its
+    /// name must not be a tensor's (checked on save).
+    pub fn insert_blob(&mut self, name: impl Into<String>, bytes: Vec<u8>) {
+        self.blobs.insert(name.into(), bytes);
+    }
+
+    /// The byte string called `name`, or an error naming it.
+    pub fn require_blob(&self, name: &str) -> Result<&[u8]> {
+        self.blobs.get(name).map(Vec::as_slice).ok_or_else(|| {
+            Error::Mismatch(format!(
+                "checkpoint has no blob {name:?} (it has {} blobs: {:?})",
+                self.blobs.len(),
+                self.blobs.keys().collect::<Vec<_>>()
+            ))
+        })
     }
 
     /// The tensor name of optimizer state `slot` (e.g. `"m"`, `"v"`, `"momentum"`) of parameter
@@ -246,7 +271,8 @@ impl Checkpoint {
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         let refuse = |m: String| Error::InvalidArgument(format!("cannot save checkpoint: {m}"));
         self.meta.validate().map_err(|e| refuse(e.to_string()))?;
-        let mut raw: Vec<(&str, Vec<usize>, Vec<u8>)> = Vec::with_capacity(self.tensors.len());
+        let mut raw: Vec<(&str, Dtype, Vec<usize>, Vec<u8>)> =
+            Vec::with_capacity(self.tensors.len() + self.blobs.len());
         let mut sums = BTreeMap::new();
         for (name, t) in &self.tensors {
             t.check(name)?;
@@ -259,11 +285,24 @@ impl Checkpoint {
                 crc32: crc_hex(&bytes),
             };
             sums.insert(name.as_str(), sum);
-            raw.push((name.as_str(), t.shape.clone(), bytes));
+            raw.push((name.as_str(), Dtype::F32, t.shape.clone(), bytes));
+        }
+        for (name, bytes) in &self.blobs {
+            if self.tensors.contains_key(name) {
+                return Err(refuse(format!(
+                    "{name:?} is both a tensor and a blob; names must be unique"
+                )));
+            }
+            let sum = TensorSum {
+                shape: vec![bytes.len()],
+                crc32: crc_hex(bytes),
+            };
+            sums.insert(name.as_str(), sum);
+            raw.push((name.as_str(), Dtype::U8, vec![bytes.len()], bytes.clone()));
         }
         let mut views = Vec::with_capacity(raw.len());
-        for (name, shape, bytes) in &raw {
-            let view = TensorView::new(Dtype::F32, shape.clone(), bytes).map_err(|e| {
+        for (name, dtype, shape, bytes) in &raw {
+            let view = TensorView::new(*dtype, shape.clone(), bytes).map_err(|e| {
                 Error::InvalidArgument(format!("checkpoint tensor {name:?}: {e:?}"))
             })?;
             views.push((*name, view));
@@ -332,10 +371,12 @@ impl Checkpoint {
         let st = SafeTensors::deserialize(bytes)
             .map_err(|e| corrupt(format!("invalid safetensors data ({e:?})")))?;
         let mut tensors = BTreeMap::new();
+        let mut blobs = BTreeMap::new();
         for (name, view) in st.tensors() {
-            if view.dtype() != Dtype::F32 {
+            if !matches!(view.dtype(), Dtype::F32 | Dtype::U8) {
                 return Err(Error::Checkpoint(format!(
-                    "{origin}: tensor {name:?} has dtype {:?}, only F32 is supported",
+                    "{origin}: tensor {name:?} has dtype {:?}, only F32 (and U8 blobs) are \
+                     supported",
                     view.dtype()
                 )));
             }
@@ -353,6 +394,10 @@ impl Checkpoint {
                         view.shape()
                     )));
                 }
+            }
+            if view.dtype() == Dtype::U8 {
+                blobs.insert(name, view.data().to_vec());
+                continue;
             }
             let data: Vec<f32> = view
                 .data()
@@ -375,7 +420,7 @@ impl Checkpoint {
         if let Some(missing) = sums
             .iter()
             .flat_map(|s| s.keys())
-            .find(|k| !tensors.contains_key(*k))
+            .find(|k| !tensors.contains_key(*k) && !blobs.contains_key(*k))
         {
             return Err(corrupt(format!("tensor {missing:?} is listed but missing")));
         }
@@ -393,6 +438,7 @@ impl Checkpoint {
             tensors,
             meta: stored.meta,
             optimizer: stored.optimizer,
+            blobs,
         })
     }
 }

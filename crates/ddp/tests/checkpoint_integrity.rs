@@ -469,3 +469,42 @@ fn optimizer_state_round_trips_through_a_file_and_kind_is_checked() {
         "{e}"
     );
 }
+
+#[test]
+fn blobs_round_trip_and_a_flipped_bit_in_one_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut ck = sample();
+    let model: Vec<u8> = (0..=255u8).cycle().take(1000).collect();
+    ck.insert_blob("burn.model", model.clone());
+    ck.insert_blob("burn.empty", Vec::new());
+    let path = checkpoint::save_atomic(dir.path(), &ck).unwrap();
+    let back = checkpoint::load(dir.path()).unwrap().unwrap();
+    assert_eq!(back, ck);
+    assert_eq!(back.require_blob("burn.model").unwrap(), &model[..]);
+    let e = back.require_blob("burn.optimizer").unwrap_err().to_string();
+    assert!(e.contains("\"burn.optimizer\""), "{e}");
+    // The blob is shared through `resume_or_start`'s broadcast like the rest (same bytes).
+    assert_eq!(
+        Checkpoint::from_bytes(&ck.to_bytes().unwrap(), "mem").unwrap(),
+        ck
+    );
+
+    let good = fs::read(&path).unwrap();
+    let range = data_range(&good, "burn.model");
+    for i in [range.start, range.start + 500, range.end - 1] {
+        for bit in 0..8 {
+            let mut bad = good.clone();
+            bad[i] ^= 1 << bit;
+            let e = Checkpoint::from_bytes(&bad, "flipped")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("\"burn.model\""), "{e}");
+            assert!(e.contains("checksum"), "{e}");
+        }
+    }
+    // A blob may not shadow a tensor.
+    let mut clash = sample();
+    clash.insert_blob("fc1.bias", vec![1, 2, 3]);
+    let e = clash.to_bytes().unwrap_err().to_string();
+    assert!(e.contains("\"fc1.bias\"") && e.contains("unique"), "{e}");
+}

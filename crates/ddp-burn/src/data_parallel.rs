@@ -1,0 +1,339 @@
+//! [`DistributedDataParallel`]: the Burn-facing wrapper around `ddp::reducer::Reducer`.
+
+use crate::params::BurnParams;
+use crate::{Error, Result};
+use burn::module::Module;
+use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::tensor::Tensor;
+use ddp::adapter::{self, ParamAccess};
+use ddp::join::{Join, JoinStep};
+use ddp::reducer::{CommHook, HostBuffer, Reducer, ReducerOptions, StepStats, TotalStats};
+use ddp::verify::ReplicaReport;
+use ddp_comm::ProcessGroup;
+use std::ops::{Deref, DerefMut};
+
+/// The learning-rate argument of Burn's `ModuleOptimizer::step`.
+pub use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
+
+/// Construction options (PyTorch's names and defaults), as in `ddp-candle`.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DdpOptions {
+    /// Bucket cap in MiB (default 25).
+    pub bucket_cap_mb: f64,
+    /// Cap of the first bucket in MiB (default 1).
+    pub first_bucket_cap_mb: f64,
+    /// Copy rank 0's parameter values to every rank at construction (default true).
+    pub init_sync: bool,
+    /// Fail a step whose averaged gradients are NaN or infinite with `ddp::Error::NonFinite`,
+    /// naming the step, the rank and the parameter (default false). Same on every rank.
+    pub check_finite: bool,
+}
+
+impl Default for DdpOptions {
+    fn default() -> Self {
+        let r = ReducerOptions::default();
+        DdpOptions {
+            bucket_cap_mb: r.bucket_cap_mb,
+            first_bucket_cap_mb: r.first_bucket_cap_mb,
+            init_sync: true,
+            check_finite: false,
+        }
+    }
+}
+
+/// Data-parallel training of a Burn module: gradients averaged over every rank of a process
+/// group, replicas kept identical. Owns the module (Burn's optimizers take and return it by
+/// value); see the crate documentation.
+pub struct DistributedDataParallel<M: Module> {
+    pg: ProcessGroup,
+    params: BurnParams,
+    reducer: Reducer,
+    /// Always `Some` between calls (taken only while an optimizer maps it).
+    module: Option<M>,
+}
+
+impl<M: Module> DistributedDataParallel<M> {
+    /// Wraps `module`. Walks its trainable parameters in structural order, checks across ranks
+    /// that names, shapes and dtypes agree (a mismatch is an error on every rank naming the first
+    /// differing parameter) and, with `init_sync`, copies rank 0's values to every rank. A
+    /// collective: every rank must call it.
+    pub fn new(module: M, pg: &ProcessGroup, opts: DdpOptions) -> Result<Self> {
+        let params = BurnParams::new(&module)?;
+        let specs = adapter::param_specs(&params)?;
+        let mut reducer = Reducer::new(
+            pg,
+            specs,
+            ReducerOptions {
+                bucket_cap_mb: opts.bucket_cap_mb,
+                first_bucket_cap_mb: opts.first_bucket_cap_mb,
+            },
+        )?;
+        reducer.set_check_finite(opts.check_finite);
+        let mut ddp = DistributedDataParallel {
+            pg: pg.clone(),
+            params,
+            reducer,
+            module: Some(module),
+        };
+        if opts.init_sync {
+            ddp.broadcast_parameters(0)?;
+        }
+        Ok(ddp)
+    }
+
+    /// Copies the parameter values of rank `root` to every rank (a collective).
+    pub fn broadcast_parameters(&mut self, root: usize) -> Result<()> {
+        self.params.capture(self.module())?;
+        adapter::broadcast_params(&self.params, &self.pg, root)?;
+        self.update(|m| Ok(m), |params, m| params.apply(m))
+    }
+
+    /// The wrapped module (for the forward pass).
+    pub fn module(&self) -> &M {
+        self.module
+            .as_ref()
+            .expect("the module is present between calls")
+    }
+
+    /// Unwraps the module.
+    pub fn into_module(mut self) -> M {
+        self.module
+            .take()
+            .expect("the module is present between calls")
+    }
+
+    /// Replaces the module by `f(module)`, e.g. after loading a record. The new module must have
+    /// the same parameters (paths, shapes, dtypes); their ids are re-read from it.
+    pub fn map_module(&mut self, f: impl FnOnce(M) -> M) -> Result<()> {
+        self.update(|m| Ok(f(m)), |_, m| Ok(m))
+    }
+
+    fn update(
+        &mut self,
+        f: impl FnOnce(M) -> Result<M>,
+        then: impl FnOnce(&BurnParams, M) -> Result<M>,
+    ) -> Result<()> {
+        let m = self
+            .module
+            .take()
+            .expect("the module is present between calls");
+        let m = then(&self.params, f(m)?)?;
+        self.params.refresh_ids(&m)?;
+        self.module = Some(m);
+        Ok(())
+    }
+
+    /// One optimizer step on the wrapped module with (averaged) `grads`:
+    /// `module = optim.step(lr, module, grads)`.
+    pub fn step(
+        &mut self,
+        optim: &mut ModuleOptimizer,
+        lr: impl Into<ModuleLearningRate>,
+        grads: GradientsParams,
+    ) {
+        let m = self
+            .module
+            .take()
+            .expect("the module is present between calls");
+        self.module = Some(optim.step(lr, m, grads));
+    }
+
+    /// The wrapped parameters as `ddp`'s adapter contract sees them.
+    pub fn params(&self) -> &BurnParams {
+        &self.params
+    }
+
+    pub fn process_group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    pub fn rank(&self) -> usize {
+        self.pg.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.pg.size()
+    }
+
+    /// The underlying reducer (bucket assignment, timing).
+    pub fn reducer(&self) -> &Reducer {
+        &self.reducer
+    }
+
+    /// The underlying reducer, e.g. to set the step after resuming.
+    pub fn reducer_mut(&mut self) -> &mut Reducer {
+        &mut self.reducer
+    }
+
+    /// PyTorch's `register_comm_hook` (see `ddp::reducer::CommHook`).
+    pub fn register_comm_hook(&mut self, hook: impl CommHook + 'static) -> Result<()> {
+        Ok(self.reducer.register_comm_hook(hook)?)
+    }
+
+    /// PyTorch's `with ddp.no_sync():` — while the guard lives, backwards accumulate gradients
+    /// locally without communicating and return this micro-batch's *local* gradients (do not
+    /// step the optimizer on them). The first backward after the guard is dropped reduces the sum
+    /// of everything accumulated.
+    pub fn no_sync(&mut self) -> NoSync<'_, M> {
+        let prev = self.reducer.require_backward_grad_sync();
+        self.reducer.set_require_backward_grad_sync(false);
+        NoSync { ddp: self, prev }
+    }
+
+    /// `loss.backward()`, then the bucketed, pipelined all-reduce (buckets in reverse parameter
+    /// order). Returns the gradients averaged over all ranks for every trainable parameter (zeros
+    /// for one that got no gradient on any rank), ready for Burn's optimizers.
+    pub fn backward<const D: usize>(&mut self, loss: Tensor<D>) -> Result<GradientsParams> {
+        let local = self.local_backward(loss)?;
+        self.finish(local)
+    }
+
+    /// Averages gradients that Burn already computed (e.g. a `TrainStep`'s
+    /// `TrainOutput::grads`) over all ranks, through the same bucketed reducer as
+    /// [`backward`](Self::backward). Under [`no_sync`](Self::no_sync) it accumulates and returns
+    /// `grads` unchanged.
+    pub fn sync_gradients(&mut self, grads: GradientsParams) -> Result<GradientsParams> {
+        let grads = self.mark(|_| grads)?;
+        self.finish(grads)
+    }
+
+    fn local_backward<const D: usize>(&mut self, loss: Tensor<D>) -> Result<GradientsParams> {
+        self.mark(|module| GradientsParams::from_grads(loss.backward(), module))
+    }
+
+    /// Starts a reducer step, gets this rank's gradients from `grads(module)` and hands every
+    /// one of them to the reducer (last parameter first); returns them.
+    fn mark(&mut self, grads: impl FnOnce(&M) -> GradientsParams) -> Result<GradientsParams> {
+        self.reducer.prepare_for_backward()?;
+        let module = self
+            .module
+            .as_ref()
+            .expect("the module is present between calls");
+        self.params.refresh_ids(module)?;
+        let grads = grads(module);
+        adapter::mark_grads(&self.params, &mut self.reducer, &grads, |_| Ok(()))?;
+        Ok(grads)
+    }
+
+    /// One step under [`Join`] (uneven inputs, PyTorch's `model.join()`): `loss` is this rank's
+    /// loss when it has a batch in `step`, `None` once it has run out (it then shadows the
+    /// others' all-reduces with zeros). Returns, on every rank, the gradients averaged over the
+    /// ranks that had data; step the optimizer with them on every rank.
+    pub fn backward_join<const D: usize>(
+        &mut self,
+        loss: Option<Tensor<D>>,
+        join: &Join,
+        step: &JoinStep,
+    ) -> Result<GradientsParams> {
+        if loss.is_some() != step.has_data {
+            return Err(Error::Unsupported(format!(
+                "backward_join on rank {}: this rank reported has_data = {} to Join::begin_step \
+                 but passed {} loss",
+                self.rank(),
+                step.has_data,
+                if loss.is_some() { "a" } else { "no" }
+            )));
+        }
+        self.reducer.set_divisor(step.divisor)?;
+        let local = match loss {
+            Some(loss) => self.local_backward(loss)?,
+            None => GradientsParams::new(),
+        };
+        let stats = join.sync_gradients(&mut self.reducer, step)?;
+        self.reduced_grads(stats, local)
+    }
+
+    fn finish(&mut self, local: GradientsParams) -> Result<GradientsParams> {
+        let stats = self.reducer.finish()?;
+        self.reduced_grads(stats, local)
+    }
+
+    fn reduced_grads(&self, stats: StepStats, local: GradientsParams) -> Result<GradientsParams> {
+        if !stats.synced {
+            return Ok(local);
+        }
+        adapter::averaged_grads(&self.params, &self.reducer)
+    }
+
+    /// Timing of the last backward.
+    pub fn last_step_stats(&self) -> Option<StepStats> {
+        self.reducer.last_step_stats()
+    }
+
+    /// Timing summed over all synchronized steps.
+    pub fn total_stats(&self) -> TotalStats {
+        self.reducer.total_stats()
+    }
+
+    /// The parameter paths, in order (for [`ReplicaReport::describe`]).
+    pub fn param_names(&self) -> Vec<&str> {
+        self.params.names()
+    }
+
+    /// Every parameter's values as `f64` (exact for F32 and F64), in order.
+    pub fn param_values_f64(&self) -> Result<Vec<Vec<f64>>> {
+        self.params.capture(self.module())?;
+        self.params
+            .take_staged()
+            .into_iter()
+            .map(|v| match v {
+                Some(HostBuffer::F32(v)) => Ok(v.iter().map(|&x| x as f64).collect()),
+                Some(HostBuffer::F64(v)) => Ok(v),
+                other => Err(Error::Unsupported(format!(
+                    "unexpected parameter buffer {:?}",
+                    other.map(|b| b.dtype())
+                ))),
+            })
+            .collect()
+    }
+
+    /// Checks across ranks that every replica holds bit-identical parameters (a collective).
+    pub fn verify_replicas(&self) -> Result<ReplicaReport> {
+        let values = self.param_values_f64()?;
+        let slices: Vec<&[f64]> = values.iter().map(Vec::as_slice).collect();
+        Ok(ddp::verify::verify_replicas(&self.pg, &slices)?)
+    }
+
+    /// Largest absolute difference of any parameter element between any two ranks (a
+    /// collective; `0.0` means bit-identical replicas).
+    pub fn replica_max_diff(&self) -> Result<f64> {
+        Ok(self.verify_replicas()?.max_abs_diff)
+    }
+
+    /// `(sum, l2 norm)` of all parameters, in `f64`.
+    pub fn param_sum_l2(&self) -> Result<(f64, f64)> {
+        let flat: Vec<f64> = self.param_values_f64()?.concat();
+        let sq: f64 = flat.iter().map(|x| x * x).sum();
+        Ok((flat.iter().sum(), sq.sqrt()))
+    }
+
+    /// Number of trainable parameters (tensors) wrapped.
+    pub fn param_count(&self) -> usize {
+        self.params.param_count()
+    }
+}
+
+/// Guard returned by [`DistributedDataParallel::no_sync`]; restores synchronization on drop.
+pub struct NoSync<'a, M: Module> {
+    ddp: &'a mut DistributedDataParallel<M>,
+    prev: bool,
+}
+
+impl<M: Module> Deref for NoSync<'_, M> {
+    type Target = DistributedDataParallel<M>;
+    fn deref(&self) -> &Self::Target {
+        self.ddp
+    }
+}
+
+impl<M: Module> DerefMut for NoSync<'_, M> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.ddp
+    }
+}
+
+impl<M: Module> Drop for NoSync<'_, M> {
+    fn drop(&mut self) {
+        self.ddp.reducer.set_require_backward_grad_sync(self.prev);
+    }
+}

@@ -1,0 +1,93 @@
+//! `ddp-burn`: PyTorch's `DistributedDataParallel` for [Burn](https://burn.dev) 0.22 modules,
+//! across processes and machines, on any Burn device (tested on the pure-Rust CPU backend
+//! `burn-flex`).
+//!
+//! Burn's own DDP (burn-train 0.21+) runs one thread per GPU inside one process, with one
+//! all-reduce per parameter; ddp-rs runs one process per rank (launched by `ddprun` or `mpirun`,
+//! or spawned by the program itself through `ddprun::spawn`), over TCP or shared memory, with
+//! PyTorch's bucketed, pipelined reducer, its `DistributedSampler`, `no_sync` and `Join`.
+//!
+//! ```ignore
+//! let pg = ddp_comm::init_process_group(Default::default())?; // RANK/WORLD_SIZE/MASTER_* from env
+//! let device = burn::tensor::Device::flex().autodiff();
+//! let model = MyModelConfig::new().init(&device);
+//! let mut ddp = ddp_burn::Ddp::new(model, &pg, Default::default())?; // rank 0's weights everywhere
+//! let mut optim = burn::optim::AdamConfig::new().init();
+//! for (x, y) in batches {                      // this rank's shard (ddp_burn::ShardedDataset)
+//!     let loss = ddp.module().forward_loss(x, y);
+//!     let grads = ddp.backward(loss)?;          // GradientsParams averaged over all ranks
+//!     ddp.step(&mut optim, 1e-3, grads);        // Burn's optimizer, unchanged
+//! }
+//! ```
+//!
+//! - **Parameter order** (module [`params`]): Burn's `ParamId`s are random per process, so the
+//!   wrapper walks the module's structure (`ModuleVisitor` with paths: `fc1.weight`,
+//!   `layers.0.bias`) to name and order the trainable parameters identically on every rank. At
+//!   construction `ddp::Reducer::new` checks names, shapes and dtypes across ranks (a mismatch is
+//!   an error on every rank naming the parameter) and rank 0's values are broadcast.
+//! - **Backward** ([`DistributedDataParallel::backward`]): `loss.backward()` →
+//!   `GradientsParams::from_grads` → every gradient handed to the reducer last parameter first
+//!   (buckets of 25 MiB, the first 1 MiB) through `ddp::adapter` (the same driver code as
+//!   `ddp-candle`) → averaged `GradientsParams` for `SgdConfig`/`AdamConfig`/`AdamWConfig`
+//!   `.init()` optimizers. [`DistributedDataParallel::no_sync`] accumulates locally;
+//!   [`DistributedDataParallel::backward_join`] handles uneven inputs with `ddp::Join`.
+//! - **Data** (module [`data`]): [`ShardedDataset`] applies `ddp::DistributedSampler` to any
+//!   Burn `Dataset`, so `DataLoaderBuilder` works unchanged.
+//! - **Checkpoints** (module [`checkpoint`]): Burn's module and optimizer records (burnpack) as
+//!   checksummed blobs of a `ddp::Checkpoint` beside our metadata, written atomically by rank 0;
+//!   `ddp::checkpoint::resume_or_start` resumes exactly.
+//!
+//! ## Burn's `Learner`
+//! Burn 0.22's `burn-train` *does* accept a custom training strategy:
+//! `TrainingStrategy::Custom(Arc<dyn SupervisedLearningStrategy<M>>)`, whose `fit` receives the
+//! `Learner` (with `train_step(item) -> TrainOutput { grads: GradientsParams, .. }` and
+//! `optimizer_step(grads)`) and the data loaders. A ddp-rs strategy would call
+//! [`DistributedDataParallel::sync_gradients`] between the two, on a loader built over a
+//! [`ShardedDataset`]. This crate does not provide that strategy yet: `burn-train` is a large
+//! dependency (`burn-store`, `rstest`, a terminal UI by default) that this crate avoids, and its
+//! epoch loop (`SingleDeviceTrainEpoch`, the event processor plumbing) would have to be rewritten
+//! in the strategy. Use the plain loop above; [`DistributedDataParallel::sync_gradients`] is the
+//! hook such a strategy needs.
+//!
+//! ## Burn 0.22 notes
+//! Burn 0.22 erased the backend type parameter: tensors are `Tensor<D>` and the backend is chosen
+//! by the `Device` at run time (`Device::flex().autodiff()`); there is no `AutodiffBackend`
+//! generic to be generic over. Every Burn device works; parameters must be F32 or F64.
+
+#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+
+pub mod checkpoint;
+pub mod data;
+mod data_parallel;
+pub mod params;
+
+pub use data::ShardedDataset;
+pub use data_parallel::{DdpOptions, DistributedDataParallel, ModuleLearningRate, NoSync};
+pub use ddp_comm::ProcessGroup;
+pub use params::BurnParams;
+
+/// Short alias of [`DistributedDataParallel`].
+pub type Ddp<M> = DistributedDataParallel<M>;
+
+/// Result alias of this crate.
+pub type Result<T, E = Error> = std::result::Result<T, E>;
+
+/// Errors of the Burn adapter: the framework-agnostic `ddp` ones (which carry communication
+/// failures naming the peer rank), Burn record errors, and models it cannot handle.
+#[derive(Debug, thiserror::Error)]
+pub enum Error {
+    #[error(transparent)]
+    Ddp(#[from] ddp::Error),
+    /// A Burn record could not be written or read (the message names the blob).
+    #[error("{0}")]
+    Record(String),
+    /// A model or tensor that this adapter cannot handle (the message names the parameter).
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+impl From<ddp_comm::Error> for Error {
+    fn from(e: ddp_comm::Error) -> Self {
+        Error::Ddp(ddp::Error::Comm(e))
+    }
+}

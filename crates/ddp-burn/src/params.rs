@@ -1,0 +1,379 @@
+//! [`BurnParams`]: Burn's side of the adapter contract of `ddp` ([`ddp::adapter::ParamAccess`]).
+//!
+//! Burn gives every parameter a random [`ParamId`] per process, so ids cannot name a parameter
+//! across ranks. The order and the names here come from the module's *structure* instead: a
+//! [`ModuleVisitor`] walks the module (fields in declaration order, `Vec`/tuple/array elements by
+//! index) and names each trainable float parameter by its path (`fc1.weight`, `layers.0.bias`).
+//! That walk is the same on every rank for the same model type. The ids are kept only to find
+//! gradients in this process's `GradientsParams`, and are refreshed from the module before every
+//! backward (an optimizer step keeps them; loading a record replaces them with the record's).
+//!
+//! ```text
+//!   module ──visit (paths)──► [fc1.weight, fc1.bias, fc2.weight, fc2.bias]  same on every rank
+//!                                   │ ParamId (this process only)
+//!   loss.backward() ─► GradientsParams ─with_grad─► Reducer ─finish─► put_grad ─► GradientsParams
+//! ```
+
+use crate::{Error, Result};
+use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
+use burn::optim::GradientsParams;
+use burn::tensor::{DType, Device, Tensor, TensorData};
+use ddp::adapter::ParamAccess;
+use ddp::reducer::{HostBuffer, HostSlice, ParamSpec};
+use std::cell::RefCell;
+
+/// One trainable parameter: structural path, id in this process, shape, dtype, device.
+#[derive(Debug, Clone)]
+struct Entry {
+    path: String,
+    id: ParamId,
+    shape: Vec<usize>,
+    dtype: DType,
+    /// Device of the parameter's gradient (the parameter's device without autodiff).
+    grad_device: Device,
+}
+
+/// The trainable float parameters of a Burn module in structural order (see the module doc),
+/// plus a staging area for values read from and written to the module (start-up broadcast,
+/// replica checks).
+#[derive(Debug)]
+pub struct BurnParams {
+    entries: Vec<Entry>,
+    /// Values of the parameters as last read by [`BurnParams::capture`], or as written by
+    /// `write_param`; [`BurnParams::apply`] writes them into a module.
+    staged: RefCell<Vec<Option<HostBuffer>>>,
+}
+
+/// Runs `$body` with `const $d: usize` set to `$rank` (Burn's tensors carry their rank in the
+/// type; parameters of rank 1 to 8 are supported).
+macro_rules! with_rank {
+    ($rank:expr, $path:expr, |$d:ident| $body:expr) => {
+        match $rank {
+            1 => {
+                const $d: usize = 1;
+                $body
+            }
+            2 => {
+                const $d: usize = 2;
+                $body
+            }
+            3 => {
+                const $d: usize = 3;
+                $body
+            }
+            4 => {
+                const $d: usize = 4;
+                $body
+            }
+            5 => {
+                const $d: usize = 5;
+                $body
+            }
+            6 => {
+                const $d: usize = 6;
+                $body
+            }
+            7 => {
+                const $d: usize = 7;
+                $body
+            }
+            8 => {
+                const $d: usize = 8;
+                $body
+            }
+            r => Err(Error::Unsupported(format!(
+                "parameter `{}` has rank {r}; ddp-burn supports ranks 1 to 8",
+                $path
+            ))),
+        }
+    };
+}
+
+fn comm_dtype(path: &str, dtype: DType) -> Result<ddp_comm::DType> {
+    match dtype {
+        DType::F32 => Ok(ddp_comm::DType::F32),
+        DType::F64 => Ok(ddp_comm::DType::F64),
+        other => Err(Error::Unsupported(format!(
+            "parameter `{path}` has dtype {other:?}; ddp-burn averages F32 and F64 parameters"
+        ))),
+    }
+}
+
+/// Flat host copy of `data` (a parameter or gradient called `path`).
+fn host_buffer(path: &str, data: &TensorData) -> Result<HostBuffer> {
+    with_host_slice(path, data, |s| s.to_buffer())
+}
+
+fn with_host_slice<R>(
+    path: &str,
+    data: &TensorData,
+    f: impl FnOnce(HostSlice<'_>) -> R,
+) -> Result<R> {
+    let bad = |e| Error::Unsupported(format!("parameter `{path}`: cannot read its data: {e:?}"));
+    match data.dtype() {
+        DType::F32 => Ok(f(HostSlice::of(data.as_slice::<f32>().map_err(bad)?))),
+        DType::F64 => Ok(f(HostSlice::of(data.as_slice::<f64>().map_err(bad)?))),
+        other => Err(Error::Unsupported(format!(
+            "parameter `{path}` has dtype {other:?}; ddp-burn averages F32 and F64 parameters"
+        ))),
+    }
+}
+
+fn tensor_data(e: &Entry, values: HostSlice<'_>) -> Result<TensorData> {
+    let wrong = || {
+        Error::Unsupported(format!(
+            "parameter `{}`: got {} values of {:?} for shape {:?} of {:?}",
+            e.path,
+            values.len(),
+            values.dtype(),
+            e.shape,
+            e.dtype
+        ))
+    };
+    if values.len() != e.shape.iter().product::<usize>() {
+        return Err(wrong());
+    }
+    match e.dtype {
+        DType::F32 => Ok(TensorData::new(
+            values.get::<f32>().ok_or_else(wrong)?.to_vec(),
+            e.shape.clone(),
+        )),
+        DType::F64 => Ok(TensorData::new(
+            values.get::<f64>().ok_or_else(wrong)?.to_vec(),
+            e.shape.clone(),
+        )),
+        _ => Err(wrong()),
+    }
+}
+
+/// Collects the structure (and optionally the values) of a module's trainable float parameters.
+struct Walk {
+    path: Vec<String>,
+    entries: Vec<Entry>,
+    values: Option<Vec<Result<HostBuffer>>>,
+}
+
+impl ModuleVisitor for Walk {
+    fn enter_module(&mut self, name: &str, _container_type: &str) {
+        self.path.push(name.to_string());
+    }
+
+    fn exit_module(&mut self, _name: &str, _container_type: &str) {
+        self.path.pop();
+    }
+
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
+        if !param.is_require_grad() {
+            return; // frozen parameters and buffers are not averaged
+        }
+        let value = param.val();
+        let path = self.path.join(".");
+        if let Some(values) = &mut self.values {
+            values.push(host_buffer(&path, &value.clone().into_data()));
+        }
+        self.entries.push(Entry {
+            path,
+            id: param.id,
+            shape: value.dims().to_vec(),
+            dtype: value.dtype(),
+            grad_device: value.device().inner(),
+        });
+    }
+}
+
+fn walk<M: Module>(module: &M, with_values: bool) -> Walk {
+    let mut w = Walk {
+        path: Vec::new(),
+        entries: Vec::new(),
+        values: with_values.then(Vec::new),
+    };
+    module.visit(&mut w);
+    w
+}
+
+/// Writes staged values into the trainable parameters, in walk order.
+struct Apply<'a> {
+    entries: &'a [Entry],
+    values: Vec<Option<HostBuffer>>,
+    next: usize,
+    error: Option<Error>,
+}
+
+impl ModuleMapper for Apply<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<D>>) -> Param<Tensor<D>> {
+        if !param.is_require_grad() {
+            return param;
+        }
+        let i = self.next;
+        self.next += 1;
+        let (Some(e), Some(Some(v))) = (self.entries.get(i), self.values.get(i)) else {
+            return param;
+        };
+        match tensor_data(e, v.as_host_slice()) {
+            Ok(data) => {
+                let id = param.id;
+                let device = param.val().device();
+                param.transform_for_load(Tensor::from_data(data, &device), id)
+            }
+            Err(err) => {
+                self.error.get_or_insert(err);
+                param
+            }
+        }
+    }
+}
+
+impl BurnParams {
+    /// The trainable float parameters of `module` in structural order. Fails, naming the
+    /// parameter, on a path used twice or a dtype other than F32/F64.
+    pub fn new<M: Module>(module: &M) -> Result<Self> {
+        let entries = walk(module, false).entries;
+        let mut seen = std::collections::HashSet::new();
+        for e in &entries {
+            if !seen.insert(e.path.as_str()) {
+                return Err(Error::Unsupported(format!(
+                    "parameter path `{}` appears twice in the module; ddp-burn names parameters \
+                     by their path",
+                    e.path
+                )));
+            }
+            comm_dtype(&e.path, e.dtype)?;
+        }
+        let staged = RefCell::new(vec![None; entries.len()]);
+        Ok(BurnParams { entries, staged })
+    }
+
+    /// The parameter paths, in order.
+    pub fn names(&self) -> Vec<&str> {
+        self.entries.iter().map(|e| e.path.as_str()).collect()
+    }
+
+    /// Re-reads the parameter ids from `module` (after a record was loaded, or for a module
+    /// rebuilt by the user), checking that it has the same parameters as at construction.
+    pub fn refresh_ids<M: Module>(&mut self, module: &M) -> Result<()> {
+        let now = walk(module, false).entries;
+        self.check_same(&now)?;
+        for (e, n) in self.entries.iter_mut().zip(now) {
+            e.id = n.id;
+        }
+        Ok(())
+    }
+
+    fn check_same(&self, now: &[Entry]) -> Result<()> {
+        if now.len() != self.entries.len() {
+            return Err(Error::Unsupported(format!(
+                "the module now has {} trainable parameters, {} when it was wrapped",
+                now.len(),
+                self.entries.len()
+            )));
+        }
+        for (e, n) in self.entries.iter().zip(now) {
+            if (&e.path, &e.shape, e.dtype) != (&n.path, &n.shape, n.dtype) {
+                return Err(Error::Unsupported(format!(
+                    "parameter `{}` (shape {:?}, {:?}) is now `{}` (shape {:?}, {:?}); the \
+                     module's structure must not change once wrapped",
+                    e.path, e.shape, e.dtype, n.path, n.shape, n.dtype
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads every parameter's value from `module` into the staging area (for `read_param`).
+    pub fn capture<M: Module>(&self, module: &M) -> Result<()> {
+        let w = walk(module, true);
+        self.check_same(&w.entries)?;
+        let values = w.values.unwrap_or_default();
+        *self.staged.borrow_mut() = values
+            .into_iter()
+            .map(|v| v.map(Some))
+            .collect::<Result<_>>()?;
+        Ok(())
+    }
+
+    /// Writes the staged values (from `write_param`) into `module`'s parameters, keeping their
+    /// ids, devices and `require_grad`, and clears the staging area.
+    pub fn apply<M: Module>(&self, module: M) -> Result<M> {
+        let values = std::mem::replace(
+            &mut *self.staged.borrow_mut(),
+            vec![None; self.entries.len()],
+        );
+        let mut mapper = Apply {
+            entries: &self.entries,
+            values,
+            next: 0,
+            error: None,
+        };
+        let module = module.map(&mut mapper);
+        match mapper.error {
+            Some(e) => Err(e),
+            None => Ok(module),
+        }
+    }
+
+    /// Takes the staged values (after [`capture`](Self::capture)), clearing the staging area.
+    pub fn take_staged(&self) -> Vec<Option<HostBuffer>> {
+        std::mem::replace(
+            &mut *self.staged.borrow_mut(),
+            vec![None; self.entries.len()],
+        )
+    }
+}
+
+impl ParamAccess for BurnParams {
+    type Grads = GradientsParams;
+    type Error = Error;
+
+    fn param_count(&self) -> usize {
+        self.entries.len()
+    }
+
+    fn spec(&self, index: usize) -> Result<ParamSpec> {
+        let e = &self.entries[index];
+        Ok(ParamSpec::new(
+            e.path.clone(),
+            e.shape.clone(),
+            comm_dtype(&e.path, e.dtype)?,
+        ))
+    }
+
+    fn with_grad<R>(
+        &self,
+        grads: &GradientsParams,
+        index: usize,
+        f: impl FnOnce(HostSlice<'_>) -> R,
+    ) -> Result<Option<R>> {
+        let e = &self.entries[index];
+        let data = with_rank!(e.shape.len(), e.path, |D| Ok(grads
+            .get::<D>(e.id)
+            .map(|g| g.into_data())))?;
+        match data {
+            Some(d) => with_host_slice(&e.path, &d, f).map(Some),
+            None => Ok(None),
+        }
+    }
+
+    fn put_grad(&self, out: &mut GradientsParams, index: usize, grad: HostSlice<'_>) -> Result<()> {
+        let e = &self.entries[index];
+        let data = tensor_data(e, grad)?;
+        with_rank!(e.shape.len(), e.path, |D| {
+            out.register::<D>(e.id, Tensor::from_data(data, &e.grad_device));
+            Ok(())
+        })
+    }
+
+    fn read_param(&self, index: usize) -> Result<HostBuffer> {
+        self.staged.borrow()[index].clone().ok_or_else(|| {
+            Error::Unsupported(format!(
+                "parameter `{}` was not captured before reading it",
+                self.entries[index].path
+            ))
+        })
+    }
+
+    fn write_param(&self, index: usize, values: HostSlice<'_>) -> Result<()> {
+        tensor_data(&self.entries[index], values)?; // checks length and dtype now
+        self.staged.borrow_mut()[index] = Some(values.to_buffer());
+        Ok(())
+    }
+}

@@ -1,0 +1,265 @@
+//! One worker of `train-digits-burn`: joins the process group, loads its shard with Burn's
+//! `DataLoaderBuilder` over a `ddp_burn::ShardedDataset`, trains with `ddp_burn::Ddp` and Burn's
+//! optimizers, checkpoints every epoch (rank 0, atomically: Burn's records + our position,
+//! through `ddp::checkpoint::resume_or_start` on resume), and reports as `train-digits` does.
+
+use crate::data::{self, Dataset};
+use crate::model::{evaluate, tensors, Mlp};
+use crate::{Args, Backend, OptimizerKind};
+use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataset::InMemDataset;
+use burn::optim::momentum::MomentumConfig;
+use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
+use burn::tensor::{Device, Int, Tensor};
+use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
+use ddp::DistributedSampler;
+use ddp_burn::{Ddp, DdpOptions, ShardedDataset};
+use ddp_comm::process_group::Backend as CommBackend;
+use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
+use std::error::Error;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+type BoxResult<T> = Result<T, Box<dyn Error>>;
+
+/// Builds a batch from row indices of the training set.
+#[derive(Clone)]
+struct Rows(Arc<Dataset>);
+
+impl Batcher<usize, (Tensor<2>, Tensor<1, Int>)> for Rows {
+    fn batch(&self, rows: Vec<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+        tensors(&self.0, &rows, device)
+    }
+}
+
+fn optimizer(args: &Args) -> ModuleOptimizer {
+    match args.optimizer {
+        OptimizerKind::Sgd => SgdConfig::new()
+            .with_momentum((args.momentum > 0.0).then(|| {
+                MomentumConfig::new()
+                    .with_momentum(args.momentum)
+                    .with_dampening(0.0)
+            }))
+            .init(),
+        OptimizerKind::Adamw => AdamWConfig::new().init(),
+    }
+}
+
+fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan {
+    RunPlan {
+        world_size,
+        samples_per_epoch,
+        batch_size: args.batch_size,
+        epochs: args.epochs,
+        max_steps: args.max_steps,
+        hyper: serde_json::json!({
+            "framework": "burn",
+            "optimizer": args.optimizer_name(),
+            "lr": args.lr(),
+            "momentum": args.momentum,
+            "batch_size": args.batch_size,
+            "hidden": args.hidden,
+            "seed": args.seed,
+        }),
+        rng_state: args.seed,
+    }
+}
+
+fn save(
+    pg: &ProcessGroup,
+    args: &Args,
+    plan: &RunPlan,
+    ddp: &Ddp<Mlp>,
+    opt: &ModuleOptimizer,
+    pos: &TrainingState,
+) -> BoxResult<()> {
+    if let (Some(dir), 0) = (&args.checkpoint_dir, pg.rank()) {
+        let mut ckpt = Checkpoint::new(plan.meta(pos));
+        ddp.save_records(&mut ckpt, opt)?;
+        checkpoint::save_atomic(dir, &ckpt)?;
+    }
+    Ok(())
+}
+
+pub fn run(args: &Args) -> BoxResult<()> {
+    let pg = init_process_group(InitOptions {
+        timeout: Duration::from_secs(args.timeout_s),
+        backend: args.backend.map(|b| match b {
+            Backend::Auto => CommBackend::Auto,
+            Backend::Tcp => CommBackend::Tcp,
+            Backend::Shm => CommBackend::Shm,
+        }),
+        ..Default::default()
+    })?;
+    let (rank, world) = (pg.rank(), pg.size());
+    let all = data::load()?;
+    let (train, test) = data::train_test_split(&all);
+    let train = Arc::new(train);
+    let device = Device::flex().autodiff();
+
+    let sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+    let plan = run_plan(args, world, sampler.len());
+    let shard = Arc::new(ShardedDataset::new(
+        Arc::new(InMemDataset::new((0..train.len()).collect::<Vec<_>>())),
+        sampler,
+    )?);
+    let loader = DataLoaderBuilder::new(Rows(train.clone()))
+        .batch_size(args.batch_size)
+        .set_device(device.clone())
+        .build(shard.clone());
+    let resumed = match &args.checkpoint_dir {
+        Some(dir) => checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?,
+        None => None,
+    };
+
+    let opts = DdpOptions {
+        check_finite: !args.no_check_finite,
+        ..Default::default()
+    };
+    let mut ddp = Ddp::new(Mlp::new(args.hidden, args.seed, &device), &pg, opts)?;
+    let mut opt = optimizer(args);
+    let mut pos = TrainingState::default();
+    if let Some(r) = &resumed {
+        opt = ddp.load_records(&r.checkpoint, opt)?;
+        pos = r.state;
+        if rank == 0 {
+            println!(
+                "resuming from {} at step {}, epoch {}, {} samples into the epoch",
+                r.path.display(),
+                pos.step,
+                pos.epoch,
+                pos.consumed
+            );
+        }
+    } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
+        println!("no checkpoint in {}: starting fresh", dir.display());
+    }
+    ddp.reducer_mut().set_step(pos.step);
+    if rank == 0 {
+        println!(
+            "train-digits-burn: world_size {world}, {} train / {} test images, batch {} per rank \
+             (global {}), {} steps per epoch, {} lr {}, {} parameters",
+            train.len(),
+            test.len(),
+            args.batch_size,
+            args.batch_size * world,
+            plan.steps_per_epoch(),
+            args.optimizer_name(),
+            args.lr(),
+            ddp.reducer()
+                .specs()
+                .iter()
+                .map(|s| s.numel())
+                .sum::<usize>(),
+        );
+    }
+
+    let start = Instant::now();
+    let mut local_samples = 0u64;
+    let mut steps_run = 0u64;
+    'epochs: while pos.epoch < args.epochs {
+        shard.set_epoch(pos.epoch);
+        let mut loss_sum = 0f64;
+        let mut batches = 0u64;
+        for b in loader.iter().skip(pos.consumed / args.batch_size) {
+            if args.max_steps.is_some_and(|m| pos.step >= m) {
+                break 'epochs;
+            }
+            let (x, y) = b?;
+            let n = y.dims()[0];
+            let loss = ddp.module().loss(x, y);
+            loss_sum += loss.clone().into_scalar::<f64>();
+            let grads = ddp.backward(loss)?;
+            ddp.step(&mut opt, args.lr(), grads);
+            pos.step += 1;
+            pos.consumed += n;
+            steps_run += 1;
+            local_samples += n as u64;
+            batches += 1;
+        }
+        pos.epoch += 1;
+        pos.consumed = 0;
+        save(&pg, args, &plan, &ddp, &opt, &pos)?;
+        if rank == 0
+            && args.log_every > 0
+            && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
+        {
+            let (acc, _) = evaluate(ddp.module(), &test, &device);
+            println!(
+                "epoch {:>3}/{}  step {:>5}  train_loss(rank0) {:.4}  test_acc {:.4}  {:.1}s",
+                pos.epoch,
+                args.epochs,
+                pos.step,
+                loss_sum / batches.max(1) as f64,
+                acc,
+                start.elapsed().as_secs_f64()
+            );
+        }
+    }
+    let train_time = start.elapsed();
+    if pos.epoch < args.epochs {
+        save(&pg, args, &plan, &ddp, &opt, &pos)?;
+    }
+
+    let mut counts = [local_samples as f64, train_time.as_secs_f64()];
+    pg.all_reduce(&mut counts[..1], ReduceOp::Sum)?;
+    pg.all_reduce(&mut counts[1..], ReduceOp::Max)?;
+    let replicas = ddp.verify_replicas()?;
+    let max_diff = replicas.max_abs_diff;
+    if rank == 0 {
+        let (test_acc, test_loss) = evaluate(ddp.module(), &test, &device);
+        let (_, train_loss) = evaluate(ddp.module(), &train, &device);
+        let (param_sum, param_l2) = ddp.param_sum_l2()?;
+        let samples_per_s = if counts[1] > 0.0 {
+            counts[0] / counts[1]
+        } else {
+            0.0
+        };
+        let stats = ddp.total_stats();
+        println!(
+            "held-out accuracy {:.4} ({} images), test loss {:.4}, final train loss {:.4}",
+            test_acc,
+            test.len(),
+            test_loss,
+            train_loss
+        );
+        println!(
+            "{} steps ({} this run) in {:.2}s: {:.0} samples/s over {} ranks",
+            pos.step, steps_run, counts[1], samples_per_s, world
+        );
+        if stats.steps > 0 {
+            let wait = stats.comm_wait.as_secs_f64() * 1e3 / stats.steps as f64;
+            let total = stats.total.as_secs_f64() * 1e3 / stats.steps as f64;
+            println!(
+                "gradient sync (rank 0): {wait:.3} ms/step waiting for communication of {total:.3} \
+                 ms/step backward+communication"
+            );
+        }
+        println!(
+            "replica check: {} (max |param difference| across ranks = {:e})",
+            replicas.describe(&ddp.param_names()),
+            max_diff
+        );
+        if args.json {
+            let fields: [(&str, serde_json::Value); 9] = [
+                ("world_size", world.into()),
+                ("steps", pos.step.into()),
+                ("test_accuracy", test_acc.into()),
+                ("final_loss", train_loss.into()),
+                ("samples_per_s", samples_per_s.into()),
+                ("replicas_identical", replicas.identical.into()),
+                ("max_param_diff", max_diff.into()),
+                ("param_sum", param_sum.into()),
+                ("param_l2", param_l2.into()),
+            ];
+            let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
+            println!("{{{}}}", body.join(","));
+        }
+    }
+    pg.barrier()?;
+    if !replicas.identical {
+        return Err(format!("after training: {}", replicas.describe(&ddp.param_names())).into());
+    }
+    Ok(())
+}

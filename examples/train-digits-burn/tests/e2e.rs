@@ -1,0 +1,185 @@
+//! End-to-end tests of the `train-digits-burn` binary: real worker processes spawned through
+//! `ddprun::spawn`, real collectives, real checkpoint files, a real `SIGKILL`. Every process is
+//! waited on with a deadline and killed if it overruns, so a hang fails the test.
+
+use std::io::Read;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_train-digits-burn");
+
+/// Starts `cmd` without a launcher environment of ours, output piped.
+fn spawn_piped(cmd: &mut Command) -> Child {
+    cmd.env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// Starts the binary as a user would.
+fn start(args: &[&str]) -> Child {
+    spawn_piped(Command::new(BIN).args(args))
+}
+
+/// Waits at most `limit` (killing on overrun); `(exit code, stdout, stderr)`.
+fn finish(mut child: Child, limit: Duration) -> (Option<i32>, String, String) {
+    let pipe = |mut r: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = r.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = pipe(Box::new(child.stdout.take().unwrap()));
+    let err = pipe(Box::new(child.stderr.take().unwrap()));
+    let deadline = Instant::now() + limit;
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("did not finish within {limit:?}:\n{}", err.join().unwrap());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    (status.code(), out.join().unwrap(), err.join().unwrap())
+}
+
+/// The final `--json` line of a successful run.
+fn run_json(args: &[&str]) -> serde_json::Value {
+    let (code, out, err) = finish(start(args), Duration::from_secs(300));
+    assert_eq!(code, Some(0), "{args:?} failed:\n{out}\n{err}");
+    serde_json::from_str(out.lines().last().unwrap()).unwrap()
+}
+
+#[test]
+fn two_processes_learn_the_digits_with_identical_replicas() {
+    let j = run_json(&["--nproc", "2", "--json", "--log-every", "0"]);
+    assert_eq!(j["world_size"], 2);
+    assert_eq!(j["replicas_identical"], true, "{j}");
+    assert_eq!(j["max_param_diff"], 0.0, "{j}");
+    assert!(j["test_accuracy"].as_f64().unwrap() >= 0.95, "{j}");
+    // 1437 images over 2 ranks in batches of 32: 23 steps per epoch, 30 epochs.
+    assert_eq!(j["steps"], 23 * 30, "{j}");
+}
+
+#[test]
+fn interrupted_and_resumed_equals_uninterrupted() {
+    let dir = std::env::temp_dir().join(format!("tdb-resume-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let common = [
+        "--nproc",
+        "2",
+        "--json",
+        "--epochs",
+        "3",
+        "--log-every",
+        "0",
+        "--optimizer",
+    ];
+    let full = run_json(&[&common[..], &["adamw"]].concat());
+    // Stopped mid-epoch 2 (step 30 of 69), then resumed from the checkpoint to the end.
+    let part = run_json(
+        &[
+            &common[..],
+            &["adamw", "--max-steps", "30", "--checkpoint-dir", d],
+        ]
+        .concat(),
+    );
+    assert_eq!(part["steps"], 30);
+    let resumed = run_json(&[&common[..], &["adamw", "--checkpoint-dir", d, "--resume"]].concat());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(resumed["steps"], full["steps"]);
+    for k in ["param_sum", "param_l2", "final_loss", "test_accuracy"] {
+        assert_eq!(resumed[k], full[k], "{k}: resumed {resumed} vs full {full}");
+    }
+}
+
+fn parent_and_rank(pid: u32) -> Option<(u32, usize)> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let ppid = stat
+        .rsplit_once(')')?
+        .1
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()?;
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    let rank = env
+        .split(|&b| b == 0)
+        .find_map(|kv| kv.strip_prefix(b"RANK="))
+        .and_then(|v| std::str::from_utf8(v).ok()?.parse().ok())?;
+    Some((ppid, rank))
+}
+
+/// A worker killed from outside: the launcher stops the other one and names the killed rank,
+/// its pid and the signal, then exits 1.
+#[test]
+fn a_killed_worker_is_named() {
+    let child = start(&["--nproc", "2", "--epochs", "100000", "--log-every", "0"]);
+    let launcher = child.id();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let victim = loop {
+        let found = std::fs::read_dir("/proc")
+            .unwrap()
+            .filter_map(|e| e.ok()?.file_name().to_str()?.parse::<u32>().ok())
+            .find(|&p| parent_and_rank(p) == Some((launcher, 1)));
+        if let Some(p) = found {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "rank 1 did not start");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    std::thread::sleep(Duration::from_millis(500)); // let training start
+                                                    // SAFETY: kill(2) of the worker process this test's launcher started.
+    assert_eq!(unsafe { libc::kill(victim as i32, libc::SIGKILL) }, 0);
+    let (code, _, err) = finish(child, Duration::from_secs(60));
+    assert_eq!(code, Some(1), "{err}");
+    assert!(err.contains("  rank       : 1\n"), "{err}");
+    assert!(err.contains(&format!("  pid        : {victim}\n")), "{err}");
+    assert!(err.contains("signal SIGKILL (9)"), "{err}");
+}
+
+/// Under OpenMPI's `mpirun` (no ddprun): each process is a worker (`OMPI_COMM_WORLD_*`), they
+/// train together and agree. Skips with a message when `mpirun` is missing, fails instead under
+/// `DDP_TEST_REQUIRE_ALL=1` (CI installs it).
+#[test]
+fn runs_under_mpirun() {
+    let have = Command::new("sh")
+        .args(["-c", "command -v mpirun"])
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !have {
+        let why = "`mpirun` not found (install openmpi-bin)";
+        assert!(
+            std::env::var("DDP_TEST_REQUIRE_ALL").map_or(true, |v| v != "1"),
+            "runs_under_mpirun cannot run: {why} (DDP_TEST_REQUIRE_ALL=1: no test may skip)"
+        );
+        eprintln!("SKIPPED runs_under_mpirun: {why}");
+        return;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let child = spawn_piped(
+        Command::new("mpirun")
+            .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", BIN])
+            .args(["--json", "--epochs", "3", "--log-every", "0"])
+            .env("MASTER_ADDR", "127.0.0.1")
+            .env("MASTER_PORT", port.to_string()),
+    );
+    let (code, out, err) = finish(child, Duration::from_secs(300));
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let j: serde_json::Value = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    assert_eq!(j["world_size"], 2, "{j}");
+    assert_eq!(j["replicas_identical"], true, "{j}");
+    assert_eq!(j["steps"], 23 * 3, "{j}");
+}

@@ -107,11 +107,11 @@ fn one_rank_on_the_gpu_matches_plain_candle_and_checks_finiteness() {
         };
         let mut ddp = Ddp::new(&vm, &pg, opts).unwrap();
         let mut opt = SGD::new(ddp.all_vars(), 0.1).unwrap();
-        for k in 0..STEPS {
+        for (k, want) in want.iter().enumerate() {
             let (xs, ys) = to_dev(batch(&x, &y, k * 16..(k + 1) * 16), &dev);
             let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
             opt.step(&ddp.backward(&loss).unwrap()).unwrap();
-            assert_close(&params(&ddp), &want[k], 1e-5, &format!("step {k}"));
+            assert_close(&params(&ddp), want, 1e-5, &format!("step {k}"));
         }
         let (xs, ys) = to_dev(batch(&x, &y, 0..16), &dev);
         let nan = (xs.ones_like().unwrap() * f64::NAN).unwrap();

@@ -12,7 +12,7 @@
 //! the step naming the parameter); `to_host` (host copies, not used by the candle adapter on
 //! this path) panics with the driver's message.
 
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceSlice as _, DriverError};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DriverError};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, Storage, Tensor};

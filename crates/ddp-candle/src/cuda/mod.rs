@@ -149,7 +149,6 @@ fn wrap<T: CudaDType + candle_core::cuda_backend::cudarc::driver::DeviceRepr>(
     copy: std::result::Result<CudaSlice<T>, candle_core::cuda_backend::cudarc::driver::DriverError>,
     dev: &CudaDevice,
 ) -> Result<(CudaStorage, usize)> {
-    use candle_core::cuda_backend::cudarc::driver::DeviceSlice as _;
     let copy = copy.map_err(|e| Error::Unsupported(format!("CUDA device copy failed: {e}")))?;
     let n = copy.len();
     Ok((CudaStorage::wrap_cuda_slice(copy, dev.clone()), n))

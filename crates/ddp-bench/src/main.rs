@@ -104,7 +104,7 @@ pub struct TrainArgs {
     /// the benchmark calls by default).
     #[arg(long)]
     pub no_retain_memory: bool,
-    /// Communication hook: none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]
+    /// Communication hook: `none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]`
     /// (see `ddp::hooks::HookSpec`); the JSON reports the payload bytes sent per step.
     #[arg(long, default_value = "none")]
     pub hook: ddp::hooks::HookSpec,

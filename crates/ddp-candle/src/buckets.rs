@@ -2,7 +2,7 @@
 //! parameters live ([`DdpOptions::device_buckets`](crate::DdpOptions::device_buckets)).
 //!
 //! - CPU: [`ddp::reducer::CpuBucket`] (the device path on host memory, what the tests run).
-//! - CUDA (feature `cuda`): [`crate::cuda::CudaBucket`], reduced by a
+//! - CUDA (feature `cuda`): `crate::cuda::CudaBucket`, reduced by a
 //!   `ddp_comm::cuda::CudaGroup` of the same ranks (NCCL when every rank has its own GPU, host
 //!   staged when ranks share one).
 //!

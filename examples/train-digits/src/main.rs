@@ -98,8 +98,8 @@ pub struct Args {
     #[arg(long, default_value_t = 5)]
     pub log_every: u64,
     /// Communication hook (PyTorch's DDP comm hooks): none (all-reduce), fp16 / bf16
-    /// (compressed all-reduce), powersgd[:RANK[:START_ITER]] (PowerSGD, default rank 1 from
-    /// step 1000), localsgd[:PERIOD[:WARMUP]] (post-local SGD, parameters averaged every PERIOD
+    /// (compressed all-reduce), `powersgd[:RANK[:START_ITER]]` (PowerSGD, default rank 1 from
+    /// step 1000), `localsgd[:PERIOD[:WARMUP]]` (post-local SGD, parameters averaged every PERIOD
     /// steps after WARMUP; default 4 and 100). Hook state is saved in checkpoints.
     #[arg(long, default_value = "none")]
     pub hook: ddp::hooks::HookSpec,

@@ -185,3 +185,72 @@ fn hierarchical_accumulates_half_in_f32() {
         });
     }
 }
+
+/// Bytes this process has written with `write`/`writev` (`/proc/self/io`'s `wchar`): the TCP
+/// transport's frames, all ranks being threads of this process.
+fn written_bytes() -> u64 {
+    let io = std::fs::read_to_string("/proc/self/io").expect("/proc/self/io");
+    io.lines()
+        .find_map(|l| l.strip_prefix("wchar:"))
+        .and_then(|v| v.trim().parse().ok())
+        .expect("wchar in /proc/self/io")
+}
+
+/// Bytes all ranks write during `op` (rank 0 reads the counter between barriers).
+fn bytes_of(pg: &ProcessGroup, op: impl FnOnce()) -> u64 {
+    pg.barrier().unwrap();
+    let before = written_bytes();
+    pg.barrier().unwrap();
+    op();
+    pg.barrier().unwrap();
+    let after = written_bytes();
+    pg.barrier().unwrap();
+    after - before
+}
+
+/// What the 16-bit ring puts on the wire, against the same reductions in `f32`: raw inputs and
+/// finished segments travel as 16 bits, partial sums as `f32`, so `(6p - 8) / (8p - 8)` of the
+/// bytes (half at two ranks) for all-reduce and `(4p - 6) / (4p - 4)` for reduce-scatter (raw
+/// inputs in the first of `p - 1` steps). Widening before the wire, as the backends once did,
+/// gives 1.
+#[test]
+fn tcp_ring_sends_half_as_16_bits_wherever_exact() {
+    const N: usize = 1 << 20;
+    for world in [2, 3, 4] {
+        let ratios = run_ranks_on(world, T, None, Backend::Tcp, move |pg| {
+            let mut f = vec![1.0f32; N];
+            let mut h = vec![bf16::from_f32(1.0); N];
+            let f32_ar = bytes_of(&pg, || pg.all_reduce(&mut f, ReduceOp::Avg).unwrap());
+            let half_ar = bytes_of(&pg, || pg.all_reduce(&mut h, ReduceOp::Avg).unwrap());
+            assert!(h.iter().all(|x| x.to_f32() == 1.0));
+            let mut fo = vec![0f32; N / world];
+            let mut ho = vec![bf16::from_f32(0.0); N / world];
+            let (fi, hi) = (&f[..N / world * world], &h[..N / world * world]);
+            let f32_rs = bytes_of(&pg, || {
+                pg.reduce_scatter(fi, &mut fo, ReduceOp::Sum).unwrap()
+            });
+            let half_rs = bytes_of(&pg, || {
+                pg.reduce_scatter(hi, &mut ho, ReduceOp::Sum).unwrap()
+            });
+            assert!(ho.iter().all(|x| x.to_f32() == world as f32));
+            (
+                half_ar as f64 / f32_ar as f64,
+                half_rs as f64 / f32_rs as f64,
+            )
+        });
+        let p = world as f64;
+        let (ar, rs) = ratios[0];
+        let (want_ar, want_rs) = (
+            (6.0 * p - 8.0) / (8.0 * p - 8.0),
+            (4.0 * p - 6.0) / (4.0 * p - 4.0),
+        );
+        assert!(
+            (ar - want_ar).abs() < 0.02,
+            "world {world}: bf16 all-reduce wrote {ar:.3} of f32's bytes, expected {want_ar:.3}"
+        );
+        assert!(
+            (rs - want_rs).abs() < 0.02,
+            "world {world}: bf16 reduce-scatter wrote {rs:.3} of f32's bytes, expected {want_rs:.3}"
+        );
+    }
+}

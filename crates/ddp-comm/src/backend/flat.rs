@@ -1,6 +1,7 @@
 //! Every collective over any [`Transport`], written once (Gloo's way): the algorithms of
-//! [`crate::algorithms`] chosen by message size, `f16`/`bf16` widened to `f32` for reductions,
-//! `Avg` finished by one division, and the argument checks. The TCP backend is these functions
+//! [`crate::algorithms`] chosen by message size, `f16`/`bf16` reduced with `f32` accumulation
+//! and rounded once (on the ring they still travel as 16 bits wherever that is exact:
+//! [`ring::all_reduce_half`]), `Avg` finished by one division, and the argument checks. The TCP backend is these functions
 //! over its mesh; the shared-memory and hierarchical backends use them for every collective they
 //! have no faster path for.
 
@@ -25,12 +26,26 @@ pub fn all_reduce<T: Element>(
     op: ReduceOp,
     algo: AllReduceAlgorithm,
 ) -> Result<()> {
+    let half = T::widen(&[]).is_some();
+    // 16-bit floats choose as their f32 accumulation would (by the widened size).
+    let size = std::mem::size_of_val(buf) * if half { 2 } else { 1 };
+    let resolved = algo.resolve(size, t.size());
+    let p = t.size();
+    if half && resolved == AllReduceAlgorithm::Ring {
+        // 16-bit floats on the ring: 16 bits on the wire wherever exact, f32 accumulation.
+        let finish = |s: &mut [f32]| {
+            if op == ReduceOp::Avg {
+                f32::div_by(s, p)
+            }
+        };
+        return ring::all_reduce_half(t, buf, op, &finish);
+    }
     if let Some(mut wide) = T::widen(buf) {
         all_reduce::<f32>(t, &mut wide, op, algo)?;
         T::narrow(&wide, buf);
         return Ok(());
     }
-    match algo.resolve(std::mem::size_of_val(buf), t.size()) {
+    match resolved {
         AllReduceAlgorithm::Ring => ring::all_reduce(t, buf, op)?,
         _ => recursive_doubling::all_reduce(t, buf, op)?,
     }
@@ -79,8 +94,9 @@ pub fn reduce_scatter<T: Element>(
 ) -> Result<()> {
     let (r, n, p) = (t.rank(), output.len(), t.size());
     check_len("reduce_scatter input", input.len(), n * p)?;
-    if let Some(mut wide) = T::widen(input) {
-        ring::reduce_scatter(t, &mut wide, op)?;
+    if T::widen(&[]).is_some() {
+        // Raw inputs travel as 16 bits, partial sums as f32 (`ring::reduce_scatter_half`).
+        let mut wide = ring::reduce_scatter_half(t, input, op)?;
         if op == ReduceOp::Avg {
             f32::div_by(&mut wide[r * n..(r + 1) * n], p);
         }

@@ -3,11 +3,15 @@
 # pair whose both ends are shaped with tc tbf (netem is not in these kernels), one rank per
 # namespace, TCP across (DDP_BACKEND=tcp for ddp-rs, gloo over GLOO_SOCKET_IFNAME for PyTorch).
 #
-# For each rate and hook it runs, REPEATS times (interleaved):
+# For each rate and hook it runs, REPEATS times (interleaved; repeat k uses seed k-1 on both sides,
+# since the steps to the target depend on the initialization):
 #   - train-digits --hidden $HIDDEN --hook H --target-accuracy $TARGET  (time-to-accuracy)
 #   - bench/peers/torch_digits_hooks.py, the same recipe with PyTorch DDP-gloo and its own hooks
 #   - once per rate and hook: ddp-bench train --hook H (step time and bytes_per_step)
-# and prints medians as markdown tables (also written to $OUT/tables.md).
+# and prints medians as markdown tables (also written to $OUT/tables.md). Every rank runs one
+# compute thread (OMP_NUM_THREADS=1 for PyTorch, RAYON_NUM_THREADS=1 for candle), as ddprun and
+# torchrun set it for several workers per host: candle's spinning gemm threads otherwise triple
+# its step time on a shared 2-core machine.
 #
 # Needs root (ip netns, tc), release builds of train-digits and ddp-bench, and python3 with
 # torch for the peer (skipped, with a note, when `import torch` fails).
@@ -78,7 +82,7 @@ run_pair() {
     for i in 0 1; do
         ip netns exec "${NS[$i]}" env RANK=$i WORLD_SIZE=2 LOCAL_RANK=0 LOCAL_WORLD_SIZE=1 \
             MASTER_ADDR="${ADDR[0]}" MASTER_PORT=$PORT DDP_BACKEND=tcp \
-            GLOO_SOCKET_IFNAME="${DEV[$i]}" OMP_NUM_THREADS=1 \
+            GLOO_SOCKET_IFNAME="${DEV[$i]}" OMP_NUM_THREADS=1 RAYON_NUM_THREADS=1 \
             timeout 900 "$@" >"$OUT/rank$i.log" 2>&1 &
         pids+=($!)
     done
@@ -106,10 +110,10 @@ for rate in $RATES; do
         for h in $HOOKS; do
             echo "# $rate rep $rep $h" >&2
             run_pair "ddp_${rate}_$h" "$TD" --backend tcp --hidden "$HIDDEN" --epochs "$EPOCHS" \
-                --log-every 0 --json --target-accuracy "$TARGET" --hook "$h"
+                --log-every 0 --json --target-accuracy "$TARGET" --hook "$h" --seed $((rep - 1))
             if [ $HAVE_TORCH = 1 ]; then
                 run_pair "torch_${rate}_$h" python3 -W ignore "$PEER" --hidden "$HIDDEN" \
-                    --epochs "$EPOCHS" --target-accuracy "$TARGET" --hook "$h"
+                    --epochs "$EPOCHS" --target-accuracy "$TARGET" --hook "$h" --seed $((rep - 1))
             fi
         done
     done

@@ -18,12 +18,15 @@
 #
 #   sudo bench/shaped_link.sh                       # 100mbit and 1gbit, 3 repeats
 #   RATES=100mbit REPEATS=1 HOOKS="none bf16" sudo -E bench/shaped_link.sh
+#   BATCH=8 sudo -E bench/shaped_link.sh   # per-rank batch (default 32): a smaller one makes the
+#                                          # step communication-bound, as on GPUs
 set -euo pipefail
 
 RATES=${RATES:-"100mbit 1gbit"}
 HOOKS=${HOOKS:-"none fp16 bf16 powersgd:2:10 powersgd:4:10 localsgd:4:20"}
 REPEATS=${REPEATS:-3}
 HIDDEN=${HIDDEN:-4096}
+BATCH=${BATCH:-32}
 TARGET=${TARGET:-0.95}
 EPOCHS=${EPOCHS:-30}
 OUT=${OUT:-$(mktemp -d /tmp/shaped_link.XXXXXX)}
@@ -89,13 +92,13 @@ run_pair() {
     local rc=0
     for p in "${pids[@]}"; do wait "$p" || rc=$?; done
     if [ $rc -ne 0 ]; then
-        echo "# $name failed ($rc):" >&2; tail -5 "$OUT/rank0.log" "$OUT/rank1.log" >&2
+        echo "# $name failed ($rc):" >&2; tail -n 5 "$OUT/rank0.log" "$OUT/rank1.log" >&2 || true
         return 0
     fi
     grep '^{' "$OUT/rank0.log" | tail -1 >>"$OUT/$name.jsonl"
 }
 
-echo "# results in $OUT; hidden $HIDDEN, target accuracy $TARGET, $REPEATS repeats" >&2
+echo "# results in $OUT; hidden $HIDDEN, batch $BATCH per rank, target accuracy $TARGET, $REPEATS repeats" >&2
 echo "# machine: $(nproc) cores, load $(cut -d' ' -f1-3 /proc/loadavg)" | tee "$OUT/machine.txt" >&2
 for rate in $RATES; do
     shape "$rate"
@@ -110,10 +113,10 @@ for rate in $RATES; do
         for h in $HOOKS; do
             echo "# $rate rep $rep $h" >&2
             run_pair "ddp_${rate}_$h" "$TD" --backend tcp --hidden "$HIDDEN" --epochs "$EPOCHS" \
-                --log-every 0 --json --target-accuracy "$TARGET" --hook "$h" --seed $((rep - 1))
+                --log-every 0 --json --target-accuracy "$TARGET" --hook "$h" --seed $((rep - 1)) --batch-size "$BATCH"
             if [ $HAVE_TORCH = 1 ]; then
                 run_pair "torch_${rate}_$h" python3 -W ignore "$PEER" --hidden "$HIDDEN" \
-                    --epochs "$EPOCHS" --target-accuracy "$TARGET" --hook "$h" --seed $((rep - 1))
+                    --epochs "$EPOCHS" --target-accuracy "$TARGET" --hook "$h" --seed $((rep - 1)) --batch-size "$BATCH"
             fi
         done
     done

@@ -3,6 +3,7 @@
 //! references are plain Burn (module `common`, no ddp-rs code). Every collective is bounded by the
 //! group timeout, so a bug shows up as an error, not a hang.
 
+use ddp::hooks::{CompressHook, PowerSgdHook, PowerSgdState};
 use ddp_burn::{Ddp, DdpOptions};
 
 mod common;
@@ -18,6 +19,9 @@ fn tiny_buckets() -> DdpOptions {
     }
 }
 
+/// How a test prepares each rank's wrapper before training (e.g. registers a comm hook).
+type Setup<'a> = &'a (dyn Fn(&mut Ddp<Mlp>) + Sync);
+
 /// K steps on `world` ranks × `per_rank` samples (global batch k = samples
 /// `k*world*per_rank..`); asserts bit-identical replicas after every step and returns rank 0's
 /// parameters after each step.
@@ -28,10 +32,23 @@ fn train_steps(
     kind: Opt,
     opts: DdpOptions,
 ) -> Vec<Vec<(String, Vec<f32>)>> {
+    train_steps_with(world, per_rank, steps, kind, opts, &|_| {})
+}
+
+/// [`train_steps`] with `setup` applied to each rank's wrapper first.
+fn train_steps_with(
+    world: usize,
+    per_rank: usize,
+    steps: usize,
+    kind: Opt,
+    opts: DdpOptions,
+    setup: Setup<'_>,
+) -> Vec<Vec<(String, Vec<f32>)>> {
     let (x, y) = dataset(world * per_rank * steps);
     let histories = run_ranks(world, |rank, pg| {
         // Different seeds per rank: DDP must replace them with rank 0's values.
         let mut ddp = Ddp::new(model(7 + rank as u64, HID), &pg, opts).unwrap();
+        setup(&mut ddp);
         let mut opt = optimizer(kind);
         let mut history = Vec::new();
         for step in 0..steps {
@@ -77,6 +94,57 @@ fn ranks_match_plain_burn_on_the_combined_batch() {
             // Training moved the parameters.
             let w0 = &model(7, HID).params()[0].1;
             assert!(rel_diff(&want[STEPS - 1][0].1, w0) > 1e-4);
+        }
+    }
+}
+
+/// PyTorch's comm hooks through the Burn adapter, at three ranks and with tiny buckets: every
+/// hook keeps the replicas bit-identical (checked after each step); fp16/bf16 compression stays
+/// within its rounding of plain Burn on the combined batch but is not the exact average (the hook
+/// really ran), and PowerSGD at full rank reproduces the exact average.
+#[test]
+fn comm_hooks_run_through_the_burn_adapter() {
+    const STEPS: usize = 4;
+    const B: usize = 6;
+    let (world, kind) = (3, Opt::SgdMomentum);
+    let (x, y) = dataset(world * B * STEPS);
+    let n = world * B;
+    let want = plain_reference(7, kind, STEPS, |k| batch(&x, &y, k * n..(k + 1) * n));
+    let exact = train_steps(world, B, STEPS, kind, tiny_buckets());
+    let full_rank = PowerSgdState {
+        matrix_approximation_rank: 64,
+        start_powersgd_iter: 0,
+        min_compression_rate: 0.0,
+        ..Default::default()
+    };
+    // (hook, tolerance against plain Burn, whether it must differ from the exact average)
+    let cases: [(&str, f64, bool, Setup<'_>); 3] = [
+        ("bf16", 2e-2, true, &|d| {
+            d.register_comm_hook(CompressHook::bf16()).unwrap()
+        }),
+        ("fp16", 2e-3, true, &|d| {
+            d.register_comm_hook(CompressHook::fp16()).unwrap()
+        }),
+        ("powersgd at full rank", 1e-5, false, &|d| {
+            d.register_comm_hook(PowerSgdHook::new(full_rank).unwrap())
+                .unwrap()
+        }),
+    ];
+    for (name, tol, lossy, setup) in cases {
+        let got = train_steps_with(world, B, STEPS, kind, tiny_buckets(), setup);
+        for step in 0..STEPS {
+            assert_close(
+                &got[step],
+                &want[step],
+                tol,
+                &format!("{name}, step {step}"),
+            );
+        }
+        if lossy {
+            assert_ne!(
+                got, exact,
+                "{name}: the hook left the exact average unchanged"
+            );
         }
     }
 }

@@ -101,6 +101,91 @@ fn stages_1_and_2_equal_ddp_for_sgd_momentum_and_adamw_at_world_2_3_4() {
     }
 }
 
+/// One training run at `world` ranks and `stage`, each rank running `body` on its wrapper;
+/// checks that the replicas end bit-identical and returns every rank's parameters.
+fn run_zero(
+    world: usize,
+    stage: ZeroStage,
+    opt: Opt,
+    body: impl Fn(&mut ZeroDdp, &Mlp, usize, &ddp_comm::ProcessGroup) + Sync,
+) -> Vec<Vec<(String, Vec<f32>)>> {
+    run_ranks(world, |rank, pg| {
+        let (vm, m) = model(7, HID);
+        let ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
+        let mut z = ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap();
+        body(&mut z, &m, rank, &pg);
+        let report = z.ddp().verify_replicas().unwrap();
+        assert_eq!(report.max_abs_diff, 0.0, "replicas differ at {stage:?}");
+        params(z.ddp())
+    })
+}
+
+/// Stages 1 and 2 against stage 0 (plain DDP) running the same `body`, at worlds 2 and 3.
+fn zero_matches_ddp(
+    what: &str,
+    opt: Opt,
+    body: impl Fn(&mut ZeroDdp, &Mlp, usize, &ddp_comm::ProcessGroup) + Sync + Copy,
+) {
+    for world in [2, 3] {
+        let want = run_zero(world, ZeroStage::Ddp, opt, body);
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let got = run_zero(world, stage, opt, body);
+            for r in 0..world {
+                assert_eq!(got[r], got[0], "{what}: ranks are bit-identical");
+            }
+            let what = format!("{what}, world {world}, {opt:?}, {stage:?}");
+            assert_close(&got[0], &want[0], 1e-6, &what);
+        }
+    }
+}
+
+/// `no_sync` under ZeRO: K - 1 micro-batches accumulated locally (nothing sent), then one
+/// synchronized backward and the step, as under plain DDP.
+#[test]
+fn no_sync_accumulation_under_zero_equals_ddp() {
+    const K: usize = 3;
+    zero_matches_ddp("no_sync", Opt::AdamW, |z, m, rank, pg| {
+        let world = pg.size();
+        let micro = |k: usize| (loss_at(m, k, rank, world) / K as f64).unwrap();
+        for step in 0..3 {
+            z.set_require_backward_grad_sync(false);
+            for k in 0..K - 1 {
+                let stats = z.backward(&micro(step * K + k)).unwrap();
+                assert!(
+                    !stats.synced && stats.bytes == 0,
+                    "no_sync must not communicate"
+                );
+            }
+            z.set_require_backward_grad_sync(true);
+            assert!(z.backward(&micro(step * K + K - 1)).unwrap().synced);
+            z.step().unwrap();
+        }
+    });
+}
+
+/// `Join` under ZeRO: rank `r` has `2 + 2r` batches; the ranks that ran out shadow the
+/// collectives (their shards still step, with the gradients averaged over the ranks with data)
+/// until the last rank is done, as under plain DDP.
+#[test]
+fn join_with_uneven_inputs_under_zero_equals_ddp() {
+    zero_matches_ddp("join", Opt::SgdMomentum, |z, m, rank, pg| {
+        let world = pg.size();
+        let mut join = ddp::Join::new(pg);
+        let mut k = 0;
+        while let Some(step) = join.begin_step(k < 2 + 2 * rank).unwrap() {
+            let loss = step.has_data.then(|| loss_at(m, k, rank, world));
+            z.backward_join(loss.as_ref(), &join, &step).unwrap();
+            z.step().unwrap();
+            k += 1;
+        }
+        assert_eq!(
+            k,
+            2 + 2 * (world - 1),
+            "every rank runs until the last one is done"
+        );
+    });
+}
+
 #[test]
 fn clipping_by_global_norm_matches_ddp_across_shards() {
     // A max norm far below the gradient norm: every step is clipped.

@@ -1,5 +1,6 @@
 //! `ddp`: framework-agnostic distributed data parallelism on top of `ddp-comm`.
 pub mod adapter;
+pub mod alloc;
 pub mod checkpoint;
 pub mod error;
 pub mod hooks;

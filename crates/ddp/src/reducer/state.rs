@@ -157,6 +157,8 @@ impl Reducer {
         opts: ReducerOptions,
         mut alloc: impl FnMut(&BucketInfo) -> BucketBuffer,
     ) -> Result<Reducer> {
+        // Every framework adapter builds a reducer: freed step buffers stay with the process.
+        crate::alloc::retain_freed_memory();
         verify_param_specs(pg, &specs)?;
         let assignment = compute_bucket_assignment(&specs, &opts);
         let mut slots = vec![

@@ -20,6 +20,9 @@
  * libnbc, not in the tuned component of the blocking call); the baseline of ddp-comm's mpi
  * backend, which issues every collective non-blocking (bench/peers/mpi_compare.sh).
  *
+ * --thread-multiple: initialize with MPI_Init_thread(MPI_THREAD_MULTIPLE), the level ddp-comm asks
+ * for (Open MPI then takes its locks on every call), to separate that cost from our layer's.
+ *
  * Build:  mpicc -O2 -o mpi_allreduce bench/peers/mpi_allreduce.c
  * Run:    mpirun --allow-run-as-root --oversubscribe -np 2 ./mpi_allreduce \
  *             --min-bytes 1024 --max-bytes 67108864 [--iters 20] [--warmup 5] [--json]
@@ -59,12 +62,24 @@ static void usage(int rank) {
     if (rank == 0)
         fprintf(stderr,
                 "usage: mpi_allreduce [--min-bytes N] [--max-bytes N] [--iters N] "
-                "[--small-iters N] [--warmup N] [--nonblocking] [--json]\n"
+                "[--small-iters N] [--warmup N] [--nonblocking] [--thread-multiple] [--json]\n"
                 "  sizes accept K/M/G suffixes (binary); sizes < 1 MiB use --small-iters\n");
 }
 
 int main(int argc, char **argv) {
-    MPI_Init(&argc, &argv);
+    int multiple = 0;
+    for (int i = 1; i < argc; i++)
+        if (!strcmp(argv[i], "--thread-multiple")) multiple = 1;
+    if (multiple) {
+        int provided = 0;
+        MPI_Init_thread(&argc, &argv, MPI_THREAD_MULTIPLE, &provided);
+        if (provided != MPI_THREAD_MULTIPLE) {
+            fprintf(stderr, "mpi_allreduce: MPI_THREAD_MULTIPLE not granted (%d)\n", provided);
+            MPI_Abort(MPI_COMM_WORLD, 2);
+        }
+    } else {
+        MPI_Init(&argc, &argv);
+    }
     int rank = 0, world = 1;
     MPI_Comm_rank(MPI_COMM_WORLD, &rank);
     MPI_Comm_size(MPI_COMM_WORLD, &world);
@@ -76,6 +91,7 @@ int main(int argc, char **argv) {
         const char *v = (i + 1 < argc) ? argv[i + 1] : NULL;
         if (!strcmp(a, "--json")) { json = 1; continue; }
         if (!strcmp(a, "--nonblocking")) { nonblocking = 1; continue; }
+        if (!strcmp(a, "--thread-multiple")) continue;
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(rank); MPI_Finalize(); return 0; }
         if (!v) { usage(rank); MPI_Abort(MPI_COMM_WORLD, 2); }
         if (!strcmp(a, "--min-bytes")) min_bytes = parse_size(v);

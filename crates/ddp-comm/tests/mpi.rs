@@ -163,7 +163,11 @@ fn finish(child: Child, limit: Duration) -> (Option<i32>, String, Duration) {
 }
 
 fn reference_at(world: usize) {
-    let (code, out, _) = finish(mpirun(world, "reference", &[]), Duration::from_secs(300));
+    reference_with(world, &[]);
+}
+
+fn reference_with(world: usize, env: &[(&str, &str)]) {
+    let (code, out, _) = finish(mpirun(world, "reference", env), Duration::from_secs(300));
     assert_eq!(code, Some(0), "world {world}: {out}");
     for r in 0..world {
         assert!(
@@ -193,6 +197,18 @@ fn mpi_world_4_matches_reference() {
     reference_at(4);
 }
 
+/// The `MPI_I*` path (what runs under `MPI_THREAD_SERIALIZED`), forced by its env var.
+#[test]
+fn mpi_world_3_nonblocking_matches_reference() {
+    reference_with(3, &[("DDP_MPI_NONBLOCKING", "1")]);
+}
+
+/// Fingerprint checks off: the collectives alone still match the reference.
+#[test]
+fn mpi_world_2_without_fingerprints_matches_reference() {
+    reference_with(2, &[("DDP_MPI_FINGERPRINTS", "0")]);
+}
+
 #[test]
 fn mpi_mismatched_collectives_end_the_job_naming_both_sides() {
     let (code, out, took) = finish(mpirun(3, "mismatch", &[]), Duration::from_secs(60));
@@ -208,9 +224,20 @@ fn mpi_mismatched_collectives_end_the_job_naming_both_sides() {
     assert!(took < Duration::from_secs(30), "took {took:?}");
 }
 
+/// Blocking calls: the watchdog thread ends the job.
 #[test]
 fn mpi_stalled_rank_ends_the_job_within_the_timeout() {
-    let env = [("DDP_TEST_TIMEOUT", "3")];
+    stalled_rank(&[]);
+}
+
+/// `MPI_I*` calls: the polling loop's deadline ends the job.
+#[test]
+fn mpi_stalled_rank_ends_the_job_within_the_timeout_nonblocking() {
+    stalled_rank(&[("DDP_MPI_NONBLOCKING", "1")]);
+}
+
+fn stalled_rank(env: &[(&str, &str)]) {
+    let env = [&[("DDP_TEST_TIMEOUT", "3")], env].concat();
     let (code, out, took) = finish(mpirun(3, "stall", &env), Duration::from_secs(50));
     assert_ne!(code, Some(0), "{out}");
     // Ranks 0 and 2 both time out; the first to call MPI_Abort ends the other, so one of

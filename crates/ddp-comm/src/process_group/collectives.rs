@@ -217,7 +217,8 @@ impl ProcessGroup {
 
     /// Wait until every rank has reached the barrier.
     pub fn barrier(&self) -> Result<()> {
-        self.barrier_async().wait()
+        let fp = self.fingerprint(OpKind::Barrier, DType::U8, None, 0, None);
+        self.blocking(fp, |b| b.barrier())
     }
 
     /// Async [`ProcessGroup::barrier`].

@@ -25,7 +25,7 @@ use crate::store::{PrefixStore, Store, StoreServer};
 use crate::transport::{Fingerprint, OpKind};
 use crate::work::{self, Work};
 use crate::{Error, Result};
-use engine::{CollectiveFn, Engine, Job};
+use engine::{CollectiveFn, Engine, Job, Shared};
 use init::{check_membership, GroupPlan};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -39,6 +39,8 @@ struct Inner {
     /// Group rank → rank in the default (world) group.
     global_ranks: Vec<usize>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
+    /// The engine, shared with the thread (blocking collectives may run on the caller's).
+    engine: Arc<Shared>,
     thread: Mutex<Option<JoinHandle<()>>>,
     /// Keeps the store server alive when this process hosts it.
     _server: Option<Arc<StoreServer>>,
@@ -119,7 +121,7 @@ impl ProcessGroup {
     ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         let topology = backend.topology();
-        let (tx, thread) =
+        let (engine, tx, thread) =
             Engine::start(backend, size, format!("ddp-comm-r{}", global_ranks[rank]))?;
         Ok(ProcessGroup {
             inner: Arc::new(Inner {
@@ -127,6 +129,7 @@ impl ProcessGroup {
                 size,
                 global_ranks,
                 jobs: Mutex::new(Some(tx)),
+                engine,
                 thread: Mutex::new(Some(thread)),
                 _server: server,
                 subgroups: AtomicU64::new(0),
@@ -313,18 +316,25 @@ impl ProcessGroup {
         let job: Job =
             Box::new(move |engine: &mut Engine| done.complete(engine.run(fp, timeout, f)));
         if let Some(tx) = self.inner.jobs.lock().unwrap().as_ref() {
+            self.inner.engine.queue();
             // A send error drops the job, which completes the work with an error.
-            let _ = tx.send(job);
+            if tx.send(job).is_err() {
+                self.inner.engine.unqueue();
+            }
         }
         work
     }
 
-    /// Run `f` on the group's thread (after everything queued before it) and wait for it.
+    /// Run `f` after everything issued before it and wait for it: on this thread when the
+    /// group's thread is idle, else queued to it.
     pub(crate) fn blocking<R: Send + 'static>(
         &self,
         fp: Fingerprint,
         f: impl FnOnce(&mut dyn CollectiveBackend) -> Result<R> + Send,
     ) -> Result<R> {
+        if let Some(mut engine) = self.inner.engine.idle() {
+            return engine.run_here(fp, self.timeout, f);
+        }
         let boxed: CollectiveFn<'_, R> = Box::new(f);
         // SAFETY: `f` may borrow the caller's buffers. We wait below until the work completes,
         // which happens only after `f` ran or was dropped unrun (its completer fires on drop),

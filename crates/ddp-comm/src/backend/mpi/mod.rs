@@ -3,28 +3,30 @@
 //! (InfiniBand, RoCE, Omni-Path through UCX or libfabric) without a transport of ours.
 //!
 //! ```text
-//!  ProcessGroup ──jobs──▶ engine thread ──▶ MpiBackend
-//!                                            ├ fingerprint check: MPI_Iallreduce(max) of [fp, !fp]
-//!                                            │   on a twin communicator, overlapped with ──┐
-//!                                            ├ the collective: MPI_Iallreduce, MPI_Ibcast, │
-//!                                            │   MPI_Ireduce, MPI_Iallgather, ...          │
-//!                                            │   MPI_Ireduce_scatter_block, MPI_Igather,   │
-//!                                            │   MPI_Iscatter, MPI_Ialltoall, MPI_Ibarrier │
-//!                                            ├ runtime::wait: MPI_Testall until done or ◀──┘
-//!                                            │   the deadline (then MPI_Abort: never a hang)
-//!                                            └ MpiTransport: send/recv = MPI_Isend/MPI_Irecv
-//!                                                with our 40-byte header (fingerprint, length)
+//!  ProcessGroup ─(caller's thread when idle, else jobs)─▶ engine ─▶ MpiBackend
+//!     ├ watchdog: armed with the deadline; past it prints the timeout naming the collective and
+//!     │   its sequence number, then MPI_Abort (a blocking call cannot be interrupted: no hang)
+//!     ├ fingerprint check: MPI_Allreduce(max) of [fp, !fp] on a twin communicator
+//!     ├ the collective, blocking: MPI_Allreduce, MPI_Bcast, MPI_Reduce, MPI_Allgather,
+//!     │   MPI_Reduce_scatter_block, MPI_Gather, MPI_Scatter, MPI_Alltoall, MPI_Barrier
+//!     └ MpiTransport: send/recv = MPI_Isend/MPI_Irecv with our 40-byte header (fingerprint,
+//!         length), completed by runtime::wait under the deadline
 //! ```
 //!
 //! - The default group is `MPI_COMM_WORLD` (duplicated, so our traffic never meets the
 //!   program's own); rank and world size come from MPI, no store is needed. Subgroups are
 //!   `MPI_Comm_split` of their parent ([`CollectiveBackend::split`]).
-//! - Every collective is non-blocking (`MPI_I*`) and completed on the group's communication
-//!   thread by polling `MPI_Testall` against ddp-comm's deadline: MPI has no timeouts, so a
-//!   collective a peer never joins fails with [`Error::Timeout`] naming it and its sequence
-//!   number, and the job then ends with `MPI_Abort` (a pending MPI collective cannot be
-//!   cancelled, and its buffers must not be freed). A peer that dies is normally reported by
-//!   `mpirun` itself, which ends the job.
+//! - Collectives are MPI's blocking calls: the engine runs one collective at a time anyway, and
+//!   Open MPI's blocking collectives (its tuned component) are 2-3.5x faster on one host than
+//!   the non-blocking ones (libnbc). MPI has no timeouts, so each call is watched
+//!   ([`watchdog`]): a collective a peer never joins ends the job with [`Error::Timeout`]
+//!   naming it and its sequence number, then `MPI_Abort` (a pending MPI collective cannot be
+//!   cancelled). A peer that dies is reported by `mpirun` itself, which ends the job.
+//! - Blocking calls need `MPI_THREAD_MULTIPLE` (what we ask for; then no lock is held during a
+//!   call, so groups on other threads and the watchdog always proceed). Under
+//!   `MPI_THREAD_SERIALIZED` (a program that initialized MPI itself), or with
+//!   `DDP_MPI_NONBLOCKING=1`, every collective is its `MPI_I*` form instead, completed by
+//!   polling `MPI_Testall` against the deadline with the serializing lock held per poll only.
 //! - `f16`/`bf16` reductions are widened to `f32`, reduced as `MPI_FLOAT` and rounded once, as
 //!   on every other backend (the same bits as `tcp`/`shm`); a 16-bit user-defined op would halve
 //!   the bytes but round after every pairwise step. Other collectives move their bits as
@@ -32,13 +34,15 @@
 //! - Mismatched collectives: before each collective, its [`Fingerprint`] (sequence number, op,
 //!   dtype, reduce op, count, root) is reduced with `MPI_MAX` together with its complement on a
 //!   second communicator; ranks that disagree see `max != mine` and learn who differs from an
-//!   `MPI_Iallgather` of the fingerprints ([`Error::Mismatch`], naming both sides). The check
-//!   is overlapped with the collective; its cost is measured by `ddp-bench allreduce --backend
-//!   mpi` against raw `MPI_Allreduce` (README) and it can be turned off with
-//!   `DDP_MPI_FINGERPRINTS=0`.
+//!   `MPI_Allgather` of the fingerprints ([`Error::Mismatch`], naming both sides). In blocking
+//!   mode the check completes before the collective is issued (a mismatched blocking call
+//!   could hang or corrupt memory); non-blocking, it overlaps the collective. It costs one
+//!   small all-reduce per collective (measured by `ddp-bench allreduce --backend mpi` against
+//!   raw `MPI_Allreduce`, README) and is turned off with `DDP_MPI_FINGERPRINTS=0`.
 
 mod runtime;
 mod transport;
+mod watchdog;
 
 use super::{flat, with_element, CollectiveBackend, HostBuf, HostSlice, Topology};
 use crate::dtype::{Element, ReduceOp};
@@ -49,6 +53,7 @@ use runtime::Comm;
 use std::ffi::{c_int, c_void};
 use std::time::Duration;
 use transport::MpiTransport;
+use watchdog::{Armed, Watch};
 
 /// Env var: `0` turns the per-collective fingerprint check off (default on).
 pub const FINGERPRINTS_ENV: &str = "DDP_MPI_FINGERPRINTS";
@@ -98,6 +103,8 @@ pub struct MpiBackend {
     check: Option<Comm>,
     /// Fingerprint words of the check in flight: mine, then the maximum over ranks.
     fp_words: Box<[u64; 6]>,
+    /// Watches this group's blocking calls (`None` when collectives are non-blocking).
+    watch: Option<Watch>,
 }
 
 /// Start `MPI_Comm_idup(parent)` and wait for it under `timeout`.
@@ -141,6 +148,7 @@ impl MpiBackend {
             t: MpiTransport::new(data, warn_after)?,
             check,
             fp_words: Box::new([0; 6]),
+            watch: runtime::blocking_calls().then(Watch::new),
         })
     }
 
@@ -148,23 +156,41 @@ impl MpiBackend {
         self.t.describe()
     }
 
-    /// Run one collective: start the fingerprint check (when on), start the collective with
-    /// `start`, then check the fingerprints and complete the collective under the deadline.
+    /// Run one collective (`call` names the blocking form).
+    ///
+    /// Blocking ([`runtime::blocking_calls`]): arm the watchdog, check the fingerprints (a
+    /// blocking `MPI_Allreduce` on the twin communicator, so a mismatched collective is never
+    /// issued), make the blocking call, disarm. Non-blocking: start the fingerprint check and
+    /// the collective's `MPI_I*` form, then complete both under the deadline.
     fn run(
         &mut self,
         call: &str,
-        start: impl FnOnce(ffi::MPI_Comm, &mut ffi::MPI_Request) -> c_int,
+        start: impl FnOnce(ffi::MPI_Comm, Option<&mut ffi::MPI_Request>) -> c_int,
     ) -> Result<()> {
+        if self.watch.is_some() {
+            return self.watched(|b| {
+                b.check_fingerprints()?;
+                let what = || b.describe();
+                let comm = b.t.comm.raw();
+                runtime::call(call, &b.t.deadline(&what), |req| start(comm, req))
+            });
+        }
         let desc = self.describe();
         let what = || desc.clone();
-        let mut check_req = self.start_check(&what)?;
+        let mut check_req = if self.load_check() {
+            Some(self.start_check(&what)?)
+        } else {
+            None
+        };
         let mut req = runtime::request_null();
         let rc = {
             let _g = runtime::lock();
-            start(self.t.comm.raw(), &mut req)
+            start(self.t.comm.raw(), Some(&mut req))
         };
         if let Some(r) = check_req.as_mut() {
-            self.finish_check(r, &what)?;
+            let d = self.t.deadline(&what);
+            runtime::wait(std::slice::from_mut(r), &d, &|_| None)?;
+            self.compare_check()?;
         }
         runtime::check(rc, call, &what)?;
         runtime::wait(
@@ -172,6 +198,26 @@ impl MpiBackend {
             &self.t.deadline(&what),
             &|_| None,
         )
+    }
+
+    /// Run `f` with the watchdog armed with the current collective's deadline (if watched).
+    fn watched<R>(&mut self, f: impl FnOnce(&mut Self) -> Result<R>) -> Result<R> {
+        if let Some(w) = &self.watch {
+            w.arm(Armed {
+                fp: self.t.fp,
+                rank: self.t.rank(),
+                size: self.t.size(),
+                deadline: self.t.deadline,
+                timeout: self.t.timeout,
+                warn_after: self.t.warn_after,
+                since: std::time::Instant::now(),
+            });
+        }
+        let r = f(self);
+        if let Some(w) = &self.watch {
+            w.disarm();
+        }
+        r
     }
 
     /// The fingerprint as three words: sequence number; op, dtype, reduce op and root; count.
@@ -198,44 +244,65 @@ impl MpiBackend {
         )
     }
 
-    fn start_check(&mut self, what: &dyn Fn() -> String) -> Result<Option<ffi::MPI_Request>> {
-        let Some(check) = &self.check else {
-            return Ok(None);
-        };
-        if self.t.size() == 1 || self.t.fp.op == OpKind::SendRecv {
-            return Ok(None);
+    /// Load the check's words (mine and their complement, reduced with `MPI_MAX`); `false`
+    /// when there is nothing to check (checks off, one rank, or point-to-point, whose
+    /// messages carry the fingerprint in their header).
+    fn load_check(&mut self) -> bool {
+        if self.check.is_none() || self.t.size() == 1 || self.t.fp.op == OpKind::SendRecv {
+            return false;
         }
         let w = Self::words(&self.t.fp);
         *self.fp_words = [w[0], w[1], w[2], !w[0], !w[1], !w[2]];
+        true
+    }
+
+    /// The fingerprint check's reduction of `fp_words`: blocking without a request.
+    fn check_call(&mut self) -> impl FnOnce(Option<&mut ffi::MPI_Request>) -> c_int {
+        let words: *mut c_void = self.fp_words.as_mut_ptr().cast();
+        let comm = self.check.as_ref().map_or(self.t.comm.raw(), Comm::raw);
+        move |req| {
+            // SAFETY: `fp_words` is boxed (stable address) and lives in self until the call
+            // completed (blocking, or waited for by the caller; else the job is ended); the
+            // type and op are the library's constants.
+            unsafe {
+                let (ty, max) = (ffi::RSMPI_UINT64_T, ffi::RSMPI_MAX);
+                match req {
+                    None => ffi::MPI_Allreduce(runtime::in_place(), words, 6, ty, max, comm),
+                    Some(r) => ffi::MPI_Iallreduce(runtime::in_place(), words, 6, ty, max, comm, r),
+                }
+            }
+        }
+    }
+
+    /// Check the fingerprints now (blocking mode, and before a split).
+    fn check_fingerprints(&mut self) -> Result<()> {
+        if !self.load_check() {
+            return Ok(());
+        }
+        let f = self.check_call();
+        let what = || self.describe();
+        runtime::call(
+            "MPI_Allreduce (fingerprint check)",
+            &self.t.deadline(&what),
+            f,
+        )?;
+        self.compare_check()
+    }
+
+    /// Start the check as `MPI_Iallreduce` (non-blocking mode; overlapped with the collective).
+    fn start_check(&mut self, what: &dyn Fn() -> String) -> Result<ffi::MPI_Request> {
+        let f = self.check_call();
         let mut req = runtime::request_null();
         let rc = {
             let _g = runtime::lock();
-            // SAFETY: `fp_words` is boxed (stable address) and lives in self until the request
-            // completed in `finish_check` (or the job is ended).
-            unsafe {
-                ffi::MPI_Iallreduce(
-                    runtime::in_place(),
-                    self.fp_words.as_mut_ptr().cast(),
-                    6,
-                    ffi::RSMPI_UINT64_T,
-                    ffi::RSMPI_MAX,
-                    check.raw(),
-                    &mut req,
-                )
-            }
+            f(Some(&mut req))
         };
         runtime::check(rc, "MPI_Iallreduce (fingerprint check)", what)?;
-        Ok(Some(req))
+        Ok(req)
     }
 
-    /// Wait for the check; on a disagreement, find and name a rank that issued something else.
-    fn finish_check(
-        &mut self,
-        req: &mut ffi::MPI_Request,
-        what: &dyn Fn() -> String,
-    ) -> Result<()> {
-        let d = self.t.deadline(what);
-        runtime::wait(std::slice::from_mut(req), &d, &|_| None)?;
+    /// After the check: on a disagreement, find and name a rank that issued something else.
+    fn compare_check(&self) -> Result<()> {
         let mine = Self::words(&self.t.fp);
         let max = &self.fp_words[..3];
         let min: Vec<u64> = self.fp_words[3..].iter().map(|w| !w).collect();
@@ -246,25 +313,24 @@ impl MpiBackend {
         let check = self.check.as_ref().expect("a check ran").raw();
         let size = self.t.size();
         let mut all = vec![0u64; 3 * size];
-        let mut req = runtime::request_null();
-        let rc = {
-            let _g = runtime::lock();
-            // SAFETY: `mine` and `all` live until the request completed (waited below).
-            unsafe {
-                ffi::MPI_Iallgather(
-                    mine.as_ptr() as *mut c_void,
-                    3,
-                    ffi::RSMPI_UINT64_T,
-                    all.as_mut_ptr().cast(),
-                    3,
-                    ffi::RSMPI_UINT64_T,
-                    check,
-                    &mut req,
-                )
-            }
-        };
-        runtime::check(rc, "MPI_Iallgather (fingerprint check)", what)?;
-        runtime::wait(std::slice::from_mut(&mut req), &d, &|_| None)?;
+        let (send, recv): (*mut c_void, *mut c_void) =
+            (mine.as_ptr() as *mut c_void, all.as_mut_ptr().cast());
+        let what = || self.describe();
+        runtime::call(
+            "MPI_Allgather (fingerprint check)",
+            &self.t.deadline(&what),
+            |req| {
+                // SAFETY: `mine` and `all` live until the call completed (`call` waits); the
+                // type is the library's constant.
+                unsafe {
+                    let ty = ffi::RSMPI_UINT64_T;
+                    match req {
+                        None => ffi::MPI_Allgather(send, 3, ty, recv, 3, ty, check),
+                        Some(r) => ffi::MPI_Iallgather(send, 3, ty, recv, 3, ty, check, r),
+                    }
+                }
+            },
+        )?;
         let rank = self.t.rank();
         let peer = (0..size)
             .find(|&r| all[3 * r..3 * r + 3] != mine)
@@ -291,18 +357,18 @@ impl MpiBackend {
         }
         let n = self.count(buf.len())?;
         let ptr = runtime::recv_ptr(buf);
-        self.run("MPI_Iallreduce", |comm, req| {
-            // SAFETY: `buf` outlives the request (completed in `run`, or the job is ended).
+        let (ty, mop, inpl) = (
+            runtime::datatype(T::DTYPE),
+            runtime::op_of(op),
+            runtime::in_place(),
+        );
+        self.run("MPI_Allreduce", |comm, req| {
+            // SAFETY: `buf` outlives the call (completed in `run`, or the job is ended).
             unsafe {
-                ffi::MPI_Iallreduce(
-                    runtime::in_place(),
-                    ptr,
-                    n,
-                    runtime::datatype(T::DTYPE),
-                    runtime::op_of(op),
-                    comm,
-                    req,
-                )
+                match req {
+                    None => ffi::MPI_Allreduce(inpl, ptr, n, ty, mop, comm),
+                    Some(r) => ffi::MPI_Iallreduce(inpl, ptr, n, ty, mop, comm, r),
+                }
             }
         })?;
         if op == ReduceOp::Avg {
@@ -322,7 +388,12 @@ impl MpiBackend {
         }
         let n = self.count(buf.len())?;
         let ptr = runtime::recv_ptr(buf);
-        self.run("MPI_Ireduce", |comm, req| {
+        let (ty, mop, root_c) = (
+            runtime::datatype(T::DTYPE),
+            runtime::op_of(op),
+            root as c_int,
+        );
+        self.run("MPI_Reduce", |comm, req| {
             let (send, recv) = if is_root {
                 (runtime::in_place(), ptr)
             } else {
@@ -330,16 +401,10 @@ impl MpiBackend {
             };
             // SAFETY: as in all_reduce; non-roots' recv buffer is not significant.
             unsafe {
-                ffi::MPI_Ireduce(
-                    send,
-                    recv,
-                    n,
-                    runtime::datatype(T::DTYPE),
-                    runtime::op_of(op),
-                    root as c_int,
-                    comm,
-                    req,
-                )
+                match req {
+                    None => ffi::MPI_Reduce(send, recv, n, ty, mop, root_c, comm),
+                    Some(r) => ffi::MPI_Ireduce(send, recv, n, ty, mop, root_c, comm, r),
+                }
             }
         })?;
         if op == ReduceOp::Avg && is_root {
@@ -365,18 +430,14 @@ impl MpiBackend {
         let n = self.count(output.len())?;
         let (inp, out): (*const c_void, *mut c_void) =
             (runtime::send_ptr(input), runtime::recv_ptr(output));
-        self.run("MPI_Ireduce_scatter_block", |comm, req| {
-            // SAFETY: `input` and `output` outlive the request; sizes checked above.
+        let (ty, mop) = (runtime::datatype(T::DTYPE), runtime::op_of(op));
+        self.run("MPI_Reduce_scatter_block", |comm, req| {
+            // SAFETY: `input` and `output` outlive the call; sizes checked above.
             unsafe {
-                ffi::MPI_Ireduce_scatter_block(
-                    inp,
-                    out,
-                    n,
-                    runtime::datatype(T::DTYPE),
-                    runtime::op_of(op),
-                    comm,
-                    req,
-                )
+                match req {
+                    None => ffi::MPI_Reduce_scatter_block(inp, out, n, ty, mop, comm),
+                    Some(r) => ffi::MPI_Ireduce_scatter_block(inp, out, n, ty, mop, comm, r),
+                }
             }
         })?;
         if op == ReduceOp::Avg {
@@ -402,11 +463,7 @@ impl CollectiveBackend for MpiBackend {
     }
 
     fn abort(&mut self, cause: &Error) {
-        eprintln!(
-            "ddp-comm (backend mpi): {cause}; ending the job with MPI_Abort (MPI cannot cancel \
-             a pending collective)"
-        );
-        runtime::abort_job(self.t.comm.raw());
+        runtime::abort_with(cause);
     }
 
     fn all_reduce(&mut self, buf: HostBuf<'_>, op: ReduceOp) -> Result<()> {
@@ -417,9 +474,15 @@ impl CollectiveBackend for MpiBackend {
         let (dt, len) = (buf.dtype(), buf.len());
         let n = self.count(len)?;
         let ptr: *mut c_void = with_element!(dt, T => runtime::recv_ptr(buf.typed::<T>()));
-        self.run("MPI_Ibcast", |comm, req| {
-            // SAFETY: the buffer outlives the request (completed in `run`, or the job is ended).
-            unsafe { ffi::MPI_Ibcast(ptr, n, runtime::datatype(dt), root as c_int, comm, req) }
+        let (ty, root) = (runtime::datatype(dt), root as c_int);
+        self.run("MPI_Bcast", |comm, req| {
+            // SAFETY: the buffer outlives the call (completed in `run`, or the job is ended).
+            unsafe {
+                match req {
+                    None => ffi::MPI_Bcast(ptr, n, ty, root, comm),
+                    Some(r) => ffi::MPI_Ibcast(ptr, n, ty, root, comm, r),
+                }
+            }
         })
     }
 
@@ -435,9 +498,14 @@ impl CollectiveBackend for MpiBackend {
         let inp: *const c_void = with_element!(dt, T => runtime::send_ptr(input.typed::<T>()));
         let out: *mut c_void = with_element!(dt, T => runtime::recv_ptr(output.typed::<T>()));
         let ty = runtime::datatype(dt);
-        self.run("MPI_Iallgather", |comm, req| {
-            // SAFETY: buffers outlive the request; `output` holds size × n elements (checked).
-            unsafe { ffi::MPI_Iallgather(inp, c, ty, out, c, ty, comm, req) }
+        self.run("MPI_Allgather", |comm, req| {
+            // SAFETY: buffers outlive the call; `output` holds size × n elements (checked).
+            unsafe {
+                match req {
+                    None => ffi::MPI_Allgather(inp, c, ty, out, c, ty, comm),
+                    Some(r) => ffi::MPI_Iallgather(inp, c, ty, out, c, ty, comm, r),
+                }
+            }
         })
     }
 
@@ -472,9 +540,15 @@ impl CollectiveBackend for MpiBackend {
         let c = self.count(n)?;
         let inp: *const c_void = with_element!(dt, T => runtime::send_ptr(input.typed::<T>()));
         let ty = runtime::datatype(dt);
-        self.run("MPI_Igather", |comm, req| {
-            // SAFETY: buffers outlive the request; the root's output holds size × n (checked).
-            unsafe { ffi::MPI_Igather(inp, c, ty, out, c, ty, root as c_int, comm, req) }
+        let root = root as c_int;
+        self.run("MPI_Gather", |comm, req| {
+            // SAFETY: buffers outlive the call; the root's output holds size × n (checked).
+            unsafe {
+                match req {
+                    None => ffi::MPI_Gather(inp, c, ty, out, c, ty, root, comm),
+                    Some(r) => ffi::MPI_Igather(inp, c, ty, out, c, ty, root, comm, r),
+                }
+            }
         })
     }
 
@@ -498,9 +572,15 @@ impl CollectiveBackend for MpiBackend {
         let c = self.count(n)?;
         let out: *mut c_void = with_element!(dt, T => runtime::recv_ptr(output.typed::<T>()));
         let ty = runtime::datatype(dt);
-        self.run("MPI_Iscatter", |comm, req| {
-            // SAFETY: buffers outlive the request; the root's input holds size × n (checked).
-            unsafe { ffi::MPI_Iscatter(inp, c, ty, out, c, ty, root as c_int, comm, req) }
+        let root = root as c_int;
+        self.run("MPI_Scatter", |comm, req| {
+            // SAFETY: buffers outlive the call; the root's input holds size × n (checked).
+            unsafe {
+                match req {
+                    None => ffi::MPI_Scatter(inp, c, ty, out, c, ty, root, comm),
+                    Some(r) => ffi::MPI_Iscatter(inp, c, ty, out, c, ty, root, comm, r),
+                }
+            }
         })
     }
 
@@ -518,29 +598,42 @@ impl CollectiveBackend for MpiBackend {
         let inp: *const c_void = with_element!(dt, T => runtime::send_ptr(input.typed::<T>()));
         let out: *mut c_void = with_element!(dt, T => runtime::recv_ptr(output.typed::<T>()));
         let ty = runtime::datatype(dt);
-        self.run("MPI_Ialltoall", |comm, req| {
-            // SAFETY: buffers outlive the request; both hold size × c elements (checked).
-            unsafe { ffi::MPI_Ialltoall(inp, c, ty, out, c, ty, comm, req) }
+        self.run("MPI_Alltoall", |comm, req| {
+            // SAFETY: buffers outlive the call; both hold size × c elements (checked).
+            unsafe {
+                match req {
+                    None => ffi::MPI_Alltoall(inp, c, ty, out, c, ty, comm),
+                    Some(r) => ffi::MPI_Ialltoall(inp, c, ty, out, c, ty, comm, r),
+                }
+            }
         })
     }
 
     fn barrier(&mut self) -> Result<()> {
         // SAFETY: no buffers.
-        self.run("MPI_Ibarrier", |comm, req| unsafe {
-            ffi::MPI_Ibarrier(comm, req)
+        self.run("MPI_Barrier", |comm, req| unsafe {
+            match req {
+                None => ffi::MPI_Barrier(comm),
+                Some(r) => ffi::MPI_Ibarrier(comm, r),
+            }
         })
     }
 
     fn split(&mut self, members: &[usize]) -> Result<Option<Box<dyn CollectiveBackend>>> {
+        self.watched(|b| b.split_watched(members))
+    }
+}
+
+impl MpiBackend {
+    /// [`CollectiveBackend::split`], with the watchdog armed (its calls are blocking).
+    fn split_watched(&mut self, members: &[usize]) -> Result<Option<Box<dyn CollectiveBackend>>> {
         let rank = self.t.rank();
         let member = members.contains(&rank);
-        let desc = self.describe();
-        let what = || desc.clone();
         // Everyone must be here with the same members (the check covers the count; the split
         // itself is blocking in MPI, so it only starts once every rank has arrived).
-        if let Some(mut r) = self.start_check(&what)? {
-            self.finish_check(&mut r, &what)?;
-        }
+        self.check_fingerprints()?;
+        let desc = self.describe();
+        let what = || desc.clone();
         // SAFETY: reading the library's constant.
         let undefined = unsafe { ffi::RSMPI_UNDEFINED };
         let color = if member { 0 } else { undefined };

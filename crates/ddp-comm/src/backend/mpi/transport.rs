@@ -59,10 +59,7 @@ impl MpiTransport {
 
     /// `all_reduce(sum, f32 x 1024) #7 on rank 0 of 2`.
     pub(super) fn describe(&self) -> String {
-        format!(
-            "{} #{} on rank {} of {}",
-            self.fp, self.fp.seq, self.rank, self.size
-        )
+        runtime::describe(&self.fp, self.rank, self.size)
     }
 
     pub(super) fn deadline<'a>(&self, what: &'a dyn Fn() -> String) -> Deadline<'a> {

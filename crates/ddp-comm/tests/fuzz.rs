@@ -162,7 +162,49 @@ fn a_frame_announcing_any_length_costs_only_what_arrives() {
         .unwrap();
 }
 
-/// PyTorch requests: a query byte, then fields whose lengths are small, huge or random.
+fn torch_bytes(b: &[u8]) -> Vec<u8> {
+    let mut v = (b.len() as u64).to_le_bytes().to_vec();
+    v.extend_from_slice(b);
+    v
+}
+
+/// A well-formed PyTorch request of query `q` (keys from `keys`, values from `value`).
+fn torch_request(q: u8, keys: &[String], value: &[u8], int: i64) -> Vec<u8> {
+    let mut v = vec![q];
+    let key = keys.first().map_or("/k", String::as_str).as_bytes();
+    let count = |v: &mut Vec<u8>| v.extend((keys.len() as u64).to_le_bytes());
+    match q {
+        1 | 9 => [torch_bytes(key), torch_bytes(value)]
+            .iter()
+            .for_each(|f| v.extend(f)),
+        2 => [torch_bytes(key), torch_bytes(value), torch_bytes(value)]
+            .iter()
+            .for_each(|f| v.extend(f)),
+        3 | 8 => v.extend(torch_bytes(key)),
+        4 | 18 => {
+            v.extend(torch_bytes(key));
+            v.extend(int.to_le_bytes());
+        }
+        5 | 6 | 10 => {
+            count(&mut v);
+            keys.iter()
+                .for_each(|k| v.extend(torch_bytes(k.as_bytes())));
+        }
+        11 => {
+            count(&mut v);
+            for k in keys {
+                v.extend(torch_bytes(k.as_bytes()));
+                v.extend(torch_bytes(value));
+            }
+        }
+        13 => v.extend((int as u32).to_le_bytes()),
+        _ => {}
+    }
+    v
+}
+
+/// PyTorch request streams: well-formed requests of every query, alone or with bytes
+/// overwritten; queries with fields of random, huge or inconsistent lengths; random bytes.
 fn torch_stream() -> impl Strategy<Value = Vec<u8>> {
     let len = prop_oneof![0u64..16, any::<u64>(), Just(u64::MAX), Just(1u64 << 26)];
     let field = (len, vec(any::<u8>(), 0..24)).prop_map(|(n, b)| {
@@ -170,14 +212,36 @@ fn torch_stream() -> impl Strategy<Value = Vec<u8>> {
         v.extend(b);
         v
     });
-    let request = (0u8..20, vec(field, 0..4)).prop_map(|(q, fields)| {
+    let fuzzy = (0u8..20, vec(field, 0..4)).prop_map(|(q, fields)| {
         let mut v = vec![q];
         fields.into_iter().for_each(|f| v.extend(f));
         v
     });
+    let query = prop_oneof![1u8..14, Just(17u8), Just(18u8)];
+    let valid = (
+        query,
+        vec("[a-z/_0-9]{0,12}", 0..4),
+        vec(any::<u8>(), 0..16),
+        any::<i64>(),
+    )
+        .prop_map(|(q, keys, value, int)| torch_request(q, &keys, &value, int));
+    let edited = (
+        vec(valid.clone(), 1..4),
+        vec((any::<prop::sample::Index>(), any::<u8>()), 1..3),
+    )
+        .prop_map(|(rs, edits)| {
+            let mut s = rs.concat();
+            for (i, b) in edits {
+                let i = i.index(s.len());
+                s[i] = b;
+            }
+            s
+        });
     prop_oneof![
-        vec(any::<u8>(), 0..256),
-        vec(request, 1..6).prop_map(|rs| rs.concat()),
+        3 => vec(valid, 1..6).prop_map(|rs| rs.concat()),
+        2 => edited,
+        2 => vec(fuzzy, 1..6).prop_map(|rs| rs.concat()),
+        1 => vec(any::<u8>(), 0..256),
     ]
 }
 

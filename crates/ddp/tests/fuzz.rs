@@ -122,23 +122,33 @@ fn truncated_or_corrupted_checkpoints_are_refused_with_a_reason() {
         .unwrap();
 }
 
-/// A safetensors file of the legacy format (no checksums: the loader trusts the header most),
-/// with random tensor entries: dtype, shape and offsets possibly inconsistent or huge.
+/// A safetensors file of the legacy format (no checksums: the loader trusts the header most):
+/// tensors of random dtypes and shapes (dims up to 2^64 - 1) laid out as the header says, then
+/// maybe one lie: an end offset, the header length or the data length.
 fn forged_legacy_file() -> impl Strategy<Value = Vec<u8>> {
-    let dim = prop_oneof![0u64..5, any::<u64>(), Just(u64::MAX), Just(1u64 << 62)];
-    let offset = prop_oneof![0u64..64, any::<u64>()];
-    let dtype = proptest::sample::select(vec!["F32", "U8", "F64", "I64", "BF16", "BOOL", "X"]);
-    let entry = ("[a-z.]{1,8}", dtype, vec(dim, 0..4), offset.clone(), offset);
-    let count = prop_oneof![0u64..1000, any::<u64>()];
+    let dim = prop_oneof![
+        6 => 0u64..5,
+        1 => any::<u64>(),
+        1 => Just(u64::MAX),
+        1 => Just(1u64 << 62)
+    ];
+    let dtype = prop_oneof![
+        4 => Just("F32"),
+        2 => Just("U8"),
+        1 => proptest::sample::select(vec!["F64", "I64", "BF16", "BOOL", "X"])
+    ];
+    let entry = ("[a-z.]{1,8}", dtype, vec(dim, 0..3));
+    let count = prop_oneof![3 => 0u64..1000, 1 => any::<u64>()];
+    // 0: no lie; 1: the first end offset; 2: the header length; 3: the data length.
+    let lie = prop_oneof![4 => Just(0u8), 1 => 1u8..4];
     (
         vec(entry, 0..4),
-        count.clone(),
-        count,
-        0u64..64,
-        vec(any::<u8>(), 0..128),
-        any::<bool>(),
+        (count.clone(), count, 0u64..8),
+        lie,
+        any::<u64>(),
+        vec(any::<u8>(), 0..16),
     )
-        .prop_map(|(entries, step, consumed, world, data, lie_len)| {
+        .prop_map(|(entries, (step, consumed, world), lie, junk, tail)| {
             let meta = json!({
                 "format_version": 1,
                 "step": step, "epoch": step,
@@ -147,18 +157,43 @@ fn forged_legacy_file() -> impl Strategy<Value = Vec<u8>> {
             });
             let mut header = serde_json::Map::new();
             header.insert("__metadata__".into(), json!({"ddp_meta": meta.to_string()}));
-            for (name, dtype, shape, a, b) in entries {
+            let mut data = Vec::new();
+            let mut cursor = 0u64;
+            for (k, (name, dtype, shape)) in entries.into_iter().enumerate() {
+                let elem: u64 = match dtype {
+                    "F32" => 4,
+                    "F64" | "I64" => 8,
+                    "BF16" => 2,
+                    _ => 1,
+                };
+                let n = shape.iter().fold(1u64, |a, &d| a.saturating_mul(d));
+                let size = n.saturating_mul(elem);
+                let mut end = cursor.saturating_add(size);
+                if lie == 1 && k == 0 {
+                    end = junk;
+                }
                 header.insert(
                     name,
-                    json!({"dtype": dtype, "shape": shape, "data_offsets": [a, b]}),
+                    json!({"dtype": dtype, "shape": shape, "data_offsets": [cursor, end]}),
                 );
+                // The bytes themselves only when they are few (else the file is short).
+                if size <= 4096 {
+                    data.extend((0..n).flat_map(|i| match elem {
+                        4 => (i as f32).to_le_bytes().to_vec(),
+                        e => vec![i as u8; e as usize],
+                    }));
+                }
+                cursor = end;
             }
             let h = serde_json::Value::Object(header).to_string().into_bytes();
-            let len = if lie_len {
-                u64::MAX - 3
-            } else {
-                h.len() as u64
-            };
+            let len = if lie == 2 { junk } else { h.len() as u64 };
+            if lie == 3 {
+                if tail.is_empty() {
+                    data.pop();
+                } else {
+                    data.extend(tail);
+                }
+            }
             let mut file = len.to_le_bytes().to_vec();
             file.extend(h);
             file.extend(data);
@@ -218,4 +253,19 @@ fn a_checkpoint_of_another_run_is_refused_by_the_run_plan() {
             Ok(())
         })
         .unwrap();
+}
+
+/// What the forged-header target found: an end offset near 2^64 made safetensors 0.4 overflow
+/// (`buffer_end + 8 + n`), a panic with overflow checks. Now a named error.
+#[test]
+fn an_end_offset_near_two_to_the_64_is_an_error_not_an_overflow() {
+    let header = format!(
+        r#"{{"__metadata__":{{"ddp_meta":"{{}}"}},"t":{{"dtype":"U8","shape":[1],"data_offsets":[0,{}]}}}}"#,
+        u64::MAX - 4
+    );
+    let mut file = (header.len() as u64).to_le_bytes().to_vec();
+    file.extend(header.as_bytes());
+    file.push(7);
+    let e = load(&file).unwrap_err();
+    assert!(e.contains("claims data up to byte"), "{e}");
 }

@@ -23,10 +23,15 @@ pub fn save_vars(ckpt: &mut Checkpoint, vars: &[(String, Var)]) -> Result<()> {
 }
 
 /// Sets every variable from the tensor of the same name in `ckpt` (an error names a missing
-/// tensor or a shape that does not match).
+/// tensor or a shape that does not match). All or nothing: every tensor is checked before any
+/// variable changes, so a checkpoint of another model leaves the model as it was.
 pub fn load_vars(ckpt: &Checkpoint, vars: &[(String, Var)]) -> Result<()> {
-    for (name, var) in vars {
-        var.set(&load_like(ckpt, name, var)?)?;
+    let loaded = vars
+        .iter()
+        .map(|(name, var)| load_like(ckpt, name, var))
+        .collect::<Result<Vec<_>>>()?;
+    for ((_, var), t) in vars.iter().zip(&loaded) {
+        var.set(t)?;
     }
     Ok(())
 }

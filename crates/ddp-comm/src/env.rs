@@ -98,10 +98,15 @@ impl EnvConfig {
             } else if let (Some(rank), Some(world)) = (num("SLURM_PROCID")?, num("SLURM_NTASKS")?) {
                 let addr = match get("MASTER_ADDR") {
                     Some(a) => a,
-                    None => get("SLURM_JOB_NODELIST")
-                        .or_else(|| get("SLURM_NODELIST"))
-                        .and_then(|l| first_slurm_host(&l))
-                        .unwrap_or_else(|| "127.0.0.1".to_string()),
+                    None => match get("SLURM_JOB_NODELIST").or_else(|| get("SLURM_NODELIST")) {
+                        // A list naming no host would make every rank connect to nowhere.
+                        Some(l) => first_slurm_host(&l).ok_or_else(|| {
+                            Error::Config(format!(
+                                "the Slurm node list {l:?} names no host; set MASTER_ADDR"
+                            ))
+                        })?,
+                        None => "127.0.0.1".to_string(),
+                    },
                 };
                 let local_rank = num("SLURM_LOCALID")?.unwrap_or(0);
                 let local_world = get("SLURM_NTASKS_PER_NODE")
@@ -165,23 +170,23 @@ impl EnvConfig {
     }
 }
 
-/// First host name of a Slurm hostlist such as `node[01-04,07],gpu3` → `node01`.
+/// First host name of a Slurm hostlist such as `node[01-04,07],gpu3` → `node01`; `None` when
+/// the list names no host (empty, or starting with `,` or `[]`).
 pub fn first_slurm_host(list: &str) -> Option<String> {
     let list = list.trim();
-    if list.is_empty() {
-        return None;
-    }
     let end = list.find(',').unwrap_or(list.len());
-    match list.find('[') {
+    let host = match list.find('[') {
         Some(open) if open < end => {
             let prefix = &list[..open];
             let inner = &list[open + 1..];
             let first = inner.split([',', ']']).next()?;
             let first = first.split('-').next()?;
-            Some(format!("{prefix}{first}"))
+            format!("{prefix}{first}")
         }
-        _ => Some(list[..end].to_string()),
-    }
+        _ => list[..end].to_string(),
+    };
+    let host = host.trim();
+    (!host.is_empty()).then(|| host.to_string())
 }
 
 #[cfg(test)]
@@ -280,5 +285,8 @@ mod tests {
             (Launcher::OpenMpi, 1, "127.0.0.1")
         );
         assert_eq!(first_slurm_host("a1,b2"), Some("a1".into()));
+        for nothing in ["", " ", ",a", "[]", "[,1]", " ,"] {
+            assert_eq!(first_slurm_host(nothing), None, "{nothing:?}");
+        }
     }
 }

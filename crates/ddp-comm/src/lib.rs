@@ -29,6 +29,8 @@ pub mod device;
 pub mod dtype;
 pub mod env;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod host;
 pub mod process_group;
 pub mod store;

@@ -332,6 +332,7 @@ impl Checkpoint {
                 "{origin}: {what}; the file is corrupted, truncated or not a ddp checkpoint"
             ))
         };
+        check_offsets(bytes).map_err(corrupt)?;
         let (_, header) = SafeTensors::read_metadata(bytes)
             .map_err(|e| corrupt(format!("invalid safetensors data ({e:?})")))?;
         let meta_json = header
@@ -441,6 +442,40 @@ impl Checkpoint {
             blobs,
         })
     }
+}
+
+/// Checks that no tensor's data offsets reach past the end of the file, before safetensors reads
+/// the header: safetensors 0.4 adds the largest offset to the header length unchecked, which a
+/// forged header turns into an overflow (a panic in builds with overflow checks, a wrapped
+/// length otherwise). Found by `tests/fuzz.rs`.
+fn check_offsets(bytes: &[u8]) -> std::result::Result<(), String> {
+    let Some(head) = bytes.get(..8) else {
+        return Err(format!(
+            "{} bytes, shorter than a safetensors header",
+            bytes.len()
+        ));
+    };
+    let n = u64::from_le_bytes(head.try_into().expect("8 bytes"));
+    let after = (bytes.len() - 8) as u64;
+    if n > after {
+        return Err(format!(
+            "the header claims {n} bytes but only {after} follow its length"
+        ));
+    }
+    let header: serde_json::Value = serde_json::from_slice(&bytes[8..8 + n as usize])
+        .map_err(|e| format!("the safetensors header is not JSON ({e})"))?;
+    let data = after - n;
+    for (name, t) in header.as_object().into_iter().flatten() {
+        let offsets = t.get("data_offsets").and_then(|o| o.as_array());
+        for end in offsets.into_iter().flatten().filter_map(|v| v.as_u64()) {
+            if end > data {
+                return Err(format!(
+                    "tensor {name:?} claims data up to byte {end}, the file holds {data}"
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Path of the checkpoint file in `dir`.

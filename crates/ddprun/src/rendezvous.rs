@@ -256,6 +256,12 @@ impl Rendezvous {
             host: self.host.clone(),
             pid: std::process::id(),
         };
+        if let Some(server) = &self.server {
+            // PyTorch workers of this round get their own namespace in the store (node 0 joins
+            // a round before any worker of it starts), so a restarted group never reads the
+            // addresses and counters of the one before.
+            server.set_torch_prefix(&format!("torch/{}/{attempt}/", self.run_id));
+        }
         let my_key = self.key(attempt, &format!("node/{}", self.node_rank));
         let mine = me.encode();
         let now = self

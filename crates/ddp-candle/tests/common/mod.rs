@@ -181,6 +181,10 @@ pub fn gpu(test: &str) -> Option<Device> {
     if std::env::var("DDP_TEST_REQUIRE_ALL").is_ok_and(|v| v == "1") {
         panic!("{test}: needs a GPU (DDP_TEST_REQUIRE_ALL=1): {reason}");
     }
-    eprintln!("SKIPPED {test}: needs a GPU: {reason}");
+    // Past the harness's output capture, so that `cargo test` shows the skip too.
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr().lock(),
+        format!("SKIPPED {test}: needs a GPU: {reason}\n").as_bytes(),
+    );
     None
 }

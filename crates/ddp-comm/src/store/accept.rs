@@ -9,6 +9,7 @@
 use super::protocol::{ErrorKind, Response, HELLO_OPCODE, MAGIC, MAX_HANDSHAKE_FRAME};
 use super::serve;
 use super::server::{Admission, Shared, Stage, MAX_CONNECTIONS_ENV};
+use super::torch;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::sync::Arc;
@@ -25,7 +26,7 @@ pub(super) enum FirstBytes {
     HungUp,
     /// Cannot be a `HELLO`: the reply to send before closing.
     Garbage(String),
-    /// A `HELLO` as far as can be seen: a thread reads it.
+    /// A `HELLO` (or PyTorch's `VALIDATE`) as far as can be seen: a thread reads it.
     Plausible,
 }
 
@@ -39,6 +40,10 @@ pub(super) fn first_bytes(stream: &TcpStream) -> FirstBytes {
         Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => return FirstBytes::NotYet,
         Err(_) => return FirstBytes::HungUp,
     };
+    if torch::may_be_torch(&head[..n]) {
+        // PyTorch's TCPStore client: its thread tells it apart (`torch::is_torch_client`).
+        return FirstBytes::Plausible;
+    }
     if n >= 4 {
         let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
         if len == 0 {
@@ -267,7 +272,11 @@ pub(super) fn greeter(shared: &Arc<Shared>) {
                 .name(format!("ddp-store-conn-{id}"))
                 .stack_size(CONN_STACK)
                 .spawn(move || {
-                    serve::serve_connection(&stream, peer, &conn_shared, id, until);
+                    if torch::is_torch_client(&stream, until) {
+                        torch::serve_connection(&stream, peer, &conn_shared, id, until);
+                    } else {
+                        serve::serve_connection(&stream, peer, &conn_shared, id, until);
+                    }
                     conn_shared.conns().forget(id);
                 });
             match spawned {

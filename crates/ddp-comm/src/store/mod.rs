@@ -26,20 +26,24 @@
 //! - `auth`: the challenge-response proof of the secret.
 //! - `prefix`: [`PrefixStore`], a namespace over any store.
 //! - `protocol`: the wire format shared by both sides.
+//! - `torch`: PyTorch's `TCPStore` protocol on the same port (told apart by its first bytes),
+//!   so that PyTorch workers started by `ddprun` use this store as they use torchrun's.
 
 mod accept;
 mod auth;
 mod client;
 mod prefix;
-mod protocol;
+pub(crate) mod protocol;
 mod serve;
 mod server;
+pub(crate) mod torch;
 
 pub use client::{StoreOptions, TcpStore};
 pub use prefix::PrefixStore;
 pub use server::{
     raise_fd_limit, ServerOptions, StoreServer, DEFAULT_HANDSHAKE_TIMEOUT, MAX_CONNECTIONS_ENV,
 };
+pub use torch::DEFAULT_TORCH_PREFIX;
 
 use crate::Result;
 use std::time::Duration;

@@ -174,10 +174,21 @@ pub(super) struct Shared {
 }
 
 /// The key-value data.
-#[derive(Default)]
 pub(super) struct State {
     pub(super) data: HashMap<String, Vec<u8>>,
     pub(super) shutdown: bool,
+    /// Where the keys of PyTorch clients live (see `torch`); read when such a client connects.
+    pub(super) torch_prefix: String,
+}
+
+impl Default for State {
+    fn default() -> State {
+        State {
+            data: HashMap::new(),
+            shutdown: false,
+            torch_prefix: super::torch::DEFAULT_TORCH_PREFIX.to_string(),
+        }
+    }
 }
 
 /// Where a connection is in its life.
@@ -483,6 +494,14 @@ impl StoreServer {
     /// The address the server listens on (with the actual port when bound to port 0).
     pub fn local_addr(&self) -> SocketAddr {
         self.local_addr
+    }
+
+    /// Put the keys of PyTorch `TCPStore` clients that connect from now on under `prefix`
+    /// (default `torch/`). `ddprun` gives each restart of the worker group its own prefix, so
+    /// that restarted PyTorch workers never read the keys (addresses, counters) of the group
+    /// before them, and they never see the keys of ddp-rs clients either.
+    pub fn set_torch_prefix(&self, prefix: &str) {
+        lock(&self.shared.state).torch_prefix = prefix.to_string();
     }
 
     /// The connection limit in force (see [`ServerOptions::max_connections`]).

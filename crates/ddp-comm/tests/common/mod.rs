@@ -668,5 +668,9 @@ pub fn skip_gpu(test: &str, reason: &str, fatal: bool) {
     if fatal && std::env::var(REQUIRE_GPU).is_ok_and(|v| v == "1") {
         panic!("{test} cannot run: {reason} ({REQUIRE_GPU}=1)");
     }
-    eprintln!("SKIPPED {test}: {reason}");
+    // Past the harness's output capture, so that `cargo test` shows the skip too.
+    let _ = std::io::Write::write_all(
+        &mut std::io::stderr().lock(),
+        format!("SKIPPED {test}: {reason}\n").as_bytes(),
+    );
 }

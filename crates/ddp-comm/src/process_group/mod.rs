@@ -21,11 +21,12 @@ pub use init::{init_process_group, InitOptions, DEFAULT_TIMEOUT, SOCKET_IFNAME_E
 
 use crate::backend::{select, BackendPlan, CollectiveBackend};
 use crate::dtype::{DType, ReduceOp};
+use crate::observe::CollectiveObserver;
 use crate::store::{PrefixStore, Store, StoreServer};
 use crate::transport::{Fingerprint, OpKind};
 use crate::work::{self, Work};
 use crate::{Error, Result};
-use engine::{CollectiveFn, Engine, Job};
+use engine::{CollectiveFn, Engine, Job, ObserverSlot};
 use init::{check_membership, GroupPlan};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -53,6 +54,8 @@ struct Inner {
     device_groups: AtomicU64,
     /// What the backend resolved to.
     topology: Topology,
+    /// Who sees this group's collectives (see [`ProcessGroup::set_observer`]).
+    observer: ObserverSlot,
 }
 
 impl Drop for Inner {
@@ -119,8 +122,14 @@ impl ProcessGroup {
     ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         let topology = backend.topology();
-        let (tx, thread) =
-            Engine::start(backend, size, format!("ddp-comm-r{}", global_ranks[rank]))?;
+        let observer = ObserverSlot::default();
+        let (tx, thread) = Engine::start(
+            backend,
+            rank,
+            size,
+            format!("ddp-comm-r{}", global_ranks[rank]),
+            observer.clone(),
+        )?;
         Ok(ProcessGroup {
             inner: Arc::new(Inner {
                 rank,
@@ -134,6 +143,7 @@ impl ProcessGroup {
                 device_groups: AtomicU64::new(0),
                 plan,
                 topology,
+                observer,
             }),
             timeout,
         })
@@ -195,6 +205,18 @@ impl ProcessGroup {
     /// `hierarchical: 2 hosts x [2, 2] ranks, shm inside a host, tcp between`.
     pub fn topology(&self) -> &Topology {
         &self.inner.topology
+    }
+
+    /// Reports every later collective of this group to `observer`, on the group's engine thread
+    /// (see [`crate::observe`]). Once per group: `false` (and `observer` unused) when the group
+    /// already has one. Subgroups made later have their own.
+    pub fn set_observer(&self, observer: Arc<dyn CollectiveObserver>) -> bool {
+        self.inner.observer.set(observer).is_ok()
+    }
+
+    /// Whether [`set_observer`](Self::set_observer) gave this group an observer.
+    pub fn has_observer(&self) -> bool {
+        self.inner.observer.get().is_some()
     }
 
     /// The timeout of collectives issued through this handle.

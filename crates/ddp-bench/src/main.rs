@@ -127,6 +127,10 @@ pub struct TrainArgs {
     /// the burn-flex CPU backend; `--staged` and `--weight-layout` are candle's).
     #[arg(long, default_value = "candle", value_parser = ["candle", "burn"])]
     pub framework: String,
+    /// Record every rank's timeline of the timed steps; rank 0 merges them into DIR/trace.json
+    /// (Chrome trace) [default: env DDP_TRACE].
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// Options shared by every sweep.

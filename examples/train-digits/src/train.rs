@@ -374,7 +374,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let train_time = start.elapsed() - eval_time;
     // Stopped early (--max-steps) mid-epoch: record the exact position.
     if pos.epoch < args.epochs {
-        save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)?;
+        prof.phase(Phase::Checkpoint, || {
+            save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)
+        })?;
     }
     // Local SGD: the replicas differ between averagings; average once more so that every rank
     // ends with the same model.

@@ -344,9 +344,22 @@ pub fn start_from_env(pg: &ProcessGroup, dir: Option<&Path>) -> Result<bool> {
 }
 
 /// Stops recording and merges every rank's timeline: a collective over `pg` (every rank that
-/// called [`start`] calls it). Rank 0 writes `DIR/trace.json` and returns its path; other ranks
+/// called [`start`] calls it). A barrier ends every rank's recording. Rank 0 writes `DIR/trace.json` and returns its path; other ranks
 /// return `None`, as does every rank when tracing was off.
 pub fn finish(pg: &ProcessGroup) -> Result<Option<PathBuf>> {
+    if enabled() {
+        // The last events of every rank: a barrier, which ends at (almost) the same moment
+        // everywhere — a visible check of the clock alignment.
+        let start = Instant::now();
+        pg.barrier()?;
+        record_span(
+            "end of trace (barrier)",
+            "train",
+            start,
+            Instant::now(),
+            Vec::new(),
+        );
+    }
     let taken = RECORDER.lock().unwrap_or_else(|p| p.into_inner()).take();
     ENABLED.store(false, Ordering::Relaxed);
     let Some(rec) = taken else {

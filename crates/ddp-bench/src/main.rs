@@ -13,6 +13,7 @@ mod launch;
 mod sweep;
 #[cfg(feature = "nccl")]
 mod sweep_cuda;
+mod trace_cost;
 mod train;
 mod train_burn;
 
@@ -59,6 +60,19 @@ enum Cmd {
     Broadcast(SweepArgs),
     /// DDP training throughput: MLP 784-HxL-10 on synthetic data, one thread per rank
     Train(TrainArgs),
+    /// Cost of one timeline span (`ddp::trace`) with tracing off and on, in ns (one rank)
+    TraceCost(TraceCostArgs),
+}
+
+/// Options of `ddp-bench trace-cost`.
+#[derive(Args, Clone, Debug)]
+pub struct TraceCostArgs {
+    /// Spans recorded per measurement.
+    #[arg(long, default_value_t = 200_000, value_parser = int_in::<usize>(1000, 1_000_000))]
+    pub spans: usize,
+    /// Measurements (the median is reported).
+    #[arg(long, default_value_t = 5, value_parser = int_in::<usize>(1, 100))]
+    pub reps: usize,
 }
 
 /// Options of `ddp-bench train`.
@@ -184,6 +198,7 @@ fn main() {
     }
     let (backend, nproc) = match &cli.cmd {
         Cmd::Train(a) => (a.backend.clone(), a.nproc),
+        Cmd::TraceCost(_) => ("auto".to_string(), 1),
         Cmd::Allreduce(a) | Cmd::AllGather(a) | Cmd::ReduceScatter(a) | Cmd::Broadcast(a) => {
             (a.backend.clone(), a.nproc)
         }
@@ -198,6 +213,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Train(a) if a.framework == "burn" => train_burn::run(&a),
         Cmd::Train(a) => train::run(&a),
+        Cmd::TraceCost(a) => trace_cost::run(&a),
         Cmd::Allreduce(a) => sweep::run(sweep::Op::AllReduce, &a),
         Cmd::AllGather(a) => sweep::run(sweep::Op::AllGather, &a),
         Cmd::ReduceScatter(a) => sweep::run(sweep::Op::ReduceScatter, &a),

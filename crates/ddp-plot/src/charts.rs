@@ -38,21 +38,6 @@ fn prefix(runs: usize, label: &str) -> String {
     }
 }
 
-fn legend<DB: DrawingBackend, C>(chart: &mut ChartContext<'_, DB, C>) -> DynResult<()>
-where
-    DB::ErrorType: 'static,
-    C: plotters::coord::CoordTranslate,
-{
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FONT, 15))
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()?;
-    Ok(())
-}
-
 /// Training loss (left axis) and held-out accuracy (right axis) versus step.
 pub fn loss_accuracy<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
@@ -75,6 +60,7 @@ where
     chart
         .configure_mesh()
         .x_desc("step (optimizer steps)")
+        .x_label_formatter(&|v| format!("{v:.0}"))
         .y_desc("training loss (cross-entropy, rank 0)")
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
@@ -142,7 +128,9 @@ where
     chart
         .configure_mesh()
         .x_desc("step (optimizer steps)")
+        .x_label_formatter(&|v| format!("{v:.0}"))
         .y_desc("throughput (samples/s, all ranks)")
+        .y_label_formatter(&|v| format!("{v:.0}"))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
         .draw()?;
@@ -212,7 +200,7 @@ where
         ),
     ];
     let total = |r: &crate::input::RankSplit| layers.iter().map(|l| (l.2)(r)).sum::<f64>();
-    let top = max_of(report.ranks.iter().map(total)).max(1e-3) * 1.3;
+    let top = max_of(report.ranks.iter().map(total)).max(1e-3) * 1.45;
     let caption = match report.straggler {
         Some((rank, pct)) => {
             format!("Mean step per rank: rank {rank} is the straggler (+{pct:.0}%)")
@@ -224,7 +212,8 @@ where
         .margin(15)
         .x_label_area_size(50)
         .y_label_area_size(70)
-        .build_cartesian_2d((0..n).into_segmented(), 0f64..top)?;
+        // A discrete range is inclusive: 0..n-1 holds n segments.
+        .build_cartesian_2d((0..n.saturating_sub(1)).into_segmented(), 0f64..top)?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -268,7 +257,14 @@ where
             .label(name)
             .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], c.filled()));
     }
-    legend(&mut chart)
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font((FONT, 15))
+        .position(SeriesLabelPosition::UpperRight)
+        .draw()?;
+    Ok(())
 }
 
 /// `1024` → `1 KiB`.
@@ -292,28 +288,40 @@ pub fn busbw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, sweeps: &[Sweep]
 where
     DB::ErrorType: 'static,
 {
+    // x is log2(bytes), so that the ticks fall on powers of two.
     let sizes = || sweeps.iter().flat_map(|s| s.points.iter().map(|p| p.0));
     let lo = sizes().filter(|b| *b > 0.0).fold(f64::INFINITY, f64::min);
-    let lo = if lo.is_finite() { lo } else { 1.0 };
-    let hi = max_of(sizes()).max(lo * 2.0);
+    let lo = if lo.is_finite() {
+        lo.log2().floor()
+    } else {
+        0.0
+    };
+    let hi = max_of(sizes()).log2().ceil().max(lo + 1.0);
     let top = max_of(sweeps.iter().flat_map(|s| s.points.iter().map(|p| p.1))).max(1e-3) * 1.15;
     let mut chart = ChartBuilder::on(root)
         .caption("all_reduce bus bandwidth by message size", (FONT, 24))
         .margin(15)
+        .margin_right(40)
         .x_label_area_size(50)
         .y_label_area_size(70)
-        .build_cartesian_2d((lo..hi).log_scale(), 0f64..top)?;
+        .build_cartesian_2d(lo..hi, 0f64..top)?;
     chart
         .configure_mesh()
         .x_desc("message size (bytes per rank, log scale)")
         .y_desc("bus bandwidth (GB/s)")
-        .x_label_formatter(&|b| bytes_label(*b))
+        .x_labels(((hi - lo) / 2.0) as usize + 1)
+        .x_label_formatter(&|x| bytes_label(x.exp2()))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
         .draw()?;
     for (i, s) in sweeps.iter().enumerate() {
         let c = color(i);
-        let pts: Vec<(f64, f64)> = s.points.iter().copied().filter(|p| p.0 > 0.0).collect();
+        let pts: Vec<(f64, f64)> = s
+            .points
+            .iter()
+            .filter(|p| p.0 > 0.0)
+            .map(|p| (p.0.log2(), p.1))
+            .collect();
         chart
             .draw_series(LineSeries::new(pts, c.stroke_width(2)).point_size(4))?
             .label(s.label.clone())

@@ -6,8 +6,11 @@ use ddp_comm::testing::run_ranks;
 use ddp_comm::ReduceOp;
 use std::sync::{Arc, Mutex};
 
+/// Operation, sequence number, bytes, success, thread name.
+type Seen = (String, u64, u64, bool, String);
+
 #[derive(Default)]
-struct Log(Mutex<Vec<(String, u64, u64, bool, String)>>);
+struct Log(Mutex<Vec<Seen>>);
 
 impl CollectiveObserver for Log {
     fn collective(&self, e: &CollectiveEvent<'_>) {

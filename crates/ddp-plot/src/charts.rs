@@ -172,6 +172,9 @@ where
     Ok(())
 }
 
+/// A layer of the stacked bars: its name, colour and value.
+type Layer = (&'static str, RGBColor, fn(&crate::input::RankSplit) -> f64);
+
 /// The mean step of every rank, stacked: compute, data loading, optimizer, exposed
 /// communication, waiting for the slowest rank.
 pub fn step_breakdown<DB: DrawingBackend>(
@@ -182,7 +185,7 @@ where
     DB::ErrorType: 'static,
 {
     let n = report.ranks.len() as u32;
-    let layers: [(&str, RGBColor, fn(&crate::input::RankSplit) -> f64); 5] = [
+    let layers: [Layer; 5] = [
         (
             "compute (forward + backward)",
             RGBColor(31, 119, 180),

@@ -205,13 +205,16 @@ pub fn instant(
 /// A span from [`span`] to the guard's drop, on the calling thread's lane.
 #[must_use = "the span ends when the guard is dropped"]
 pub struct Span {
-    open: Option<(
-        Cow<'static, str>,
-        &'static str,
-        Instant,
-        Vec<(&'static str, Value)>,
-    )>,
+    open: Option<OpenSpan>,
 }
+
+/// Name, category, start and arguments of a span in progress.
+type OpenSpan = (
+    &'static str,
+    &'static str,
+    Instant,
+    Vec<(&'static str, Value)>,
+);
 
 /// Starts a span named `name` (category `cat`, e.g. `"train"`); it ends when the guard drops.
 /// Costs one relaxed atomic load when tracing is off.
@@ -221,7 +224,7 @@ pub fn span(name: &'static str, cat: &'static str) -> Span {
         return Span { open: None };
     }
     Span {
-        open: Some((Cow::Borrowed(name), cat, Instant::now(), Vec::new())),
+        open: Some((name, cat, Instant::now(), Vec::new())),
     }
 }
 

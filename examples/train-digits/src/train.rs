@@ -229,7 +229,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let total_steps = args
         .max_steps
         .unwrap_or(u64::MAX)
-        .min(args.epochs * steps_per_epoch);
+        .min(args.epochs.saturating_mul(steps_per_epoch));
     let mut progress = Progress::new(rank, args.quiet, total_steps, pos.step, args.epochs);
     let mut metrics = match (&args.metrics, rank) {
         (Some(path), 0) => Some(

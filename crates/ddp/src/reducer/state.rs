@@ -558,13 +558,10 @@ impl Reducer {
                 total: start.elapsed(),
                 ..Default::default()
             };
-            trace::record_span(
-                "backward (no_sync)",
-                "train",
-                start,
-                Instant::now(),
-                vec![("step", self.step.into())],
-            );
+            if trace::enabled() {
+                let args = vec![("step", self.step.into())];
+                trace::record_span("backward (no_sync)", "train", start, Instant::now(), args);
+            }
             self.last = Some(stats);
             return Ok(stats);
         }
@@ -686,18 +683,15 @@ impl Reducer {
             buckets: self.buckets.len(),
             bytes,
         };
-        trace::record_span(
-            "backward",
-            "train",
-            start,
-            Instant::now(),
-            vec![
+        if trace::enabled() {
+            let args = vec![
                 ("step", self.step.into()),
                 ("buckets", self.buckets.len().into()),
                 ("bytes", bytes.into()),
                 ("comm_wait_ms", (comm_wait.as_secs_f64() * 1e3).into()),
-            ],
-        );
+            ];
+            trace::record_span("backward", "train", start, Instant::now(), args);
+        }
         self.totals.steps += 1;
         self.totals.total += stats.total;
         self.totals.comm_wait += stats.comm_wait;

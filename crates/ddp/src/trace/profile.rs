@@ -130,13 +130,10 @@ impl StepProfiler {
         }
         let r = f();
         let end = Instant::now();
-        record_span(
-            phase.name(),
-            "train",
-            start,
-            end,
-            vec![("step", self.step.into())],
-        );
+        if super::enabled() {
+            let args = vec![("step", self.step.into())];
+            record_span(phase.name(), "train", start, end, args);
+        }
         if let Some((_, rec, _)) = &mut self.open {
             let s = (end - start).as_secs_f64();
             match phase {
@@ -162,7 +159,9 @@ impl StepProfiler {
             let end = Instant::now();
             rec.total = (end - start).as_secs_f64();
             rec.comm_busy = (self.comm.busy().saturating_sub(busy0)).as_secs_f64();
-            record_span("step", "step", start, end, vec![("step", self.step.into())]);
+            if super::enabled() {
+                record_span("step", "step", start, end, vec![("step", self.step.into())]);
+            }
             self.step += 1;
             if self.records.len() < MAX_STEPS {
                 self.records.push(rec);

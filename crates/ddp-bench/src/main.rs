@@ -13,6 +13,7 @@ mod launch;
 mod sweep;
 #[cfg(feature = "nccl")]
 mod sweep_cuda;
+mod trace_cost;
 mod train;
 mod train_burn;
 
@@ -59,6 +60,19 @@ enum Cmd {
     Broadcast(SweepArgs),
     /// DDP training throughput: MLP 784-HxL-10 on synthetic data, one thread per rank
     Train(TrainArgs),
+    /// Cost of one timeline span (`ddp::trace`) with tracing off and on, in ns (one rank)
+    TraceCost(TraceCostArgs),
+}
+
+/// Options of `ddp-bench trace-cost`.
+#[derive(Args, Clone, Debug)]
+pub struct TraceCostArgs {
+    /// Spans recorded per measurement.
+    #[arg(long, default_value_t = 200_000, value_parser = int_in::<usize>(1000, 1_000_000))]
+    pub spans: usize,
+    /// Measurements (the median is reported).
+    #[arg(long, default_value_t = 5, value_parser = int_in::<usize>(1, 100))]
+    pub reps: usize,
 }
 
 /// Options of `ddp-bench train`.
@@ -127,6 +141,10 @@ pub struct TrainArgs {
     /// the burn-flex CPU backend; `--staged` and `--weight-layout` are candle's).
     #[arg(long, default_value = "candle", value_parser = ["candle", "burn"])]
     pub framework: String,
+    /// Record every rank's timeline of the timed steps; rank 0 merges them into DIR/trace.json
+    /// (Chrome trace) [default: env DDP_TRACE].
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<std::path::PathBuf>,
 }
 
 /// Options shared by every sweep.
@@ -180,6 +198,7 @@ fn main() {
     }
     let (backend, nproc) = match &cli.cmd {
         Cmd::Train(a) => (a.backend.clone(), a.nproc),
+        Cmd::TraceCost(_) => ("auto".to_string(), 1),
         Cmd::Allreduce(a) | Cmd::AllGather(a) | Cmd::ReduceScatter(a) | Cmd::Broadcast(a) => {
             (a.backend.clone(), a.nproc)
         }
@@ -194,6 +213,7 @@ fn main() {
     let result = match cli.cmd {
         Cmd::Train(a) if a.framework == "burn" => train_burn::run(&a),
         Cmd::Train(a) => train::run(&a),
+        Cmd::TraceCost(a) => trace_cost::run(&a),
         Cmd::Allreduce(a) => sweep::run(sweep::Op::AllReduce, &a),
         Cmd::AllGather(a) => sweep::run(sweep::Op::AllGather, &a),
         Cmd::ReduceScatter(a) => sweep::run(sweep::Op::ReduceScatter, &a),

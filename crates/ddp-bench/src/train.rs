@@ -7,6 +7,7 @@
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
 use ddp::sharding::ZeroStage;
+use ddp::trace;
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
 use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
@@ -169,9 +170,14 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let mut step = || -> Result<StepCost, Error> {
         let before = sent(&zero, &averager);
         let out = if !args.staged {
-            let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
-            let loss = candle_nn::loss::cross_entropy(&logits, &y)?;
+            let loss = {
+                let _s = trace::span("forward", "train");
+                ddp::trace::debug::slow_forward();
+                let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
+                candle_nn::loss::cross_entropy(&logits, &y)?
+            };
             zero.backward(&loss)?;
+            let _s = trace::span("optimizer", "train");
             zero.step()?;
             loss
         } else {
@@ -253,16 +259,23 @@ pub(crate) fn measure(
     for _ in 0..args.warmup {
         step()?;
     }
+    // The timeline (`--trace`, `DDP_TRACE`) covers the timed steps.
+    ddp::trace::start_from_env(pg, args.trace.as_deref())?;
     pg.barrier()?;
     let t = Instant::now();
     let (mut wait, mut bytes) = (0.0, 0u64);
-    for _ in 0..args.steps {
+    for i in 0..args.steps {
+        let _s = ddp::trace::span("step", "step").arg("step", i);
         let c = step()?;
         wait += c.wait_s;
         bytes += c.bytes;
     }
     sync()?;
-    let mut times = [t.elapsed().as_secs_f64(), wait];
+    let elapsed = t.elapsed().as_secs_f64();
+    if let Some(path) = ddp::trace::finish(pg)? {
+        println!("# timeline of every rank: {}", path.display());
+    }
+    let mut times = [elapsed, wait];
     pg.all_reduce(&mut times, ReduceOp::Max)?;
     let (elapsed, wait) = (times[0], times[1]);
     Ok(Timing {

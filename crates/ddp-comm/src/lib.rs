@@ -15,6 +15,7 @@
 //! - [`algorithms`]: one file per collective algorithm (ring, recursive doubling, trees, ...).
 //! - [`process_group`]: init, groups, subgroups, the engine thread and the public collective API.
 //! - [`work`]: async work handles.
+//! - [`observe`]: the hook through which timelines and profilers see each collective.
 //! - [`dtype`]: element types and reduction ops.
 //! - [`error`]: the error type.
 //! - [`testing`]: running N ranks as threads of one process, for tests.
@@ -32,6 +33,7 @@ pub mod error;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod host;
+pub mod observe;
 pub mod process_group;
 pub mod store;
 pub mod testing;

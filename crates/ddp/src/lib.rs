@@ -10,6 +10,7 @@ pub mod prelude;
 pub mod reducer;
 pub mod sampler;
 pub mod sharding;
+pub mod trace;
 pub mod verify;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta, TensorData};

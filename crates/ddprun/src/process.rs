@@ -2,9 +2,10 @@
 //! piped to reader threads), reaping it on a waiter thread that reports the exit with its time,
 //! and describing exit statuses.
 
-use crate::output::{spawn_reader, Sink, Tail};
+use crate::output::{spawn_reader, Console, Sink, Tail};
 use crate::signals::signal_name;
 use crate::worker_env::Placement;
+use std::io::IsTerminal;
 use std::os::unix::process::{CommandExt, ExitStatusExt};
 use std::process::{Command, ExitStatus, Stdio};
 use std::sync::mpsc::Sender;
@@ -65,7 +66,10 @@ impl Worker {
 /// process group (so group signals reach anything it starts, and a Ctrl-C on the terminal reaches
 /// only the launcher, which forwards it), a parent-death signal (SIGKILL if the launcher dies),
 /// stdin from /dev/null and piped stdout/stderr copied by reader threads into `stdout`/`stderr`
-/// (the stderr sink's tail must be `tail`). Its exit is sent on `events`.
+/// (the stderr sink's tail must be `tail`). Its exit is sent on `events`. A stdout shown
+/// unprefixed on the launcher's stdout and logged nowhere is the launcher's stdout itself when
+/// that is a terminal (rank 0 under `ConsoleStyle::Rank0Stdout`: its progress bar reaches the
+/// terminal).
 ///
 /// Must be called from the thread that stays alive for the whole run (the parent-death signal
 /// is tied to the spawning thread).
@@ -81,11 +85,18 @@ pub fn spawn(
     let (exe, args) = program
         .split_first()
         .ok_or_else(|| "no worker program given".to_string())?;
+    let inherit_stdout = stdout.file.is_none()
+        && matches!(&stdout.console, Some((Console::Stdout, prefix)) if prefix.is_empty())
+        && std::io::stdout().is_terminal();
     let mut cmd = Command::new(exe);
     cmd.args(args)
         .envs(env.iter().map(|(k, v)| (k, v)))
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
+        .stdout(if inherit_stdout {
+            Stdio::inherit()
+        } else {
+            Stdio::piped()
+        })
         .stderr(Stdio::piped());
     // SAFETY: getpid is async-signal-safe; read before forking.
     let launcher_pid = unsafe { libc::getpid() };
@@ -120,10 +131,12 @@ pub fn spawn(
     let pid = child.id() as i32;
     let started = SystemTime::now();
     let mut readers = Vec::with_capacity(2);
-    let out = child.stdout.take().expect("stdout is piped");
     let err = child.stderr.take().expect("stderr is piped");
     let spawn_err = |e: std::io::Error| format!("cannot start output thread for rank {rank}: {e}");
-    let r1 = spawn_reader(format!("rank{rank}-stdout"), out, stdout);
+    let r1 = child
+        .stdout
+        .take()
+        .map(|out| spawn_reader(format!("rank{rank}-stdout"), out, stdout));
     let r2 = spawn_reader(format!("rank{rank}-stderr"), err, stderr);
     let local_rank = placement.local_rank;
     let waiter = std::thread::Builder::new()
@@ -144,7 +157,9 @@ pub fn spawn(
             });
         });
     let ok = (|| -> Result<(), String> {
-        readers.push(r1.map_err(spawn_err)?);
+        if let Some(r1) = r1 {
+            readers.push(r1.map_err(spawn_err)?);
+        }
         readers.push(r2.map_err(spawn_err)?);
         waiter.map_err(spawn_err)?;
         Ok(())

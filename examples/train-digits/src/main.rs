@@ -11,6 +11,7 @@
 mod data;
 mod launcher;
 mod model;
+mod observe;
 mod train;
 
 use clap::{Parser, ValueEnum};
@@ -121,6 +122,24 @@ pub struct Args {
     /// --checkpoint-dir, stages 1 and 2 write sharded checkpoints (`ddp::sharding`).
     #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 3))]
     pub zero: u8,
+    /// Record every rank's timeline (forward, backward, buckets, collectives, optimizer, data,
+    /// checkpoints); rank 0 merges them into DIR/trace.json (Chrome trace: Perfetto or
+    /// chrome://tracing) and writes DIR/report.json [default: env DDP_TRACE].
+    #[arg(long, value_name = "DIR")]
+    pub trace: Option<std::path::PathBuf>,
+    /// Rank 0 appends one JSON line per logged step (loss, accuracy at epoch ends, lr,
+    /// samples/s, communication wait, bytes sent) and the bottleneck report; `ddp-plot` draws it.
+    #[arg(long, value_name = "FILE")]
+    pub metrics: Option<std::path::PathBuf>,
+    /// Log a metrics line every this many steps.
+    #[arg(long, default_value_t = 10, value_parser = int_in::<u64>(1, 1 << 32))]
+    pub metrics_every: u64,
+    /// Rank 0 writes the bottleneck report (per-rank step split, straggler) as JSON to FILE.
+    #[arg(long, value_name = "FILE")]
+    pub report: Option<std::path::PathBuf>,
+    /// No progress bar, progress lines or epoch lines (the summary is still printed).
+    #[arg(long)]
+    pub quiet: bool,
 }
 
 impl Args {

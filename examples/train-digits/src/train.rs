@@ -5,12 +5,14 @@
 
 use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
+use crate::observe::{MetricsLog, Progress, StepMetrics};
 use crate::{Args, Backend, BackwardMode, OptimizerKind};
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
 use ddp::hooks::PeriodicModelAverager;
 use ddp::sharding::ZeroStage;
+use ddp::trace::{self, Phase, StepProfiler};
 use ddp::DistributedSampler;
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
 use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
@@ -116,6 +118,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     }
     let pg = init_process_group(init_options(args))?;
     let (rank, world) = (pg.rank(), pg.size());
+    let tracing = trace::start_from_env(&pg, args.trace.as_deref())?;
     let all = data::load()?;
     let (train, test) = data::train_test_split(&all);
 
@@ -222,6 +225,20 @@ pub fn run(args: &Args) -> BoxResult<()> {
         );
     }
 
+    let steps_per_epoch = sampler.len().div_ceil(args.batch_size) as u64;
+    let total_steps = args
+        .max_steps
+        .unwrap_or(u64::MAX)
+        .min(args.epochs.saturating_mul(steps_per_epoch));
+    let mut progress = Progress::new(rank, args.quiet, total_steps, pos.step, args.epochs);
+    let mut metrics = match (&args.metrics, rank) {
+        (Some(path), 0) => Some(
+            MetricsLog::open(path, args.metrics_every, world)
+                .map_err(|e| format!("--metrics {}: {e}", path.display()))?,
+        ),
+        _ => None,
+    };
+    let mut prof = StepProfiler::new(&pg);
     let stage1 = |x: &Tensor| model.stage1(x);
     let stage2 = |h: &Tensor| model.stage2(h);
     let stages: [&dyn Module; 2] = [&stage1, &stage2];
@@ -239,26 +256,39 @@ pub fn run(args: &Args) -> BoxResult<()> {
             if args.max_steps.is_some_and(|m| pos.step >= m) {
                 break 'epochs;
             }
-            let (x, y) = train.gather(batch);
-            let x = Tensor::from_vec(x, (batch.len(), FEATURES), &device)?;
-            let y = Tensor::from_vec(y, batch.len(), &device)?;
+            prof.begin_step();
+            let (x, y) = prof.phase(Phase::Data, || -> candle_core::Result<_> {
+                let (x, y) = train.gather(batch);
+                let x = Tensor::from_vec(x, (batch.len(), FEATURES), &device)?;
+                Ok((x, Tensor::from_vec(y, batch.len(), &device)?))
+            })?;
+            // The reducer records the backward (and its buckets) on the timeline itself.
             let loss = match args.backward {
                 BackwardMode::Plain => {
-                    let loss = candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)?;
+                    let loss = prof.phase(Phase::Forward, || {
+                        candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)
+                    })?;
                     ddp.backward(&loss)?;
-                    ddp.step()?;
+                    prof.phase(Phase::Optimizer, || ddp.step())?;
                     loss
                 }
                 BackwardMode::Staged => {
-                    let out = ddp
-                        .ddp_mut()
-                        .forward_backward_staged(&stages, &x, |logits| {
-                            candle_nn::loss::cross_entropy(logits, &y)
-                        })?;
-                    ddp.optimizer_mut().step(&out.grads)?;
+                    // Forward and backward interleave stage by stage: one span for both.
+                    let out = prof.phase(Phase::Forward, || {
+                        ddp.ddp_mut()
+                            .forward_backward_staged(&stages, &x, |logits| {
+                                candle_nn::loss::cross_entropy(logits, &y)
+                            })
+                    })?;
+                    prof.phase(Phase::Optimizer, || ddp.optimizer_mut().step(&out.grads))?;
                     out.loss
                 }
             };
+            let wait = ddp
+                .ddp()
+                .last_step_stats()
+                .map_or(Duration::ZERO, |s| s.comm_wait);
+            prof.add_comm_wait(wait);
             if let Some(a) = &mut averager {
                 a.average_parameters(&pg, ddp.params())?;
             }
@@ -266,12 +296,49 @@ pub fn run(args: &Args) -> BoxResult<()> {
             pos.consumed += batch.len();
             steps_run += 1;
             local_samples += batch.len() as u64;
-            loss_sum += loss.to_scalar::<f32>()? as f64;
+            let loss = loss.to_scalar::<f32>()? as f64;
+            loss_sum += loss;
             batches += 1;
+            prof.end_step();
+            let elapsed = start.elapsed().as_secs_f64();
+            let sps = (local_samples * world as u64) as f64 / elapsed.max(1e-9);
+            progress.step(pos.epoch, pos.step, loss, sps);
+            if let Some(m) = &mut metrics {
+                m.count(batch.len(), wait);
+                let last_of_epoch = pos.consumed >= sampler.len();
+                if m.due(pos.step) && !last_of_epoch {
+                    m.write(StepMetrics {
+                        step: pos.step,
+                        epoch: pos.epoch,
+                        loss,
+                        accuracy: None,
+                        lr: args.lr(),
+                        bytes_sent: ddp.reducer().bytes_sent(),
+                    })?;
+                }
+            }
         }
         pos.epoch += 1;
         pos.consumed = 0;
-        save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)?;
+        if let Some(m) = &mut metrics {
+            // The epoch's last line carries the held-out accuracy (rank 0 evaluates).
+            let paused = Instant::now();
+            let (acc, _) = prof.phase(Phase::Eval, || {
+                evaluate(&model, &test.features, &test.labels)
+            })?;
+            m.write(StepMetrics {
+                step: pos.step,
+                epoch: pos.epoch - 1,
+                loss: loss_sum / batches.max(1) as f64,
+                accuracy: Some(acc),
+                lr: args.lr(),
+                bytes_sent: ddp.reducer().bytes_sent(),
+            })?;
+            eval_time += paused.elapsed();
+        }
+        prof.phase(Phase::Checkpoint, || {
+            save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)
+        })?;
         if let Some(target) = args.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
@@ -287,11 +354,12 @@ pub fn run(args: &Args) -> BoxResult<()> {
             }
         }
         if rank == 0
+            && !args.quiet
             && args.log_every > 0
             && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
         {
             let (acc, _) = evaluate(&model, &test.features, &test.labels)?;
-            println!(
+            progress.println(&format!(
                 "epoch {:>3}/{}  step {:>5}  train_loss(rank0) {:.4}  test_acc {:.4}  {:.1}s",
                 pos.epoch,
                 args.epochs,
@@ -299,13 +367,16 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 loss_sum / batches.max(1) as f64,
                 acc,
                 start.elapsed().as_secs_f64()
-            );
+            ));
         }
     }
+    progress.finish();
     let train_time = start.elapsed() - eval_time;
     // Stopped early (--max-steps) mid-epoch: record the exact position.
     if pos.epoch < args.epochs {
-        save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)?;
+        prof.phase(Phase::Checkpoint, || {
+            save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)
+        })?;
     }
     // Local SGD: the replicas differ between averagings; average once more so that every rank
     // ends with the same model.
@@ -319,6 +390,26 @@ pub fn run(args: &Args) -> BoxResult<()> {
         let sent = r.bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent());
         sent as f64 / steps_run.max(1) as f64
     };
+
+    // Where the steps' time went (a collective), then the merged timeline.
+    let report = prof.report(&pg)?;
+    if let (Some(m), true) = (&mut metrics, rank == 0) {
+        m.write_report(&report)?;
+    }
+    if let Some(path) = trace::finish(&pg)? {
+        println!("timeline of every rank: {}", path.display());
+    }
+    if rank == 0 {
+        println!("{report}");
+        let mut targets: Vec<std::path::PathBuf> = args.report.iter().cloned().collect();
+        if let (true, Some(dir)) = (tracing, trace_dir(args)) {
+            targets.push(dir.join("report.json"));
+        }
+        for path in targets {
+            std::fs::write(&path, format!("{}\n", report.to_json()))
+                .map_err(|e| format!("bottleneck report {}: {e}", path.display()))?;
+        }
+    }
 
     // Summary: global samples, replica check, statistics.
     let mut counts = [local_samples as f64, train_time.as_secs_f64()];
@@ -391,4 +482,13 @@ pub fn run(args: &Args) -> BoxResult<()> {
         return Err(format!("after training: {}", replicas.describe(&ddp.param_names())).into());
     }
     Ok(())
+}
+
+/// The trace directory: `--trace`, else `DDP_TRACE`.
+fn trace_dir(args: &Args) -> Option<std::path::PathBuf> {
+    args.trace.clone().or_else(|| {
+        std::env::var_os(trace::TRACE_ENV)
+            .filter(|v| !v.is_empty())
+            .map(Into::into)
+    })
 }

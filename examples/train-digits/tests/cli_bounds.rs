@@ -35,6 +35,7 @@ fn every_numeric_flag_at_its_bounds() {
         ("--max-steps", U64_MAX),
         ("--timeout-s", U64_MAX),
         ("--log-every", U64_MAX),
+        ("--metrics-every", U64_MAX),
     ]);
     for (flag, value) in [
         ("--hidden", "0"),

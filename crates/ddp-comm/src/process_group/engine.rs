@@ -8,11 +8,12 @@
 //! ([`Shared::idle`]): the engine is behind a lock, so it still runs alone and in order, and
 //! the caller saves the two thread switches of a hand-off (several µs per small collective).
 
-use crate::backend::CollectiveBackend;
+use crate::backend::{CollectiveBackend, Topology};
+use crate::observe::{CollectiveEvent, CollectiveObserver};
 use crate::transport::{Fingerprint, OpKind};
 use crate::{Error, Result};
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc, Mutex, MutexGuard};
+use std::sync::{mpsc, Arc, Mutex, MutexGuard, OnceLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -58,22 +59,35 @@ pub(super) struct Engine {
     /// Per peer: messages sent to it, messages received from it (send/recv sequence numbers).
     p2p: Vec<(u64, u64)>,
     broken: Option<Error>,
+    /// Set once by `ProcessGroup::set_observer`; read once per collective.
+    observer: ObserverSlot,
+    rank: usize,
+    topology: Topology,
 }
+
+/// The observer of a group, shared by its handle and its engine thread.
+pub(super) type ObserverSlot = Arc<OnceLock<Arc<dyn CollectiveObserver>>>;
 
 impl Engine {
     /// Start the thread `name` running the jobs sent to the returned channel on `backend`.
     pub(super) fn start(
         backend: Box<dyn CollectiveBackend>,
+        rank: usize,
         size: usize,
         name: String,
+        observer: ObserverSlot,
     ) -> Result<(Arc<Shared>, mpsc::Sender<Job>, JoinHandle<()>)> {
         let (tx, rx) = mpsc::channel::<Job>();
+        let topology = backend.topology();
         let shared = Arc::new(Shared {
             engine: Mutex::new(Engine {
                 backend,
                 seq: 0,
                 p2p: vec![(0, 0); size],
                 broken: None,
+                observer,
+                rank,
+                topology,
             }),
             queued: AtomicUsize::new(0),
         });
@@ -143,8 +157,22 @@ impl Engine {
             fp.seq = self.seq;
             self.seq += 1;
         }
-        self.backend.begin(fp, Instant::now() + timeout);
-        match f(&mut *self.backend) {
+        let start = Instant::now();
+        self.backend.begin(fp, start + timeout);
+        let result = f(&mut *self.backend);
+        if let Some(observer) = self.observer.get() {
+            observer.collective(&CollectiveEvent {
+                fingerprint: &fp,
+                bytes: fp.count * fp.dtype.size() as u64,
+                start,
+                end: Instant::now(),
+                ok: result.is_ok(),
+                rank: self.rank,
+                size: self.p2p.len(),
+                topology: &self.topology,
+            });
+        }
+        match result {
             Ok(v) => Ok(v),
             Err(e) => {
                 tracing::error!("{e}");

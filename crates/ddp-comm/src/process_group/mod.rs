@@ -21,11 +21,12 @@ pub use init::{init_process_group, InitOptions, DEFAULT_TIMEOUT, SOCKET_IFNAME_E
 
 use crate::backend::{select, BackendPlan, CollectiveBackend};
 use crate::dtype::{DType, ReduceOp};
+use crate::observe::CollectiveObserver;
 use crate::store::{PrefixStore, Store, StoreServer};
 use crate::transport::{Fingerprint, OpKind};
 use crate::work::{self, Work};
 use crate::{Error, Result};
-use engine::{CollectiveFn, Engine, Job, Shared};
+use engine::{CollectiveFn, Engine, Job, ObserverSlot, Shared};
 use init::{check_membership, GroupPlan};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc;
@@ -55,6 +56,8 @@ struct Inner {
     device_groups: AtomicU64,
     /// What the backend resolved to.
     topology: Topology,
+    /// Who sees this group's collectives (see [`ProcessGroup::set_observer`]).
+    observer: ObserverSlot,
 }
 
 impl Drop for Inner {
@@ -121,8 +124,14 @@ impl ProcessGroup {
     ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         let topology = backend.topology();
-        let (engine, tx, thread) =
-            Engine::start(backend, size, format!("ddp-comm-r{}", global_ranks[rank]))?;
+        let observer = ObserverSlot::default();
+        let (engine, tx, thread) = Engine::start(
+            backend,
+            rank,
+            size,
+            format!("ddp-comm-r{}", global_ranks[rank]),
+            observer.clone(),
+        )?;
         Ok(ProcessGroup {
             inner: Arc::new(Inner {
                 rank,
@@ -137,6 +146,7 @@ impl ProcessGroup {
                 device_groups: AtomicU64::new(0),
                 plan,
                 topology,
+                observer,
             }),
             timeout,
         })
@@ -198,6 +208,19 @@ impl ProcessGroup {
     /// `hierarchical: 2 hosts x [2, 2] ranks, shm inside a host, tcp between`.
     pub fn topology(&self) -> &Topology {
         &self.inner.topology
+    }
+
+    /// Reports every later collective of this group to `observer`, on the thread that runs it
+    /// (the group's engine thread, or the caller's for a blocking collective issued while the
+    /// group is idle; see [`crate::observe`]). Once per group: `false` (and `observer` unused) when the group
+    /// already has one. Subgroups made later have their own.
+    pub fn set_observer(&self, observer: Arc<dyn CollectiveObserver>) -> bool {
+        self.inner.observer.set(observer).is_ok()
+    }
+
+    /// Whether [`set_observer`](Self::set_observer) gave this group an observer.
+    pub fn has_observer(&self) -> bool {
+        self.inner.observer.get().is_some()
     }
 
     /// The timeout of collectives issued through this handle.

@@ -14,6 +14,9 @@
 //! - Overlap measurement ([`StepStats`]): time blocked waiting for communication inside `finish`
 //!   versus the whole backward+communication time of the step.
 //! - The finite check ([`Reducer::set_check_finite`], module `finite`).
+//! - The timeline ([`crate::trace`], when on): a `backward` span from the start of backward to
+//!   the end of `finish`, each bucket's `ready` instant, its flight from launch to the end of the
+//!   wait for it, and each wait.
 //!
 //! Parameters that receive no gradient in a backward (unused in this forward) contribute zeros;
 //! a rank that has joined (run out of data) therefore shadows the others' collectives by calling
@@ -25,6 +28,7 @@ use super::device::DeviceSlice;
 use super::hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState};
 use super::spec::{verify_param_specs, ParamSpec};
 use crate::error::{Error, Result};
+use crate::trace;
 use ddp_comm::{DType, Element, ProcessGroup};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -92,6 +96,8 @@ struct Bucket {
     /// Gradients of this bucket not yet marked in the current backward.
     pending: usize,
     state: BucketState,
+    /// When it was handed to the hook in this step (recorded only while tracing).
+    launched: Option<Instant>,
 }
 
 #[derive(Clone, Copy)]
@@ -216,6 +222,7 @@ impl Reducer {
                 shapes,
                 numel: info.numel,
                 state: BucketState::Idle(buf),
+                launched: None,
             });
         }
         Ok(Reducer {
@@ -471,6 +478,17 @@ impl Reducer {
         s.marked = true;
         s.accumulated = true;
         bucket.pending -= 1;
+        if bucket.pending == 0 && trace::enabled() {
+            trace::instant(
+                format!("bucket {} ready", slot.bucket),
+                "bucket",
+                vec![
+                    ("bucket", slot.bucket.into()),
+                    ("bytes", (bucket.numel * bucket.dtype.size()).into()),
+                    ("step", self.step.into()),
+                ],
+            );
+        }
         if self.current == Some(true) {
             self.launch_ready();
         }
@@ -483,6 +501,7 @@ impl Reducer {
         while self.next_launch < self.buckets.len() && self.buckets[self.next_launch].pending == 0 {
             let index = self.next_launch;
             let b = &mut self.buckets[index];
+            b.launched = trace::enabled().then(Instant::now);
             let state = std::mem::replace(&mut b.state, BucketState::Lost);
             b.state = match state {
                 BucketState::Idle(buffer) => BucketState::InFlight(self.hook.run(
@@ -541,6 +560,10 @@ impl Reducer {
                 total: start.elapsed(),
                 ..Default::default()
             };
+            if trace::enabled() {
+                let args = vec![("step", self.step.into())];
+                trace::record_span("backward (no_sync)", "train", start, Instant::now(), args);
+            }
             self.last = Some(stats);
             return Ok(stats);
         }
@@ -589,7 +612,29 @@ impl Reducer {
                     )))
                 }
             });
-            comm_wait += t.elapsed();
+            let waited = Instant::now();
+            comm_wait += waited - t;
+            if let Some(launched) = b.launched.take() {
+                let bytes = b.numel * b.dtype.size();
+                let args = || {
+                    vec![
+                        ("bucket", bi.into()),
+                        ("bytes", bytes.into()),
+                        ("params", b.params.len().into()),
+                        ("step", self.step.into()),
+                    ]
+                };
+                trace::record_span(format!("wait bucket {bi}"), "bucket", t, waited, args());
+                let id = (self.step << 16) | bi as u64;
+                trace::record_async(
+                    format!("bucket {bi}"),
+                    "bucket",
+                    id,
+                    launched,
+                    waited,
+                    args(),
+                );
+            }
             match result {
                 Ok(buf) => {
                     b.state = BucketState::Idle(buf);
@@ -640,6 +685,15 @@ impl Reducer {
             buckets: self.buckets.len(),
             bytes,
         };
+        if trace::enabled() {
+            let args = vec![
+                ("step", self.step.into()),
+                ("buckets", self.buckets.len().into()),
+                ("bytes", bytes.into()),
+                ("comm_wait_ms", (comm_wait.as_secs_f64() * 1e3).into()),
+            ];
+            trace::record_span("backward", "train", start, Instant::now(), args);
+        }
         self.totals.steps += 1;
         self.totals.total += stats.total;
         self.totals.comm_wait += stats.comm_wait;

@@ -1,0 +1,132 @@
+//! `ddp-plot` on real outputs: `tests/data/` holds a metrics file of a short `train-digits` run
+//! with a rank slowed on purpose (`DDP_DEBUG_SLOW_RANK=1:20ms ... --metrics`) and `ddp-bench
+//! allreduce --json` sweeps over TCP and shared memory (see `tests/data/README.md`). The
+//! pictures must exist, be valid SVG and PNG, and carry their labels.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_ddp-plot");
+
+fn data(name: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/data")
+        .join(name)
+}
+
+/// Whether a font for the labels is there (the binary's own search, by its error).
+fn font_missing(stderr: &str) -> bool {
+    stderr.contains("no TrueType font found")
+}
+
+fn plot(inputs: &[PathBuf], out: &Path) -> Option<Vec<String>> {
+    let o = Command::new(BIN)
+        .args(inputs)
+        .arg("--out")
+        .arg(out)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    if font_missing(&stderr) {
+        eprintln!("SKIPPED: {stderr}");
+        return None;
+    }
+    assert!(o.status.success(), "ddp-plot failed: {stderr}");
+    Some(
+        String::from_utf8(o.stdout)
+            .unwrap()
+            .lines()
+            .map(str::to_string)
+            .collect(),
+    )
+}
+
+fn check_svg(path: &Path, labels: &[&str]) {
+    let svg = std::fs::read_to_string(path).unwrap();
+    assert!(svg.trim_start().starts_with("<svg"), "{}", path.display());
+    assert!(svg.trim_end().ends_with("</svg>"), "{}", path.display());
+    assert!(svg.contains("<text"), "no text in {}", path.display());
+    for l in labels {
+        assert!(svg.contains(l), "{} lacks `{l}`", path.display());
+    }
+}
+
+/// Decodes the PNG and checks that it is drawn on: many non-white pixels, several colours.
+fn check_png(path: &Path) {
+    let img = image::open(path)
+        .unwrap_or_else(|e| panic!("{} is not a PNG: {e}", path.display()))
+        .to_rgb8();
+    assert_eq!(img.dimensions(), (900, 520), "{}", path.display());
+    let inked = img.pixels().filter(|p| p.0 != [255, 255, 255]).count();
+    assert!(
+        inked > 900 * 520 / 50,
+        "{}: only {inked} pixels drawn",
+        path.display()
+    );
+    let colours: std::collections::HashSet<[u8; 3]> = img
+        .pixels()
+        .filter(|p| {
+            let [r, g, b] = p.0;
+            r.abs_diff(g) > 40 || g.abs_diff(b) > 40
+        })
+        .map(|p| p.0)
+        .collect();
+    assert!(colours.len() >= 3, "{}: no coloured series", path.display());
+}
+
+#[test]
+fn metrics_report_and_sweeps_become_labelled_svg_and_png() {
+    let out = tempfile::tempdir().unwrap();
+    let inputs = [
+        data("metrics.jsonl"),
+        data("allreduce-tcp.jsonl"),
+        data("allreduce-shm.jsonl"),
+    ];
+    let Some(made) = plot(&inputs, out.path()) else {
+        return;
+    };
+    assert_eq!(made.len(), 8, "{made:?}");
+    for (name, labels) in [
+        (
+            "loss_accuracy",
+            &["step", "training loss", "held-out accuracy"][..],
+        ),
+        ("throughput", &["samples/s", "ms/step"][..]),
+        (
+            "step_breakdown",
+            &[
+                "rank 0",
+                "rank 1",
+                "straggler",
+                "waiting for the slowest rank",
+                "ms",
+            ][..],
+        ),
+        (
+            "busbw",
+            &["GB/s", "allreduce-tcp", "allreduce-shm", "MiB"][..],
+        ),
+    ] {
+        let svg = out.path().join(format!("{name}.svg"));
+        let png = out.path().join(format!("{name}.png"));
+        assert!(made.contains(&svg.display().to_string()), "{made:?}");
+        check_svg(&svg, labels);
+        check_png(&png);
+    }
+}
+
+#[test]
+fn unusable_inputs_are_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("notes.txt");
+    std::fs::write(&bad, "hello\n{\"nothing\": 1}\n").unwrap();
+    let o = Command::new(BIN)
+        .arg(&bad)
+        .arg("--out")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    assert!(!o.status.success());
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(stderr.contains("notes.txt"), "{stderr}");
+}

@@ -131,7 +131,7 @@ pub fn all_reduce_half<T: Element>(
 }
 
 /// The reduce-scatter half of [`all_reduce_half`]: returns the buffer widened to `f32` whose
-/// segment `r` (of `p`, as [`segment`]) holds the finished reduction on rank `r`. Step 1 sends
+/// segment `r` (of `p` nearly equal segments) holds the finished reduction on rank `r`. Step 1 sends
 /// the raw `T` inputs, later steps the `f32` partial sums.
 pub fn reduce_scatter_half<T: Element>(
     t: &mut dyn Transport,

@@ -19,7 +19,7 @@
 //! - Collectives are MPI's blocking calls: the engine runs one collective at a time anyway, and
 //!   Open MPI's blocking collectives (its tuned component) are 2-3.5x faster on one host than
 //!   the non-blocking ones (libnbc). MPI has no timeouts, so each call is watched
-//!   ([`watchdog`]): a collective a peer never joins ends the job with [`Error::Timeout`]
+//!   (`watchdog.rs`): a collective a peer never joins ends the job with [`Error::Timeout`]
 //!   naming it and its sequence number, then `MPI_Abort` (a pending MPI collective cannot be
 //!   cancelled). A peer that dies is reported by `mpirun` itself, which ends the job.
 //! - Blocking calls need `MPI_THREAD_MULTIPLE` (what we ask for; then no lock is held during a

@@ -11,6 +11,8 @@
 //! With 2 ranks one addition is the whole reduction, so only world sizes >= 3 can tell; 2 is
 //! checked for correctness.
 
+#[path = "common/alone.rs"]
+mod alone;
 mod common;
 
 use common::{assert_same, run_ranks_on, run_ranks_on_hosts, Num};
@@ -215,26 +217,8 @@ fn bytes_of(pg: &ProcessGroup, op: impl FnOnce()) -> u64 {
 /// gives 1.
 #[test]
 fn tcp_ring_sends_half_as_16_bits_wherever_exact() {
-    // `/proc/self/io` counts the whole process, and `cargo test` runs this binary's other tests
-    // in it at the same time: measure in a child process that runs only this test.
-    const CHILD: &str = "DDP_TEST_HALF_WIRE_CHILD";
-    if std::env::var_os(CHILD).is_none() {
-        let name = "tcp_ring_sends_half_as_16_bits_wherever_exact";
-        let out = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", name, "--nocapture", "--test-threads=1"])
-            .env(CHILD, "1")
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "the measuring child failed:\n{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-        assert!(
-            String::from_utf8_lossy(&out.stdout).contains("1 passed"),
-            "the child ran no test"
-        );
+    // `/proc/self/io` counts the whole process: measure alone.
+    if !alone::in_own_process("tcp_ring_sends_half_as_16_bits_wherever_exact") {
         return;
     }
     const N: usize = 1 << 20;

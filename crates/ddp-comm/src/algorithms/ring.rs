@@ -9,6 +9,7 @@ use super::{bytes, bytes_mut, segment, split_disjoint};
 use crate::dtype::{Element, ReduceOp};
 use crate::transport::Transport;
 use crate::Result;
+use std::ops::Range;
 
 /// Bytes moved per exchange within one ring step.
 pub const CHUNK_BYTES: usize = 256 * 1024;
@@ -24,22 +25,39 @@ pub fn reduce_scatter<T: Element>(
     if p == 1 {
         return Ok(());
     }
-    let n = buf.len();
-    let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+    let (n, next, prev) = (buf.len(), (r + 1) % p, (r + p - 1) % p);
     let chunk = (CHUNK_BYTES / std::mem::size_of::<T>()).max(1);
     let mut tmp: Vec<T> = vec![T::zeroed(); segment(n, p, 0).len().min(chunk)];
+    walk_reduce_scatter(n, r, p, chunk, |_, sr, rr| {
+        let got = &mut tmp[..rr.len()];
+        t.send_recv(next, bytes(&buf[sr]), prev, bytes_mut(got))?;
+        T::reduce_into(&mut buf[rr], got, op);
+        Ok(())
+    })
+}
+
+/// The ring reduce-scatter's schedule on rank `r` of `p` over `n` elements: for each step `s`
+/// and chunk, `f(s, send, recv)` with the element ranges to send to `r + 1` and to receive
+/// from `r - 1` and reduce. Segment lengths differ by at most one; both are walked in chunk
+/// steps, and an empty exchange is still made so that a zero-length segment keeps the two ends
+/// in step.
+fn walk_reduce_scatter(
+    n: usize,
+    r: usize,
+    p: usize,
+    chunk: usize,
+    mut f: impl FnMut(usize, Range<usize>, Range<usize>) -> Result<()>,
+) -> Result<()> {
     for s in 0..p - 1 {
         let send_seg = segment(n, p, (r + 2 * p - s - 1) % p);
         let recv_seg = segment(n, p, (r + 2 * p - s - 2) % p);
-        // Segment lengths differ by at most one; walk both in chunk steps (an empty exchange is
-        // still sent so that a zero-length segment keeps the two ends in step).
         let steps = send_seg.len().max(recv_seg.len()).div_ceil(chunk).max(1);
         for c in 0..steps {
-            let sr = clip(&send_seg, c * chunk, chunk);
-            let rr = clip(&recv_seg, c * chunk, chunk);
-            let got = &mut tmp[..rr.len()];
-            t.send_recv(next, bytes(&buf[sr]), prev, bytes_mut(got))?;
-            T::reduce_into(&mut buf[rr], got, op);
+            f(
+                s,
+                clip(&send_seg, c * chunk, chunk),
+                clip(&recv_seg, c * chunk, chunk),
+            )?;
         }
     }
     Ok(())
@@ -143,29 +161,22 @@ pub fn reduce_scatter_half<T: Element>(
     if p == 1 {
         return Ok(acc);
     }
-    let n = buf.len();
-    let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
+    let (n, next, prev) = (buf.len(), (r + 1) % p, (r + p - 1) % p);
     let chunk = CHUNK_BYTES / std::mem::size_of::<f32>();
     let cap = segment(n, p, 0).len().min(chunk);
     let (mut got16, mut got32) = (vec![T::zeroed(); cap], vec![0f32; cap]);
-    for s in 0..p - 1 {
-        let send_seg = segment(n, p, (r + 2 * p - s - 1) % p);
-        let recv_seg = segment(n, p, (r + 2 * p - s - 2) % p);
-        let steps = send_seg.len().max(recv_seg.len()).div_ceil(chunk).max(1);
-        for c in 0..steps {
-            let sr = clip(&send_seg, c * chunk, chunk);
-            let rr = clip(&recv_seg, c * chunk, chunk);
-            if s == 0 {
-                let got = &mut got16[..rr.len()];
-                t.send_recv(next, bytes(&buf[sr]), prev, bytes_mut(got))?;
-                f32::reduce_into(&mut acc[rr], &widened(got), op);
-            } else {
-                let got = &mut got32[..rr.len()];
-                t.send_recv(next, bytes(&acc[sr]), prev, bytes_mut(got))?;
-                f32::reduce_into(&mut acc[rr], got, op);
-            }
+    walk_reduce_scatter(n, r, p, chunk, |s, sr, rr| {
+        if s == 0 {
+            let got = &mut got16[..rr.len()];
+            t.send_recv(next, bytes(&buf[sr]), prev, bytes_mut(got))?;
+            f32::reduce_into(&mut acc[rr], &widened(got), op);
+        } else {
+            let got = &mut got32[..rr.len()];
+            t.send_recv(next, bytes(&acc[sr]), prev, bytes_mut(got))?;
+            f32::reduce_into(&mut acc[rr], got, op);
         }
-    }
+        Ok(())
+    })?;
     Ok(acc)
 }
 

@@ -214,3 +214,45 @@ fn two_groups_with_interleaved_async_operations() {
         }
     });
 }
+
+/// `chain_async`: a chain's collectives run one after the other, each with what the previous
+/// one returned, and before a collective issued after the chain, even when one rank computes
+/// slowly between them (the later collective has another length: running it out of order
+/// would fail its fingerprint check). An error returned by the chain goes to its work and
+/// leaves the group usable.
+#[test]
+fn chained_collectives_run_in_order_before_later_ones() {
+    for world in [2, 3] {
+        run_ranks(world, T, move |pg| {
+            let (rank, n) = (pg.rank(), 257);
+            let a = input::<f32>(7, rank, n, ReduceOp::Sum);
+            let chain = pg.chain_async("test chain", move |c| {
+                let mut a = a;
+                c.all_reduce(&mut a, ReduceOp::Sum)?;
+                if c.rank() == 1 {
+                    std::thread::sleep(Duration::from_millis(100));
+                }
+                let mut b: Vec<f32> = a.iter().map(|s| 2.0 * s + c.rank() as f32).collect();
+                c.all_reduce(&mut b, ReduceOp::Sum)?;
+                Ok((a, b))
+            });
+            let later = pg.all_reduce_async(vec![rank as f64; 3], ReduceOp::Sum);
+            let (a, b) = chain.wait().unwrap();
+            let sum = reference::<f32>(7, world, n, ReduceOp::Sum);
+            assert_same("chain: first all_reduce", &a, &sum);
+            let ranks = (0..world).sum::<usize>() as f32;
+            let want: Vec<f32> = a.iter().map(|s| 2.0 * s * world as f32 + ranks).collect();
+            assert_same("chain: second all_reduce", &b, &want);
+            assert_eq!(later.wait().unwrap(), vec![ranks as f64; 3]);
+
+            let failed = pg.chain_async("failing chain", |_| -> ddp_comm::Result<()> {
+                Err(Error::InvalidArgument("no such thing".into()))
+            });
+            let err = failed.wait().unwrap_err().to_string();
+            assert!(err.contains("no such thing"), "{err}");
+            let mut x = [1i32];
+            pg.all_reduce(&mut x, ReduceOp::Sum).unwrap();
+            assert_eq!(x[0], world as i32);
+        });
+    }
+}

@@ -10,13 +10,17 @@
 //! rank), and every later call on this group fails with [`Error::Aborted`] carrying the cause.
 //!
 //! Each collective (module `collectives`) has a blocking form over slices and an `*_async` form over
-//! owned `Vec`s returning a [`Work`]. Subgroups come from [`ProcessGroup::new_group`].
+//! owned `Vec`s returning a [`Work`]. [`ProcessGroup::chain_async`] queues several collectives
+//! and the computation between them as one job (module `chain`; PyTorch's `Future.then` on a
+//! comm hook's work). Subgroups come from [`ProcessGroup::new_group`].
 
+mod chain;
 mod collectives;
 mod engine;
 mod init;
 
 pub use crate::backend::{Backend, Topology};
+pub use chain::Chain;
 pub use init::{init_process_group, InitOptions, DEFAULT_TIMEOUT, SOCKET_IFNAME_ENV};
 
 use crate::backend::{select, BackendPlan, CollectiveBackend};
@@ -308,14 +312,7 @@ impl ProcessGroup {
         count: usize,
         root: Option<usize>,
     ) -> Fingerprint {
-        Fingerprint {
-            seq: 0,
-            op,
-            dtype,
-            reduce,
-            count: count as u64,
-            root: root.map_or(Fingerprint::NO_ROOT, |r| r as u32),
-        }
+        new_fingerprint(op, dtype, reduce, count, root)
     }
 
     pub(crate) fn check_root(&self, root: usize) -> Result<()> {
@@ -336,8 +333,14 @@ impl ProcessGroup {
     ) -> Work<R> {
         let (work, done) = work::pending::<R>(format!("{fp} on rank {}", self.rank()));
         let timeout = self.timeout;
-        let job: Job =
-            Box::new(move |engine: &mut Engine| done.complete(engine.run(fp, timeout, f)));
+        self.enqueue(Box::new(move |engine: &mut Engine| {
+            done.complete(engine.run(fp, timeout, f))
+        }));
+        work
+    }
+
+    /// Hand `job` to the group's thread (dropped, so its work fails, once the group is shut).
+    fn enqueue(&self, job: Job) {
         if let Some(tx) = self.inner.jobs.lock().unwrap().as_ref() {
             self.inner.engine.queue();
             // A send error drops the job, which completes the work with an error.
@@ -345,7 +348,6 @@ impl ProcessGroup {
                 self.inner.engine.unqueue();
             }
         }
-        work
     }
 
     /// Run `f` after everything issued before it and wait for it: on this thread when the
@@ -364,5 +366,23 @@ impl ProcessGroup {
         // so the borrows never outlive this call.
         let boxed: CollectiveFn<'static, R> = unsafe { std::mem::transmute(boxed) };
         self.spawn(fp, boxed).wait()
+    }
+}
+
+/// The fingerprint of a collective before the engine numbers it.
+fn new_fingerprint(
+    op: OpKind,
+    dtype: DType,
+    reduce: Option<ReduceOp>,
+    count: usize,
+    root: Option<usize>,
+) -> Fingerprint {
+    Fingerprint {
+        seq: 0,
+        op,
+        dtype,
+        reduce,
+        count: count as u64,
+        root: root.map_or(Fingerprint::NO_ROOT, |r| r as u32),
     }
 }

@@ -6,10 +6,16 @@
 //!    `(n + m)·r · min_compression_rate < n·m`; the others (1-D, small) are all-reduced
 //!    uncompressed, in one batch;
 //! 3. `P = M Q` (`Q`: `m×r`, random and orthogonalized the first time, then the previous step's,
-//!    "warm start"), all-reduce every `P` at once, orthogonalize each (Gram-Schmidt);
+//!    "warm start"), all-reduce every `P` at once (in the same all-reduce as the uncompressed
+//!    ones: one collective where PyTorch issues two), orthogonalize each (Gram-Schmidt);
 //! 4. `Q = Mᵀ P`, all-reduce every `Q` at once, divide by the divisor;
 //! 5. `M ≈ P Qᵀ` (the projection of the average gradient onto the span of `P`); the residual
 //!    `input − M̂` becomes the next step's error feedback.
+//!
+//! Steps 3 (from the all-reduce on) to 5 run as one chain on the group's thread
+//! ([`ProcessGroup::chain_async`]), like PyTorch's `Future.then` callbacks: a bucket's `Q` is
+//! computed and all-reduced as soon as its `P` arrives, while backward still produces the next
+//! buckets, not when the reducer waits for it after backward.
 //!
 //! The batched variant treats the whole bucket, zero-padded, as one `⌈√N⌉ × ⌈√N⌉` matrix.
 //!
@@ -20,11 +26,13 @@
 //! `f32` even for 16-bit buckets; `start_powersgd_iter` may be 0 or 1 (there is no bucket
 //! rebuilding to wait for).
 
-use super::{restore, to_f32, wire_dtype, WireWork};
+use super::{restore, to_f32, wire_dtype};
 use crate::checkpoint::TensorData;
 use crate::error::{Error, Result};
 use crate::reducer::{BucketWork, CommHook, GradBucket, HookState, PendingBucket};
-use ddp_comm::{DType, ProcessGroup, ReduceOp};
+use ddp_comm::process_group::Chain;
+use ddp_comm::{DType, ProcessGroup, ReduceOp, Work};
+use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -273,46 +281,48 @@ impl CommHook for PowerSgdHook {
                 }
             }
         }
-        let unc_data: Vec<f32> = unc
-            .iter()
-            .flat_map(|&(o, n)| input[o..o + n].iter().copied())
-            .collect();
         let p_len: usize = mats.iter().map(|t| t.n * t.r).sum();
-        let mut ps = vec![0.0f32; p_len];
+        // One all-reduce carries the uncompressed tensors and every `P` (PyTorch sends them
+        // in two, one after the other).
+        let unc_len: usize = unc.iter().map(|&(_, n)| n).sum();
+        let mut first = Vec::with_capacity(unc_len + p_len);
+        for &(o, n) in &unc {
+            first.extend_from_slice(&input[o..o + n]);
+        }
+        first.resize(unc_len + p_len, 0.0);
         for t in &mats {
             matmul(
                 &input[t.offset..t.offset + t.n * t.m],
                 &qs[t.q..t.q + t.m * t.r],
-                &mut ps[t.p..t.p + t.n * t.r],
+                &mut first[unc_len + t.p..unc_len + t.p + t.n * t.r],
                 t.n,
                 t.m,
                 t.r,
             );
         }
-        self.sent += ((unc_data.len() + p_len + q_len) * wire.size()) as u64;
-        let unc_work =
-            (!unc_data.is_empty()).then(|| WireWork::start(pg, unc_data, wire, ReduceOp::Sum));
-        let p_work = (p_len > 0).then(|| WireWork::start(pg, ps, wire, ReduceOp::Sum));
+        self.sent += ((unc_len + p_len + q_len) * wire.size()) as u64;
         if bucket.is_last() {
             self.iter += 1;
         }
-        BucketWork::new(Pending {
-            pg: pg.clone(),
-            bucket: Some(bucket),
+        let second = SecondHalf {
             index,
             divisor,
             wire,
-            len,
             input,
             input_cp,
             qs,
             mats,
             unc,
-            unc_work,
-            p_work,
+            first,
             epsilon: self.state.orthogonalization_epsilon,
             warm_start: self.state.warm_start,
             memory: self.memory.clone(),
+        };
+        let what = format!("{} bucket {index}", self.kind());
+        BucketWork::new(Pending {
+            bucket,
+            len,
+            work: pg.chain_async(&what, move |chain| second.run(chain)),
         })
     }
 
@@ -367,94 +377,118 @@ impl CommHook for PowerSgdHook {
     }
 }
 
-/// The second half of a PowerSGD bucket, run when the reducer waits for it.
-struct Pending {
-    pg: ProcessGroup,
-    bucket: Option<GradBucket>,
+/// The rest of a PowerSGD bucket once `P` is computed, chained on the group's thread
+/// ([`ProcessGroup::chain_async`]) so that it runs as soon as the all-reduce of `P` is done,
+/// while backward goes on.
+struct SecondHalf {
     index: usize,
     divisor: usize,
     wire: DType,
-    len: usize,
     input: Vec<f32>,
     input_cp: Vec<f32>,
     qs: Vec<f32>,
     mats: Vec<Mat>,
     unc: Vec<(usize, usize)>,
-    unc_work: Option<WireWork>,
-    p_work: Option<WireWork>,
+    /// The uncompressed elements, then every `P`.
+    first: Vec<f32>,
     epsilon: f32,
     warm_start: bool,
     memory: Arc<Mutex<Memory>>,
 }
 
-impl PendingBucket for Pending {
-    fn wait(self: Box<Self>) -> ddp_comm::Result<crate::reducer::BucketBuffer> {
-        let mut me = *self;
-        let d = me.divisor as f32;
-        if let Some(w) = me.unc_work.take() {
-            let sum = w.wait()?;
-            let mut k = 0;
-            for &(o, n) in &me.unc {
-                for (x, s) in me.input[o..o + n].iter_mut().zip(&sum[k..k + n]) {
-                    *x = s / d;
-                }
-                k += n;
-            }
+impl SecondHalf {
+    /// All-reduce the uncompressed elements and `P`, orthogonalize, `Q = MᵀP`, all-reduce `Q`,
+    /// `M̂ = PQᵀ`; keeps the residual and `Q`; returns the averaged bucket (padded).
+    fn run(mut self, chain: &mut Chain<'_>) -> ddp_comm::Result<Vec<f32>> {
+        let d = self.divisor as f32;
+        let mut first = std::mem::take(&mut self.first);
+        if !first.is_empty() {
+            all_reduce_wire(chain, &mut first, self.wire)?;
         }
-        if let Some(w) = me.p_work.take() {
-            let mut ps = w.wait()?;
-            for t in &me.mats {
-                orthogonalize(&mut ps[t.p..t.p + t.n * t.r], t.n, t.r, me.epsilon);
+        let mut k = 0;
+        for &(o, n) in &self.unc {
+            for (x, s) in self.input[o..o + n].iter_mut().zip(&first[k..k + n]) {
+                *x = s / d;
             }
-            for t in &me.mats {
+            k += n;
+        }
+        let ps = &mut first[k..];
+        if !self.mats.is_empty() {
+            for t in &self.mats {
+                orthogonalize(&mut ps[t.p..t.p + t.n * t.r], t.n, t.r, self.epsilon);
+            }
+            for t in &self.mats {
                 matmul_tn(
-                    &me.input[t.offset..t.offset + t.n * t.m],
+                    &self.input[t.offset..t.offset + t.n * t.m],
                     &ps[t.p..t.p + t.n * t.r],
-                    &mut me.qs[t.q..t.q + t.m * t.r],
+                    &mut self.qs[t.q..t.q + t.m * t.r],
                     t.n,
                     t.m,
                     t.r,
                 );
             }
-            let qs = std::mem::take(&mut me.qs);
-            let mut qs = WireWork::start(&me.pg, qs, me.wire, ReduceOp::Sum).wait()?;
-            qs.iter_mut().for_each(|q| *q /= d);
-            for t in &me.mats {
+            all_reduce_wire(chain, &mut self.qs, self.wire)?;
+            self.qs.iter_mut().for_each(|q| *q /= d);
+            for t in &self.mats {
                 matmul_nt(
                     &ps[t.p..t.p + t.n * t.r],
-                    &qs[t.q..t.q + t.m * t.r],
-                    &mut me.input[t.offset..t.offset + t.n * t.m],
+                    &self.qs[t.q..t.q + t.m * t.r],
+                    &mut self.input[t.offset..t.offset + t.n * t.m],
                     t.n,
                     t.m,
                     t.r,
                 );
             }
-            me.qs = qs;
         }
-        let mut memory = me.memory.lock().unwrap_or_else(|p| p.into_inner());
-        if !me.input_cp.is_empty() {
+        let mut memory = self.memory.lock().unwrap_or_else(|p| p.into_inner());
+        if !self.input_cp.is_empty() {
             // The residual is taken against the world-size average (PyTorch's, whenever the
             // divisor is the world size) so that the residuals of all ranks sum to the
             // compression error of the sum, also under Join, where the shadows' residuals enter
             // a sum divided by fewer ranks.
-            let f = me.divisor as f32 / me.pg.size() as f32;
-            let e: Vec<f32> = me
-                .input_cp
-                .iter()
-                .zip(&me.input)
-                .map(|(c, x)| c - x * f)
-                .collect();
-            memory.error.insert(me.index, e);
+            let f = self.divisor as f32 / chain.size() as f32;
+            let mut e = std::mem::take(&mut self.input_cp);
+            e.iter_mut().zip(&self.input).for_each(|(c, x)| *c -= x * f);
+            memory.error.insert(self.index, e);
         }
-        if me.warm_start && !me.qs.is_empty() {
-            memory.q.insert(me.index, std::mem::take(&mut me.qs));
+        if self.warm_start && !self.qs.is_empty() {
+            memory.q.insert(self.index, std::mem::take(&mut self.qs));
         }
-        drop(memory);
-        let bucket = me
-            .bucket
-            .take()
-            .expect("a pending bucket is waited on once");
-        restore(bucket.into_buffer(), &me.input[..me.len])
+        Ok(self.input)
+    }
+}
+
+/// All-reduce (sum) `v` in place, sent as `wire` (16-bit buckets in their own dtype).
+fn all_reduce_wire(chain: &mut Chain<'_>, v: &mut [f32], wire: DType) -> ddp_comm::Result<()> {
+    fn through<T: ddp_comm::Element>(
+        chain: &mut Chain<'_>,
+        v: &mut [f32],
+        to: impl Fn(f32) -> T,
+        back: impl Fn(T) -> f32,
+    ) -> ddp_comm::Result<()> {
+        let mut w: Vec<T> = v.iter().map(|&x| to(x)).collect();
+        chain.all_reduce(&mut w, ReduceOp::Sum)?;
+        v.iter_mut().zip(w).for_each(|(x, y)| *x = back(y));
+        Ok(())
+    }
+    match wire {
+        DType::F16 => through(chain, v, f16::from_f32, f16::to_f32),
+        DType::BF16 => through(chain, v, bf16::from_f32, bf16::to_f32),
+        _ => chain.all_reduce(v, ReduceOp::Sum),
+    }
+}
+
+/// A PowerSGD bucket in flight: its chain, then the bucket written back.
+struct Pending {
+    bucket: GradBucket,
+    len: usize,
+    work: Work<Vec<f32>>,
+}
+
+impl PendingBucket for Pending {
+    fn wait(self: Box<Self>) -> ddp_comm::Result<crate::reducer::BucketBuffer> {
+        let input = self.work.wait()?;
+        restore(self.bucket.into_buffer(), &input[..self.len])
     }
 }
 

@@ -1,7 +1,8 @@
 //! Training throughput with Burn (`ddp-bench train --framework burn`): the same MLP
 //! `784 - H×L - 10` (Burn's `Linear`, weight `[in, out]`), batch, synthetic data and SGD as
 //! [`crate::train`], on Burn's pure-Rust CPU backend (`burn-flex`, one rayon thread per rank by
-//! default), data-parallel with `ddp_burn::Ddp` (plain backward, then the bucketed all-reduce).
+//! default), data-parallel with `ddp_burn::Ddp` (plain backward, then the bucketed all-reduce),
+//! with `--hook` as for candle (post-local SGD averages through `Ddp::average_parameters`).
 
 use crate::train::{measure, report, Error, StepCost};
 use crate::TrainArgs;
@@ -10,6 +11,7 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::SgdConfig;
 use burn::tensor::{activation, Device, Distribution, Int, Tensor, TensorData};
+use ddp::hooks::PeriodicModelAverager;
 use ddp_burn::{Ddp, DdpOptions};
 use ddp_comm::{init_process_group, InitOptions};
 
@@ -33,11 +35,8 @@ impl Mlp {
 pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let pg = init_process_group(InitOptions::default())?;
     let rank = pg.rank();
-    if args.device != ddp_candle::device::DeviceKind::Cpu
-        || args.zero != 0
-        || args.hook != ddp::hooks::HookSpec::None
-    {
-        return Err("--framework burn runs plain DDP on burn-flex (CPU): --device, --zero and --hook are candle's for now".into());
+    if args.device != ddp_candle::device::DeviceKind::Cpu || args.zero != 0 {
+        return Err("--framework burn runs DDP on burn-flex (CPU): --device and --zero are candle's for now".into());
     }
     let dev = Device::flex().autodiff();
     let mut width = 784;
@@ -55,6 +54,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ..Default::default()
     };
     let mut ddp = Ddp::new(model, &pg, opts)?;
+    if let Some(hook) = args.hook.hook()? {
+        ddp.register_comm_hook(hook)?;
+    }
+    let mut averager = args.hook.averager()?;
     let mut opt = SgdConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(&dev);
 
@@ -68,20 +71,29 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         args,
         &pg,
         || {
-            let before = ddp.reducer().bytes_sent();
+            let sent = |a: &Option<PeriodicModelAverager>| a.as_ref().map_or(0, |a| a.bytes_sent());
+            let before = ddp.reducer().bytes_sent() + sent(&averager);
             let loss = loss_fn.forward(ddp.module().forward(x.clone()), y.clone());
             let grads = ddp.backward(loss)?;
             ddp.step(&mut opt, 0.01, grads);
+            if let Some(a) = &mut averager {
+                ddp.average_parameters(a)?;
+            }
             Ok(StepCost {
                 wait_s: ddp
                     .last_step_stats()
                     .map_or(0.0, |s| s.comm_wait.as_secs_f64()),
-                bytes: ddp.reducer().bytes_sent() - before,
+                bytes: ddp.reducer().bytes_sent() + sent(&averager) - before,
             })
         },
         || Ok(()),
     )?;
+    // Local SGD: replicas differ between averagings; average once more before the check.
+    if let Some(a) = &mut averager {
+        ddp.average_parameters_now(a)?;
+    }
     let diff = ddp.replica_max_diff()?;
-    let extra = serde_json::json!({ "optimizer": "sgd" });
-    report(args, &pg, "plain path  burn-flex", &timing, diff, extra)
+    let extra = serde_json::json!({ "optimizer": "sgd", "hook": args.hook.to_string() });
+    let label = format!("plain path  burn-flex  hook {}", args.hook);
+    report(args, &pg, &label, &timing, diff, extra)
 }

@@ -89,32 +89,48 @@ fn train_prints_a_json_line_with_every_key() {
     assert_eq!(last["world_size"], 1);
 }
 
+/// `--framework burn`, plain and with comm hooks: the hook runs (PowerSGD and local SGD send
+/// less than plain DDP; every run checks that the replicas end identical).
 #[test]
 fn train_with_burn_prints_a_json_line_with_every_key() {
-    let args = [
-        "train",
-        "--framework",
-        "burn",
-        "--nproc",
-        "2",
-        "--hidden",
-        "16",
-        "--layers",
-        "2",
-        "--batch",
-        "4",
-        "--steps",
-        "2",
-        "--warmup",
-        "1",
-        "--json",
-    ];
-    let rows = json_lines(&args);
-    let last = rows.last().expect("a JSON line");
-    assert_keys(
-        last,
-        &["world_size", "samples_per_s", "step_ms", "comm_wait_ms"],
-    );
-    assert_eq!(last["world_size"], 2);
-    assert_eq!(last["framework"], "burn");
+    let mut bytes = Vec::new();
+    for hook in ["none", "powersgd:1:0", "localsgd:4:0"] {
+        let args = [
+            "train",
+            "--framework",
+            "burn",
+            "--nproc",
+            "2",
+            "--hidden",
+            "16",
+            "--layers",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "4",
+            "--warmup",
+            "1",
+            "--json",
+            "--hook",
+            hook,
+        ];
+        let rows = json_lines(&args);
+        let last = rows.last().expect("a JSON line");
+        assert_keys(
+            last,
+            &[
+                "world_size",
+                "samples_per_s",
+                "step_ms",
+                "comm_wait_ms",
+                "bytes_per_step",
+            ],
+        );
+        assert_eq!(last["world_size"], 2);
+        assert_eq!(last["framework"], "burn");
+        assert_eq!(last["hook"], hook);
+        bytes.push(last["bytes_per_step"].as_f64().unwrap());
+    }
+    assert!(bytes[1] < bytes[0] && bytes[2] < bytes[0], "{bytes:?}");
 }

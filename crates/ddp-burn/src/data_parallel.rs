@@ -6,6 +6,7 @@ use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::tensor::Tensor;
 use ddp::adapter::{self, ParamAccess};
+use ddp::hooks::PeriodicModelAverager;
 use ddp::join::{Join, JoinStep};
 use ddp::reducer::{CommHook, HostBuffer, Reducer, ReducerOptions, StepStats, TotalStats};
 use ddp::verify::ReplicaReport;
@@ -85,6 +86,29 @@ impl<M: Module> DistributedDataParallel<M> {
     pub fn broadcast_parameters(&mut self, root: usize) -> Result<()> {
         self.params.capture(self.module())?;
         adapter::broadcast_params(&self.params, &self.pg, root)?;
+        self.update(|m| Ok(m), |params, m| params.apply(m))
+    }
+
+    /// Post-local SGD's model averaging (PyTorch's
+    /// `PeriodicModelAverager.average_parameters(model.parameters())`), after every optimizer
+    /// step: on the averager's averaging steps the parameters are averaged over all ranks (a
+    /// collective) and written back into the module. Returns whether it averaged.
+    pub fn average_parameters(&mut self, averager: &mut PeriodicModelAverager) -> Result<bool> {
+        if !averager.is_due() {
+            // Counts the step; reads no parameter.
+            return averager.average_parameters(&self.pg, &self.params);
+        }
+        self.params.capture(self.module())?;
+        averager.average_parameters(&self.pg, &self.params)?;
+        self.update(|m| Ok(m), |params, m| params.apply(m))?;
+        Ok(true)
+    }
+
+    /// Averages the parameters over all ranks now (e.g. at the end of a local SGD run, so that
+    /// every replica holds the same model). A collective.
+    pub fn average_parameters_now(&mut self, averager: &mut PeriodicModelAverager) -> Result<()> {
+        self.params.capture(self.module())?;
+        averager.average_now(&self.pg, &self.params)?;
         self.update(|m| Ok(m), |params, m| params.apply(m))
     }
 
@@ -237,6 +261,34 @@ impl<M: Module> DistributedDataParallel<M> {
         self.reducer.set_divisor(step.divisor)?;
         let local = match loss {
             Some(loss) => self.local_backward(loss)?,
+            None => GradientsParams::new(),
+        };
+        let stats = join.sync_gradients(&mut self.reducer, step)?;
+        self.reduced_grads(stats, local)
+    }
+
+    /// [`backward_join`](Self::backward_join) for gradients Burn already computed (a
+    /// `TrainStep`'s `TrainOutput::grads`): `grads` is `Some` when this rank had a batch in
+    /// `step`, `None` once it has run out (it shadows the others' all-reduces with zeros).
+    /// Returns the gradients averaged over the ranks that had data, on every rank.
+    pub fn sync_gradients_join(
+        &mut self,
+        grads: Option<GradientsParams>,
+        join: &Join,
+        step: &JoinStep,
+    ) -> Result<GradientsParams> {
+        if grads.is_some() != step.has_data {
+            return Err(Error::Unsupported(format!(
+                "sync_gradients_join on rank {}: this rank reported has_data = {} to \
+                 Join::begin_step but passed {} gradients",
+                self.rank(),
+                step.has_data,
+                if grads.is_some() { "its" } else { "no" }
+            )));
+        }
+        self.reducer.set_divisor(step.divisor)?;
+        let local = match grads {
+            Some(grads) => self.mark(|_| grads)?,
             None => GradientsParams::new(),
         };
         let stats = join.sync_gradients(&mut self.reducer, step)?;

@@ -38,16 +38,25 @@
 //!   `ddp::checkpoint::resume_or_start` resumes exactly.
 //!
 //! ## Burn's `Learner`
-//! Burn 0.22's `burn-train` *does* accept a custom training strategy:
-//! `TrainingStrategy::Custom(Arc<dyn SupervisedLearningStrategy<M>>)`, whose `fit` receives the
-//! `Learner` (with `train_step(item) -> TrainOutput { grads: GradientsParams, .. }` and
-//! `optimizer_step(grads)`) and the data loaders. A ddp-rs strategy would call
-//! [`DistributedDataParallel::sync_gradients`] between the two, on a loader built over a
-//! [`ShardedDataset`]. This crate does not provide that strategy yet: `burn-train` is a large
-//! dependency (`burn-store`, `rstest`, a terminal UI by default) that this crate avoids, and its
-//! epoch loop (`SingleDeviceTrainEpoch`, the event processor plumbing) would have to be rewritten
-//! in the strategy. Use the plain loop above; [`DistributedDataParallel::sync_gradients`] is the
-//! hook such a strategy needs.
+//! A Burn user who trains with `burn-train`'s `SupervisedTraining` keeps it, with its metrics,
+//! loggers, checkpointer, LR schedulers, gradient accumulation and early stopping: module
+//! [`learner`] (feature `learner`, on by default) is a `TrainingStrategy::Custom` that runs the
+//! learner's steps data-parallel.
+//!
+//! ```ignore
+//! let pg = ddp_comm::init_process_group(Default::default())?;
+//! let shard = Arc::new(ShardedDataset::new(Arc::new(train_set), sampler)?); // this rank's part
+//! let strategy = Arc::new(DdpLearningStrategy::new(&pg, device.clone())
+//!     .on_epoch({ let s = shard.clone(); move |e| s.set_epoch(e as u64) }));
+//! let result = SupervisedTraining::new(dir, loader_over(shard), valid_loader)
+//!     .with_training_strategy(strategy.into_training_strategy())
+//!     .num_epochs(10)
+//!     .launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
+//! if let Some(e) = strategy.take_error() { return Err(e.into()); } // a dead peer, a mismatch
+//! ```
+//!
+//! `burn-train` is taken without its default features (no terminal UI, no system metrics);
+//! `default-features = false` on `ddp-burn` leaves it out altogether.
 //!
 //! ## Burn 0.22 notes
 //! Burn 0.22 erased the backend type parameter: tensors are `Tensor<D>` and the backend is chosen
@@ -59,11 +68,15 @@
 pub mod checkpoint;
 pub mod data;
 mod data_parallel;
+#[cfg(feature = "learner")]
+pub mod learner;
 pub mod params;
 
 pub use data::ShardedDataset;
 pub use data_parallel::{DdpOptions, DistributedDataParallel, ModuleLearningRate, NoSync};
 pub use ddp_comm::ProcessGroup;
+#[cfg(feature = "learner")]
+pub use learner::{DdpLearningStrategy, FitSummary};
 pub use params::BurnParams;
 
 /// Short alias of [`DistributedDataParallel`].

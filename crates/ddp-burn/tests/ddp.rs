@@ -3,7 +3,9 @@
 //! references are plain Burn (module `common`, no ddp-rs code). Every collective is bounded by the
 //! group timeout, so a bug shows up as an error, not a hang.
 
-use ddp::hooks::{CompressHook, PowerSgdHook, PowerSgdState};
+use ddp::hooks::{
+    CompressHook, PeriodicModelAverager, PostLocalSgdHook, PowerSgdHook, PowerSgdState,
+};
 use ddp_burn::{Ddp, DdpOptions};
 
 mod common;
@@ -145,6 +147,59 @@ fn comm_hooks_run_through_the_burn_adapter() {
                 got, exact,
                 "{name}: the hook left the exact average unchanged"
             );
+        }
+    }
+}
+
+/// Post-local SGD through the Burn adapter (`PostLocalSgdHook` and a `PeriodicModelAverager`
+/// driven by `Ddp::average_parameters`), warm-up 2 steps, three ranks. With plain SGD,
+/// averaging the parameters after every local step equals a step on the averaged gradient, so
+/// period 1 follows plain Burn on the combined batch; with period 3 the replicas drift apart
+/// between averagings (the hook really stopped all-reducing) and are bit-identical right after
+/// each one and after `average_parameters_now`.
+#[test]
+fn local_sgd_runs_through_the_burn_adapter() {
+    const STEPS: usize = 7;
+    const B: usize = 6;
+    const WARMUP: u64 = 2;
+    let world = 3;
+    let (x, y) = dataset(world * B * STEPS);
+    let n = world * B;
+    let want = plain_reference(7, Opt::Sgd, STEPS, |k| batch(&x, &y, k * n..(k + 1) * n));
+    for period in [1, 3] {
+        let histories = run_ranks(world, |rank, pg| {
+            let mut ddp = Ddp::new(model(7 + rank as u64, HID), &pg, tiny_buckets()).unwrap();
+            ddp.register_comm_hook(PostLocalSgdHook::new(WARMUP))
+                .unwrap();
+            let mut averager = PeriodicModelAverager::new(period, WARMUP).unwrap();
+            let mut opt = optimizer(Opt::Sgd);
+            let mut history = Vec::new();
+            for step in 0..STEPS as u64 {
+                let start = step as usize * n + rank * B;
+                let (xs, ys) = batch(&x, &y, start..start + B);
+                let loss = ddp.module().loss(xs, ys);
+                let grads = ddp.backward(loss).unwrap();
+                ddp.step(&mut opt, LR, grads);
+                let averaged = ddp.average_parameters(&mut averager).unwrap();
+                let due = step >= WARMUP && (step - WARMUP).is_multiple_of(period);
+                assert_eq!(averaged, due, "period {period}, step {step}");
+                let identical = ddp.verify_replicas().unwrap().identical;
+                assert_eq!(
+                    identical,
+                    step < WARMUP || due,
+                    "period {period}, step {step}: replicas identical = {identical}"
+                );
+                history.push(ddp.module().params());
+            }
+            ddp.average_parameters_now(&mut averager).unwrap();
+            assert!(ddp.verify_replicas().unwrap().identical);
+            history
+        });
+        if period == 1 {
+            for (step, want) in want.iter().enumerate() {
+                let what = format!("local SGD period 1, step {step}");
+                assert_close(&histories[0][step], want, 1e-5, &what);
+            }
         }
     }
 }

@@ -86,6 +86,10 @@ pub struct Args {
     /// Do not stop on NaN or infinite gradients.
     #[arg(long)]
     pub no_check_finite: bool,
+    /// Communication hook, as in train-digits: none, fp16 / bf16, `powersgd[:RANK[:START_ITER]]`,
+    /// `localsgd[:PERIOD[:WARMUP]]`. Hook state is saved in checkpoints.
+    #[arg(long, default_value = "none")]
+    pub hook: ddp::hooks::HookSpec,
 }
 
 impl Args {

@@ -13,6 +13,7 @@ use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
 use burn::tensor::{Device, Int, Tensor};
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
+use ddp::hooks::PeriodicModelAverager;
 use ddp::DistributedSampler;
 use ddp_burn::{Ddp, DdpOptions, ShardedDataset};
 use ddp_comm::process_group::Backend as CommBackend;
@@ -61,6 +62,7 @@ fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan
             "batch_size": args.batch_size,
             "hidden": args.hidden,
             "seed": args.seed,
+            "hook": args.hook.to_string(),
         }),
         rng_state: args.seed,
     }
@@ -72,11 +74,22 @@ fn save(
     plan: &RunPlan,
     ddp: &Ddp<Mlp>,
     opt: &ModuleOptimizer,
+    averager: Option<&PeriodicModelAverager>,
     pos: &TrainingState,
 ) -> BoxResult<()> {
-    if let (Some(dir), 0) = (&args.checkpoint_dir, pg.rank()) {
+    let Some(dir) = &args.checkpoint_dir else {
+        return Ok(());
+    };
+    // Comm hook state (PowerSGD's residuals differ between ranks: rank 0 saves every rank's,
+    // a collective).
+    let hook_state = ddp::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
+    if pg.rank() == 0 {
         let mut ckpt = Checkpoint::new(plan.meta(pos));
         ddp.save_records(&mut ckpt, opt)?;
+        ckpt.save_hook_state(&hook_state)?;
+        if let Some(a) = averager {
+            ckpt.save_hook_state(&a.state_dict())?;
+        }
         checkpoint::save_atomic(dir, &ckpt)?;
     }
     Ok(())
@@ -118,10 +131,20 @@ pub fn run(args: &Args) -> BoxResult<()> {
         ..Default::default()
     };
     let mut ddp = Ddp::new(Mlp::new(args.hidden, args.seed, &device), &pg, opts)?;
+    if let Some(hook) = args.hook.hook()? {
+        ddp.register_comm_hook(hook)?;
+    }
+    let mut averager = args.hook.averager()?;
     let mut opt = optimizer(args);
     let mut pos = TrainingState::default();
     if let Some(r) = &resumed {
         opt = ddp.load_records(&r.checkpoint, opt)?;
+        let kind = ddp.reducer().comm_hook_state().kind;
+        let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
+        ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
+        if let Some(a) = &mut averager {
+            a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
+        }
         pos = r.state;
         if rank == 0 {
             println!(
@@ -172,6 +195,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
             loss_sum += loss.clone().into_scalar::<f64>();
             let grads = ddp.backward(loss)?;
             ddp.step(&mut opt, args.lr(), grads);
+            if let Some(a) = &mut averager {
+                ddp.average_parameters(a)?;
+            }
             pos.step += 1;
             pos.consumed += n;
             steps_run += 1;
@@ -180,7 +206,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
         pos.epoch += 1;
         pos.consumed = 0;
-        save(&pg, args, &plan, &ddp, &opt, &pos)?;
+        save(&pg, args, &plan, &ddp, &opt, averager.as_ref(), &pos)?;
         if rank == 0
             && args.log_every > 0
             && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
@@ -199,12 +225,16 @@ pub fn run(args: &Args) -> BoxResult<()> {
     }
     let train_time = start.elapsed();
     if pos.epoch < args.epochs {
-        save(&pg, args, &plan, &ddp, &opt, &pos)?;
+        save(&pg, args, &plan, &ddp, &opt, averager.as_ref(), &pos)?;
     }
 
     let mut counts = [local_samples as f64, train_time.as_secs_f64()];
     pg.all_reduce(&mut counts[..1], ReduceOp::Sum)?;
     pg.all_reduce(&mut counts[1..], ReduceOp::Max)?;
+    // Local SGD: replicas differ between averagings; average once more at the end.
+    if let Some(a) = &mut averager {
+        ddp.average_parameters_now(a)?;
+    }
     let replicas = ddp.verify_replicas()?;
     let max_diff = replicas.max_abs_diff;
     if rank == 0 {
@@ -242,8 +272,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
             max_diff
         );
         if args.json {
-            let fields: [(&str, serde_json::Value); 9] = [
+            let fields: [(&str, serde_json::Value); 10] = [
                 ("world_size", world.into()),
+                ("hook", args.hook.to_string().into()),
                 ("steps", pos.step.into()),
                 ("test_accuracy", test_acc.into()),
                 ("final_loss", train_loss.into()),

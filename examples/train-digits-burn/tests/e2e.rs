@@ -68,11 +68,52 @@ fn two_processes_learn_the_digits_with_identical_replicas() {
     assert_eq!(j["steps"], 23 * 30, "{j}");
 }
 
-#[test]
-fn interrupted_and_resumed_equals_uninterrupted() {
-    let dir = std::env::temp_dir().join(format!("tdb-resume-{}", std::process::id()));
+/// Runs 3 epochs with `extra` flags uninterrupted, then stopped at step 30 (mid-epoch 2) and
+/// resumed from its checkpoint: the two end bit for bit alike.
+fn resumed_equals_uninterrupted(extra: &[&str], tag: &str) {
+    let dir = std::env::temp_dir().join(format!("tdb-resume-{tag}-{}", std::process::id()));
     let d = dir.to_str().unwrap();
     let common = [
+        &[
+            "--nproc",
+            "2",
+            "--json",
+            "--epochs",
+            "3",
+            "--log-every",
+            "0",
+        ][..],
+        extra,
+    ]
+    .concat();
+    let full = run_json(&common);
+    let part = run_json(&[&common[..], &["--max-steps", "30", "--checkpoint-dir", d]].concat());
+    assert_eq!(part["steps"], 30);
+    let resumed = run_json(&[&common[..], &["--checkpoint-dir", d, "--resume"]].concat());
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(resumed["steps"], full["steps"]);
+    for k in ["param_sum", "param_l2", "final_loss", "test_accuracy"] {
+        assert_eq!(
+            resumed[k], full[k],
+            "{tag}: {k}: resumed {resumed} vs full {full}"
+        );
+    }
+}
+
+#[test]
+fn interrupted_and_resumed_equals_uninterrupted() {
+    resumed_equals_uninterrupted(&["--optimizer", "adamw"], "adamw");
+}
+
+/// Comm hooks in train-digits-burn: their state (PowerSGD's residuals and `Q`s, local SGD's
+/// step counters) travels through the checkpoint, so a resumed run equals an uninterrupted one;
+/// each hook really changed the training (its result differs from plain DDP's). (Local SGD
+/// stops at step 30, an averaging step of `localsgd:3:5`: a checkpoint holds rank 0's
+/// parameters, so one written between averagings loses the other replicas' drift, as in
+/// PyTorch.)
+#[test]
+fn comm_hooks_resume_exactly() {
+    let plain = run_json(&[
         "--nproc",
         "2",
         "--json",
@@ -80,23 +121,26 @@ fn interrupted_and_resumed_equals_uninterrupted() {
         "3",
         "--log-every",
         "0",
-        "--optimizer",
-    ];
-    let full = run_json(&[&common[..], &["adamw"]].concat());
-    // Stopped mid-epoch 2 (step 30 of 69), then resumed from the checkpoint to the end.
-    let part = run_json(
-        &[
-            &common[..],
-            &["adamw", "--max-steps", "30", "--checkpoint-dir", d],
-        ]
-        .concat(),
-    );
-    assert_eq!(part["steps"], 30);
-    let resumed = run_json(&[&common[..], &["adamw", "--checkpoint-dir", d, "--resume"]].concat());
-    let _ = std::fs::remove_dir_all(&dir);
-    assert_eq!(resumed["steps"], full["steps"]);
-    for k in ["param_sum", "param_l2", "final_loss", "test_accuracy"] {
-        assert_eq!(resumed[k], full[k], "{k}: resumed {resumed} vs full {full}");
+    ]);
+    for hook in ["powersgd:2:5", "localsgd:3:5", "bf16"] {
+        resumed_equals_uninterrupted(&["--hook", hook], &hook.replace(':', "-"));
+        let j = run_json(&[
+            "--nproc",
+            "2",
+            "--json",
+            "--epochs",
+            "3",
+            "--log-every",
+            "0",
+            "--hook",
+            hook,
+        ]);
+        assert_eq!(j["hook"], hook);
+        assert_eq!(j["replicas_identical"], true, "{hook}: {j}");
+        assert_ne!(
+            j["param_sum"], plain["param_sum"],
+            "{hook} changed nothing: {j}"
+        );
     }
 }
 

@@ -129,12 +129,15 @@ pub fn batch(x: &[f32], y: &[i64], range: std::ops::Range<usize>) -> (Tensor<2>,
 /// The optimizers of the equivalence tests.
 #[derive(Debug, Clone, Copy)]
 pub enum Opt {
+    /// Plain SGD (no momentum).
+    Sgd,
     SgdMomentum,
     Adam,
 }
 
 pub fn optimizer(kind: Opt) -> ModuleOptimizer {
     match kind {
+        Opt::Sgd => SgdConfig::new().init(),
         Opt::SgdMomentum => SgdConfig::new()
             .with_momentum(Some(MomentumConfig::new().with_momentum(0.9)))
             .init(),

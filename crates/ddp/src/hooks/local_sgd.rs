@@ -129,6 +129,13 @@ impl PeriodicModelAverager {
         self.sent
     }
 
+    /// Whether the next [`average_parameters`](Self::average_parameters) call averages (a
+    /// framework whose parameters must be copied out first copies them only then).
+    pub fn is_due(&self) -> bool {
+        self.step >= self.warmup_steps
+            && (self.step - self.warmup_steps).is_multiple_of(self.period)
+    }
+
     /// Averages the parameters if this step is an averaging step; returns whether it did. A
     /// collective on averaging steps: every rank must call it after every optimizer step.
     pub fn average_parameters<P: ParamAccess + ?Sized>(
@@ -136,8 +143,7 @@ impl PeriodicModelAverager {
         pg: &ProcessGroup,
         params: &P,
     ) -> std::result::Result<bool, P::Error> {
-        let due = self.step >= self.warmup_steps
-            && (self.step - self.warmup_steps).is_multiple_of(self.period);
+        let due = self.is_due();
         self.step += 1;
         if due {
             self.average_now(pg, params)?;

@@ -1,0 +1,428 @@
+//! [`DdpLearningStrategy`]: ddp-rs as a training strategy of Burn's own `Learner`
+//! (`burn-train`'s `SupervisedTraining`), so that a Burn user keeps Burn's loop, metrics, loggers,
+//! checkpointing, LR schedulers and early stopping, and only launches with `ddprun` (or
+//! `mpirun`, or `ddprun::spawn`).
+//!
+//! ```text
+//!  SupervisedTraining::new(dir, train_loader (a ShardedDataset), valid_loader)
+//!      .with_training_strategy(DdpLearningStrategy::new(&pg, device).on_epoch(..).into())
+//!      .launch(Learner::new(model, optim, lr))          ── on every rank
+//!
+//!  fit (this module), per optimizer step, on every rank:
+//!    stop?  ── all_reduce(max) of "this rank was interrupted" ──► every rank stops at the same step
+//!    Join::begin_step(has a batch)                       ──► None: every rank is out of data
+//!    learner.train_step(item)  (forward + backward: Burn's TrainStep)
+//!    Ddp::sync_gradients_join  (bucketed all-reduce; no_sync for accumulated micro-batches)
+//!    learner.lr_step(); learner.optimizer_step(averaged grads)   ── identical on every rank
+//!  per epoch: validation on this rank's valid loader; early stopping decided by any rank for all
+//!  (all_reduce(max)); Burn's checkpointer written by rank 0 only.
+//! ```
+//!
+//! Guarantees, as for [`crate::Ddp`]: rank 0's parameters are copied to every rank before the
+//! first step (and after a checkpoint was loaded), every rank applies bit-identical averaged
+//! gradients, and at the end of `fit` the replicas are checked bit for bit
+//! ([`DdpLearningStrategy::last_fit`]). Uneven loaders (a rank with fewer batches) do not hang:
+//! the rank that ran out shadows the others' all-reduces ([`ddp::Join`]) and still steps its
+//! optimizer. A communication failure (a dead peer, a timeout) stops the training on this rank
+//! through Burn's `Interrupter` with the error as its reason; [`DdpLearningStrategy::take_error`]
+//! returns it after `launch`.
+//!
+//! What stays per rank: training metrics are this rank's batches', validation metrics this
+//! rank's valid loader's (give every rank the whole valid set, or shard it with
+//! [`crate::ShardedDataset`]); Burn's renderer and metric loggers run on every rank (give the
+//! ranks different directories, or a quiet renderer off rank 0).
+
+use crate::data_parallel::{DdpOptions, DistributedDataParallel};
+use crate::{Error, Result};
+use burn::data::dataloader::Progress;
+use burn::optim::GradientsParams;
+use burn::tensor::Device;
+use burn_train::metric::store::EventStoreClient;
+use burn_train::{
+    CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
+    LearnerEvent, LearnerModel, LearningCheckpointer, SupervisedLearningStrategy,
+    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
+    TrainingStrategy, ValidLoader,
+};
+use ddp::join::{Join, JoinStep};
+use ddp_comm::{ProcessGroup, ReduceOp};
+use std::sync::{Arc, Mutex};
+
+/// Called with the epoch number (Burn's, from 1) before each training epoch on every rank:
+/// typically `move |e| shard.set_epoch(e as u64)` for a [`crate::ShardedDataset`].
+pub type EpochHook = Arc<dyn Fn(usize) + Send + Sync>;
+
+/// What the last `fit` did (see [`DdpLearningStrategy::last_fit`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct FitSummary {
+    /// Optimizer steps taken (the same on every rank, shadowed ones included).
+    pub steps: u64,
+    /// Steps in which this rank had a batch of its own.
+    pub own_steps: u64,
+    /// Epochs whose training split ran to the end.
+    pub epochs: usize,
+    /// Whether the replicas ended bit-identical (checked across ranks).
+    pub replicas_identical: bool,
+    /// Largest absolute difference of any parameter between two ranks at the end.
+    pub replica_max_diff: f64,
+}
+
+/// ddp-rs data parallelism as a Burn `TrainingStrategy::Custom`: one process (or thread) per
+/// rank, each with a full replica, gradients averaged by the bucketed reducer of
+/// [`crate::Ddp`]. See the module documentation.
+pub struct DdpLearningStrategy {
+    pg: ProcessGroup,
+    device: Device,
+    opts: DdpOptions,
+    on_epoch: Option<EpochHook>,
+    error: Mutex<Option<Error>>,
+    summary: Mutex<Option<FitSummary>>,
+}
+
+impl DdpLearningStrategy {
+    /// A strategy over `pg` training on `device` (made an autodiff device if it is not one).
+    pub fn new(pg: &ProcessGroup, device: Device) -> Self {
+        let device = if device.is_autodiff() {
+            device
+        } else {
+            device.autodiff()
+        };
+        DdpLearningStrategy {
+            pg: pg.clone(),
+            device,
+            opts: DdpOptions::default(),
+            on_epoch: None,
+            error: Mutex::new(None),
+            summary: Mutex::new(None),
+        }
+    }
+
+    /// Reducer options (bucket sizes, `init_sync`, `check_finite`), as for [`crate::Ddp::new`].
+    pub fn with_options(mut self, opts: DdpOptions) -> Self {
+        self.opts = opts;
+        self
+    }
+
+    /// Runs `f(epoch)` before each training epoch (e.g. `ShardedDataset::set_epoch`).
+    pub fn on_epoch(mut self, f: impl Fn(usize) + Send + Sync + 'static) -> Self {
+        self.on_epoch = Some(Arc::new(f));
+        self
+    }
+
+    /// The error that stopped the last `fit` on this rank, if one did (taken).
+    pub fn take_error(&self) -> Option<Error> {
+        self.error.lock().unwrap_or_else(|p| p.into_inner()).take()
+    }
+
+    /// What the last `fit` did, if it got as far as building the replica.
+    pub fn last_fit(&self) -> Option<FitSummary> {
+        self.summary
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+
+    /// `TrainingStrategy::Custom` over this strategy, for
+    /// `SupervisedTraining::with_training_strategy`.
+    pub fn into_training_strategy<M: LearnerModel>(self: &Arc<Self>) -> TrainingStrategy<M> {
+        TrainingStrategy::Custom(self.clone())
+    }
+
+    fn record_error(&self, e: Error) {
+        let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
+        slot.get_or_insert(e);
+    }
+}
+
+/// Whether any rank says yes (a collective: every rank calls it at the same point).
+fn any_rank(pg: &ProcessGroup, yes: bool) -> Result<bool> {
+    let mut flag = [u8::from(yes)];
+    pg.all_reduce(&mut flag, ReduceOp::Max)?;
+    Ok(flag[0] != 0)
+}
+
+type TrainInput<M> = <M as TrainStep>::Input;
+type TrainItem<M> = <M as TrainStep>::Output;
+
+struct Fit<'a, M: LearnerModel> {
+    strategy: &'a DdpLearningStrategy,
+    ddp: DistributedDataParallel<M>,
+    learner: Learner<M>,
+    events: SupervisedTrainingEventProcessor<M>,
+    interrupter: Interrupter,
+    accumulation: usize,
+    steps: u64,
+    own_steps: u64,
+    iteration: usize,
+}
+
+impl<M: LearnerModel> Fit<'_, M> {
+    /// Hands the learner's current model (after an optimizer step) to the reducer's view.
+    fn refresh(&mut self) -> Result<()> {
+        let model = self.learner.model();
+        self.ddp.map_module(|_| model)
+    }
+
+    /// One training epoch; returns whether training should stop (on every rank alike).
+    fn train_epoch(&mut self, loader: &TrainLoader<M>) -> Result<bool> {
+        let interrupter = &self.interrupter.clone();
+        let accumulation = self.accumulation;
+        let pg = self.strategy.pg.clone();
+        let mut join = Join::new(&pg);
+        let mut iter = loader.iter();
+        let mut exhausted = false;
+        loop {
+            let mut inputs = Vec::with_capacity(accumulation);
+            while !exhausted && inputs.len() < accumulation && !interrupter.should_stop() {
+                match iter.next() {
+                    Some(Ok(item)) => inputs.push((item, iter.progress())),
+                    Some(Err(e)) => interrupter.fail(e),
+                    None => exhausted = true,
+                }
+            }
+            // A stop (Burn's interrupter, a data error) on any rank stops every rank here, at
+            // the same step: a rank leaving alone would leave the others in their all-reduce.
+            if any_rank(&pg, interrupter.should_stop())? {
+                if !interrupter.should_stop() {
+                    interrupter.stop(Some("ddp-rs: another rank stopped the training"));
+                }
+                return Ok(true);
+            }
+            let Some(step) = join.begin_step(!inputs.is_empty())? else {
+                return Ok(false);
+            };
+            self.refresh()?;
+            let (grads, outputs) = if inputs.is_empty() {
+                let grads = self.ddp.sync_gradients_join(None, &join, &step)?;
+                (grads, Vec::new())
+            } else {
+                self.own_steps += 1;
+                self.micro_batches(inputs, &join, &step)?
+            };
+            self.learner.lr_step();
+            self.learner.optimizer_step(grads);
+            self.steps += 1;
+            for (item, progress) in outputs {
+                self.iteration += 1;
+                let lr = Some(self.learner.lr_current());
+                let item = TrainingItem::new(item, progress, Some(self.iteration), lr);
+                interrupter
+                    .fail_on_error(self.events.process_train(LearnerEvent::ProcessedItem(item)));
+            }
+        }
+    }
+
+    /// Forward and backward of each micro-batch of one optimizer step: all but the last
+    /// accumulate locally (`no_sync`), the last one's backward reduces the sum over the
+    /// micro-batches and ranks. Returns the averaged gradients and the step outputs.
+    #[allow(clippy::type_complexity)]
+    fn micro_batches(
+        &mut self,
+        inputs: Vec<(TrainInput<M>, Progress)>,
+        join: &Join,
+        step: &JoinStep,
+    ) -> Result<(GradientsParams, Vec<(TrainItem<M>, Progress)>)> {
+        let n = inputs.len();
+        let mut outputs = Vec::with_capacity(n);
+        let mut reduced = GradientsParams::new();
+        for (i, (input, progress)) in inputs.into_iter().enumerate() {
+            let out = self.learner.train_step(input);
+            if i + 1 < n {
+                // Accumulated in the reducer's buckets; the local gradients are not needed.
+                drop(self.ddp.no_sync().sync_gradients(out.grads)?);
+            } else {
+                reduced = self.ddp.sync_gradients_join(Some(out.grads), join, step)?;
+            }
+            outputs.push((out.item, progress));
+        }
+        Ok((reduced, outputs))
+    }
+
+    /// Validation on this rank's valid loader (no collective), as Burn's single-device loop.
+    fn valid_epoch(&mut self, loader: &ValidLoader<M>) {
+        let interrupter = &self.interrupter.clone();
+        let model = self.learner.model().valid();
+        let mut iter = loader.iter();
+        let mut iteration = 0;
+        while let Some(item) = iter.next() {
+            let item = match item {
+                Ok(item) => item,
+                Err(e) => {
+                    interrupter.fail(e);
+                    break;
+                }
+            };
+            let progress = iter.progress();
+            iteration += 1;
+            let item = InferenceStep::step(&model, item);
+            let item = TrainingItem::new(item, progress, Some(iteration), None);
+            interrupter.fail_on_error(self.events.process_valid(LearnerEvent::ProcessedItem(item)));
+            if interrupter.should_stop() {
+                break;
+            }
+        }
+    }
+}
+
+/// What `fit` keeps of Burn's `TrainingComponents` besides the event processor.
+struct Rest<M: LearnerModel> {
+    checkpointer: Option<LearningCheckpointer<M>>,
+    early_stopping: Option<Box<dyn CloneEarlyStoppingStrategy>>,
+    event_store: Arc<EventStoreClient>,
+    num_epochs: usize,
+}
+
+impl DdpLearningStrategy {
+    /// The loop of `fit`; an `Err` is a ddp-rs failure (communication, a mismatched model).
+    fn run<M: LearnerModel>(
+        &self,
+        fit: &mut Fit<'_, M>,
+        rest: Rest<M>,
+        train: TrainLoader<M>,
+        valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> Result<usize> {
+        let Rest {
+            mut checkpointer,
+            mut early_stopping,
+            event_store,
+            num_epochs,
+        } = rest;
+        let rank = self.pg.rank();
+        let interrupter = fit.interrupter.clone();
+        let mut epochs = 0;
+        for epoch in starting_epoch..=num_epochs {
+            if let Some(f) = &self.on_epoch {
+                f(epoch);
+            }
+            let start = LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items: train.num_items(),
+            };
+            interrupter.fail_on_error(fit.events.process_train(start));
+            let stopped = fit.train_epoch(&train)?;
+            interrupter.fail_on_error(fit.events.process_train(LearnerEvent::EndSplit(epoch)));
+            if stopped {
+                if let Some(i) = interrupter.interruption() {
+                    let reason = i.reason.as_deref().unwrap_or("reason unknown");
+                    tracing::info!("training interrupted: {reason}");
+                }
+                break;
+            }
+            epochs += 1;
+
+            let start = LearnerEvent::StartSplit {
+                epoch_number: epoch,
+                total_items: valid.num_items(),
+            };
+            interrupter.fail_on_error(fit.events.process_valid(start));
+            fit.valid_epoch(&valid);
+            interrupter.fail_on_error(fit.events.process_valid(LearnerEvent::EndSplit(epoch)));
+            interrupter.fail_on_error(fit.events.process_train(LearnerEvent::EndEpoch(epoch)));
+            if checkpointer.is_some() || early_stopping.is_some() {
+                interrupter.fail_on_error(fit.events.flush());
+            }
+            // Burn's checkpointer writes from rank 0 only (the replicas are identical); the
+            // stop decisions are every rank's at once.
+            let mut stop = interrupter.should_stop();
+            if rank == 0 {
+                if let (Some(c), false) = (&mut checkpointer, stop) {
+                    c.checkpoint(&fit.learner, epoch, &event_store);
+                }
+            }
+            if let Some(e) = &mut early_stopping {
+                stop |= e.should_stop(epoch, &event_store);
+            }
+            if any_rank(&self.pg, stop)? {
+                break;
+            }
+        }
+        Ok(epochs)
+    }
+}
+
+impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpLearningStrategy {
+    fn fit(
+        &self,
+        components: TrainingComponents<M>,
+        mut learner: Learner<M>,
+        train: TrainLoader<M>,
+        valid: ValidLoader<M>,
+        starting_epoch: usize,
+    ) -> (M, SupervisedTrainingEventProcessor<M>) {
+        let train = train.to_device(&self.device);
+        let valid = valid.to_device(&self.device.clone().inner());
+        learner.fork(&self.device);
+        let TrainingComponents {
+            checkpointer,
+            grad_accumulation,
+            interrupter,
+            early_stopping,
+            event_processor,
+            event_store,
+            num_epochs,
+            ..
+        } = components;
+        let rest = Rest {
+            checkpointer,
+            early_stopping,
+            event_store,
+            num_epochs,
+        };
+        // Rank 0's parameters on every rank (after any checkpoint Burn loaded), names, shapes
+        // and dtypes checked across ranks first.
+        let ddp = DistributedDataParallel::new(learner.model(), &self.pg, self.opts);
+        let ddp = match ddp {
+            Ok(ddp) => ddp,
+            Err(e) => {
+                interrupter.stop(Some(&format!("ddp-rs: {e}")));
+                self.record_error(e);
+                return (learner.model(), event_processor);
+            }
+        };
+        learner.load_model(ddp.module().clone().into_record());
+        let mut fit = Fit {
+            strategy: self,
+            ddp,
+            learner,
+            events: event_processor,
+            interrupter: interrupter.clone(),
+            accumulation: grad_accumulation.unwrap_or(1).max(1),
+            steps: 0,
+            own_steps: 0,
+            iteration: 0,
+        };
+        let outcome = self
+            .run(&mut fit, rest, train, valid, starting_epoch)
+            .and_then(|epochs| {
+                fit.refresh()?;
+                let report = fit.ddp.verify_replicas()?;
+                Ok(FitSummary {
+                    steps: fit.steps,
+                    own_steps: fit.own_steps,
+                    epochs,
+                    replicas_identical: report.identical,
+                    replica_max_diff: report.max_abs_diff,
+                })
+            });
+        match outcome {
+            Ok(summary) => {
+                if !summary.replicas_identical {
+                    let e = Error::Unsupported(format!(
+                        "replicas differ after training on rank {} (max |difference| {:e})",
+                        self.pg.rank(),
+                        summary.replica_max_diff
+                    ));
+                    interrupter.stop(Some(&format!("ddp-rs: {e}")));
+                    self.record_error(e);
+                }
+                *self.summary.lock().unwrap_or_else(|p| p.into_inner()) = Some(summary);
+            }
+            Err(e) => {
+                interrupter.stop(Some(&format!("ddp-rs: {e}")));
+                self.record_error(e);
+            }
+        }
+        (fit.learner.model(), fit.events)
+    }
+}

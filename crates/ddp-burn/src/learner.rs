@@ -37,10 +37,16 @@ use crate::{Error, Result};
 use burn::data::dataloader::Progress;
 use burn::optim::GradientsParams;
 use burn::tensor::Device;
+use burn_train::logger::{EvaluationProgressLogger, TrainingProgressLogger};
 use burn_train::metric::store::EventStoreClient;
+use burn_train::metric::MetricDefinition;
+use burn_train::renderer::{
+    EvaluationName, MetricState, MetricsRenderer, MetricsRendererEvaluation,
+    MetricsRendererTraining,
+};
 use burn_train::{
     CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
-    LearnerEvent, LearnerModel, LearningCheckpointer, SupervisedLearningStrategy,
+    LearnerEvent, LearnerModel, LearnerSummary, LearningCheckpointer, SupervisedLearningStrategy,
     SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
     TrainingStrategy, ValidLoader,
 };
@@ -425,4 +431,56 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpLearningStrategy {
         }
         (fit.learner.model(), fit.events)
     }
+}
+
+/// A Burn metrics renderer that shows nothing: Burn's default renderer prints progress on every
+/// rank, so give this one to the ranks other than 0
+/// (`SupervisedTraining::renderer(Box::new(QuietRenderer))`). Metrics still reach Burn's
+/// metric loggers and event store (early stopping, checkpoint selection).
+#[derive(Debug, Default, Clone, Copy)]
+pub struct QuietRenderer;
+
+impl MetricsRendererTraining for QuietRenderer {
+    fn update_train(&mut self, _state: MetricState) {}
+    fn update_valid(&mut self, _state: MetricState) {}
+    fn on_train_end(
+        &mut self,
+        _summary: Option<LearnerSummary>,
+    ) -> std::result::Result<(), Box<dyn std::error::Error>> {
+        Ok(())
+    }
+}
+
+impl MetricsRendererEvaluation for QuietRenderer {
+    fn update_test(&mut self, _name: EvaluationName, _state: MetricState) {}
+    fn on_test_end(
+        &mut self,
+        _summary: Option<LearnerSummary>,
+    ) -> std::result::Result<(), Box<dyn std::error::Error>> {
+        Ok(())
+    }
+}
+
+impl TrainingProgressLogger for QuietRenderer {
+    fn start(&mut self, _epochs: usize, _first: usize, _items: Option<usize>, _: Option<&str>) {}
+    fn update_epoch(&mut self, _epoch: usize) {}
+    fn start_split(&mut self, _split: &str, _total_items: usize) {}
+    fn update_split(&mut self, _items_processed: usize) {}
+    fn end_split(&mut self) {}
+    fn end(&mut self) {}
+    fn log_event_training(&mut self, _event: String) {}
+}
+
+impl EvaluationProgressLogger for QuietRenderer {
+    fn start_global_progress(&mut self, _total_tests: usize) {}
+    fn start_test(&mut self, _name: &str, _total_items: usize) {}
+    fn update_test_progress(&mut self, _items_processed: usize) {}
+    fn end_test(&mut self) {}
+    fn end_global_progress(&mut self) {}
+    fn log_event_evaluation(&mut self, _event: String) {}
+}
+
+impl MetricsRenderer for QuietRenderer {
+    fn manual_close(&mut self) {}
+    fn register_metric(&mut self, _definition: MetricDefinition) {}
 }

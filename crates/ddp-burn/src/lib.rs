@@ -76,7 +76,7 @@ pub use data::ShardedDataset;
 pub use data_parallel::{DdpOptions, DistributedDataParallel, ModuleLearningRate, NoSync};
 pub use ddp_comm::ProcessGroup;
 #[cfg(feature = "learner")]
-pub use learner::{DdpLearningStrategy, FitSummary};
+pub use learner::{DdpLearningStrategy, FitSummary, QuietRenderer};
 pub use params::BurnParams;
 
 /// Short alias of [`DistributedDataParallel`].

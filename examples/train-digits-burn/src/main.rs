@@ -9,6 +9,7 @@
 
 #[path = "../../train-digits/src/data.rs"]
 mod data;
+mod learner;
 mod model;
 mod train;
 
@@ -90,6 +91,10 @@ pub struct Args {
     /// `localsgd[:PERIOD[:WARMUP]]`. Hook state is saved in checkpoints.
     #[arg(long, default_value = "none")]
     pub hook: ddp::hooks::HookSpec,
+    /// Train through Burn's own loop (`burn-train`'s `SupervisedTraining` / `Learner`) with
+    /// ddp-rs as its training strategy; with --checkpoint-dir Burn's checkpointer writes there.
+    #[arg(long)]
+    pub learner: bool,
 }
 
 impl Args {
@@ -118,7 +123,12 @@ fn main() {
             ..SpawnOptions::new(args.nproc)
         }));
     }
-    if let Err(e) = train::run(&args) {
+    let result = if args.learner {
+        learner::run(&args)
+    } else {
+        train::run(&args)
+    };
+    if let Err(e) = result {
         let rank = std::env::var("RANK").unwrap_or_default();
         eprintln!("train-digits-burn rank {rank}: error: {e}");
         std::process::exit(1);

@@ -7,7 +7,7 @@ use crate::data::{self, Dataset};
 use crate::model::{evaluate, tensors, Mlp};
 use crate::{Args, Backend, OptimizerKind};
 use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataloader::DataLoaderBuilder;
+use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
@@ -22,11 +22,11 @@ use std::error::Error;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-type BoxResult<T> = Result<T, Box<dyn Error>>;
+pub type BoxResult<T> = Result<T, Box<dyn Error>>;
 
 /// Builds a batch from row indices of the training set.
 #[derive(Clone)]
-struct Rows(Arc<Dataset>);
+pub struct Rows(pub Arc<Dataset>);
 
 impl Batcher<usize, (Tensor<2>, Tensor<1, Int>)> for Rows {
     fn batch(&self, rows: Vec<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
@@ -34,7 +34,7 @@ impl Batcher<usize, (Tensor<2>, Tensor<1, Int>)> for Rows {
     }
 }
 
-fn optimizer(args: &Args) -> ModuleOptimizer {
+pub fn optimizer(args: &Args) -> ModuleOptimizer {
     match args.optimizer {
         OptimizerKind::Sgd => SgdConfig::new()
             .with_momentum((args.momentum > 0.0).then(|| {
@@ -95,7 +95,22 @@ fn save(
     Ok(())
 }
 
-pub fn run(args: &Args) -> BoxResult<()> {
+/// What both training loops (this one and Burn's `Learner`, module `learner`) start from.
+pub struct Setup {
+    pub pg: ProcessGroup,
+    pub train: Arc<Dataset>,
+    pub test: Dataset,
+    pub device: Device,
+    /// This rank's shard of the training rows (`set_epoch` before each epoch).
+    pub shard: Arc<ShardedDataset<InMemDataset<usize>>>,
+    /// Batches of `--batch-size` rows of the shard.
+    pub loader: Arc<dyn DataLoader<(Tensor<2>, Tensor<1, Int>)>>,
+    /// Samples of the shard per epoch.
+    pub samples_per_epoch: usize,
+}
+
+/// Joins the process group, loads the data and builds this rank's shard and loader.
+pub fn setup(args: &Args) -> BoxResult<Setup> {
     let pg = init_process_group(InitOptions {
         timeout: Duration::from_secs(args.timeout_s),
         backend: args.backend.map(|b| match b {
@@ -105,14 +120,12 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }),
         ..Default::default()
     })?;
-    let (rank, world) = (pg.rank(), pg.size());
     let all = data::load()?;
     let (train, test) = data::train_test_split(&all);
     let train = Arc::new(train);
     let device = Device::flex().autodiff();
-
-    let sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
-    let plan = run_plan(args, world, sampler.len());
+    let sampler = DistributedSampler::new(train.len(), pg.size(), pg.rank())?.seed(args.seed);
+    let samples_per_epoch = sampler.len();
     let shard = Arc::new(ShardedDataset::new(
         Arc::new(InMemDataset::new((0..train.len()).collect::<Vec<_>>())),
         sampler,
@@ -121,6 +134,29 @@ pub fn run(args: &Args) -> BoxResult<()> {
         .batch_size(args.batch_size)
         .set_device(device.clone())
         .build(shard.clone());
+    Ok(Setup {
+        pg,
+        train,
+        test,
+        device,
+        shard,
+        loader,
+        samples_per_epoch,
+    })
+}
+
+pub fn run(args: &Args) -> BoxResult<()> {
+    let Setup {
+        pg,
+        train,
+        test,
+        device,
+        shard,
+        loader,
+        samples_per_epoch,
+    } = setup(args)?;
+    let (rank, world) = (pg.rank(), pg.size());
+    let plan = run_plan(args, world, samples_per_epoch);
     let resumed = match &args.checkpoint_dir {
         Some(dir) => checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?,
         None => None,
@@ -228,18 +264,49 @@ pub fn run(args: &Args) -> BoxResult<()> {
         save(&pg, args, &plan, &ddp, &opt, averager.as_ref(), &pos)?;
     }
 
-    let mut counts = [local_samples as f64, train_time.as_secs_f64()];
-    pg.all_reduce(&mut counts[..1], ReduceOp::Sum)?;
-    pg.all_reduce(&mut counts[1..], ReduceOp::Max)?;
     // Local SGD: replicas differ between averagings; average once more at the end.
     if let Some(a) = &mut averager {
         ddp.average_parameters_now(a)?;
     }
+    let run = RunCounts {
+        steps: pos.step,
+        steps_run,
+        local_samples,
+        train_time,
+    };
+    report(args, &pg, &ddp, &train, &test, &device, run)
+}
+
+/// What a finished run did, for [`report`].
+pub struct RunCounts {
+    /// Optimizer steps in total (across resumes).
+    pub steps: u64,
+    /// Steps of this run.
+    pub steps_run: u64,
+    /// Samples this rank trained on in this run.
+    pub local_samples: u64,
+    pub train_time: Duration,
+}
+
+/// Checks the replicas and prints the summary (rank 0), as train-digits does; a collective.
+pub fn report(
+    args: &Args,
+    pg: &ProcessGroup,
+    ddp: &Ddp<Mlp>,
+    train: &Dataset,
+    test: &Dataset,
+    device: &Device,
+    run: RunCounts,
+) -> BoxResult<()> {
+    let (rank, world) = (pg.rank(), pg.size());
+    let mut counts = [run.local_samples as f64, run.train_time.as_secs_f64()];
+    pg.all_reduce(&mut counts[..1], ReduceOp::Sum)?;
+    pg.all_reduce(&mut counts[1..], ReduceOp::Max)?;
     let replicas = ddp.verify_replicas()?;
     let max_diff = replicas.max_abs_diff;
     if rank == 0 {
-        let (test_acc, test_loss) = evaluate(ddp.module(), &test, &device);
-        let (_, train_loss) = evaluate(ddp.module(), &train, &device);
+        let (test_acc, test_loss) = evaluate(ddp.module(), test, device);
+        let (_, train_loss) = evaluate(ddp.module(), train, device);
         let (param_sum, param_l2) = ddp.param_sum_l2()?;
         let samples_per_s = if counts[1] > 0.0 {
             counts[0] / counts[1]
@@ -256,7 +323,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         );
         println!(
             "{} steps ({} this run) in {:.2}s: {:.0} samples/s over {} ranks",
-            pos.step, steps_run, counts[1], samples_per_s, world
+            run.steps, run.steps_run, counts[1], samples_per_s, world
         );
         if stats.steps > 0 {
             let wait = stats.comm_wait.as_secs_f64() * 1e3 / stats.steps as f64;
@@ -275,7 +342,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
             let fields: [(&str, serde_json::Value); 10] = [
                 ("world_size", world.into()),
                 ("hook", args.hook.to_string().into()),
-                ("steps", pos.step.into()),
+                ("steps", run.steps.into()),
                 ("test_accuracy", test_acc.into()),
                 ("final_loss", train_loss.into()),
                 ("samples_per_s", samples_per_s.into()),

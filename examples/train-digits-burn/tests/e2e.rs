@@ -231,3 +231,53 @@ fn runs_under_mpirun() {
     assert_eq!(j["replicas_identical"], true, "{j}");
     assert_eq!(j["steps"], 23 * 3, "{j}");
 }
+
+/// `--learner`: Burn's own `SupervisedTraining` loop with `DdpLearningStrategy`, 2 processes.
+/// It learns (accuracy ≥ 0.95, replicas identical) and ends bit for bit where the plain loop
+/// ends (same shard, optimizer, LR and reducer); stopped after 2 of 3 epochs and resumed from
+/// Burn's own checkpoint (written by rank 0, read by every rank), it ends there too.
+#[test]
+fn burns_learner_under_ddp_equals_the_plain_loop_and_resumes_from_burns_checkpoint() {
+    let dir = std::env::temp_dir().join(format!("tdb-learner-{}", std::process::id()));
+    let d = dir.to_str().unwrap();
+    let common = [
+        "--nproc",
+        "2",
+        "--json",
+        "--log-every",
+        "0",
+        "--momentum",
+        "0.9",
+    ];
+    let with = |extra: &[&str]| run_json(&[&common[..], extra].concat());
+    let plain = with(&["--epochs", "3"]);
+    let learner = with(&["--epochs", "3", "--learner"]);
+    assert_eq!(learner["replicas_identical"], true, "{learner}");
+    assert_eq!(learner["steps"], plain["steps"], "{learner}");
+    for k in ["param_sum", "param_l2", "final_loss", "test_accuracy"] {
+        assert_eq!(
+            learner[k], plain[k],
+            "{k}: learner {learner} vs plain {plain}"
+        );
+    }
+    let _ = with(&["--epochs", "2", "--learner", "--checkpoint-dir", d]);
+    let resumed = with(&[
+        "--epochs",
+        "3",
+        "--learner",
+        "--checkpoint-dir",
+        d,
+        "--resume",
+    ]);
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(resumed["steps"], plain["steps"], "{resumed}");
+    for k in ["param_sum", "param_l2", "final_loss", "test_accuracy"] {
+        assert_eq!(
+            resumed[k], plain[k],
+            "{k}: resumed {resumed} vs plain {plain}"
+        );
+    }
+    let full = with(&["--learner"]);
+    assert!(full["test_accuracy"].as_f64().unwrap() >= 0.95, "{full}");
+    assert_eq!(full["replicas_identical"], true, "{full}");
+}

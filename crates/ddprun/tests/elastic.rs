@@ -1,0 +1,420 @@
+//! Elastic `ddprun` (`--nnodes MIN:MAX`): several launchers on 127.0.0.1 acting as nodes, every
+//! one started with the same flags (no `--node-rank`). Rounds form at MAX at once or after the
+//! last call; a node that arrives later is admitted at the next round; a launcher killed or
+//! stopped (SIGSTOP: its connection stays open, only the heartbeat tells) is dropped and the
+//! others go on at the smaller world size; below MIN every launcher exits naming the cause; the
+//! launcher serving the store is the one node the job cannot lose.
+
+mod common;
+
+use common::*;
+use std::collections::BTreeSet;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+const LIMIT: Duration = Duration::from_secs(40);
+/// `--heartbeat-timeout` of these tests.
+const HEARTBEAT: f64 = 1.5;
+
+/// An elastic launcher: `--nnodes RANGE` on the store at 127.0.0.1:`port`, one worker running
+/// `sh -c script`, short timeouts.
+fn node(port: u16, range: &str, extra: &[&str], script: &str) -> Running {
+    let endpoint = format!("127.0.0.1:{port}");
+    let run_id = format!("elastic-{port}");
+    let hb = HEARTBEAT.to_string();
+    let mut args = vec![
+        "--nnodes",
+        range,
+        "--rdzv-endpoint",
+        &endpoint,
+        "--run-id",
+        &run_id,
+        "--rdzv-timeout",
+        "10",
+        "--rdzv-last-call",
+        "0.5",
+        "--heartbeat-timeout",
+        &hb,
+        "--monitor-interval",
+        "0.05",
+        "--stop-grace-period",
+        "2",
+    ];
+    args.extend_from_slice(extra);
+    args.extend_from_slice(&["--", "sh", "-c", script]);
+    Running::start(ddprun(&args))
+}
+
+/// Start the first launcher (it serves the store), then the others.
+fn nodes(port: u16, range: &str, n: usize, extra: &[&str], script: &str) -> Vec<Running> {
+    let mut v = vec![node(port, range, extra, script)];
+    std::thread::sleep(Duration::from_millis(300));
+    v.extend((1..n).map(|_| node(port, range, extra, script)));
+    v
+}
+
+/// Worker script: in round 0 record its pid in `DIR/r0_RANK` and sleep until stopped; in later
+/// rounds print `rR RANK WORLD_SIZE GROUP_RANK GROUP_WORLD_SIZE RESTART_COUNT`, record the pid in
+/// `DIR/rR_RANK` and exit 0 after `later_sleep`.
+fn script(dir: &Path, later_sleep: &str) -> String {
+    format!(
+        "d={}; echo $$ > $d/r${{DDP_RDZV_ROUND}}_$RANK; \
+         if [ \"$DDP_RDZV_ROUND\" = 0 ]; then exec sleep 30; fi; \
+         echo \"r$DDP_RDZV_ROUND $RANK $WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE \
+         $TORCHELASTIC_RESTART_COUNT\"; sleep {later_sleep}",
+        dir.display()
+    )
+}
+
+fn pid_files(dir: &Path, round: u32, world: usize) -> Vec<std::path::PathBuf> {
+    (0..world).map(|r| dir.join(format!("r{round}_{r}"))).collect()
+}
+
+/// `rR ...` lines of every run's stdout, sorted.
+fn round_lines(runs: &[&Run], round: u32) -> Vec<String> {
+    let mut v: Vec<String> = runs
+        .iter()
+        .flat_map(|r| r.stdout.lines())
+        .filter_map(|l| l.split_once("]: ").map(|(_, rest)| rest.to_string()))
+        .filter(|l| l.starts_with(&format!("r{round} ")))
+        .collect();
+    v.sort();
+    v
+}
+
+fn all(runs: &[Run]) -> String {
+    runs.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("\n=====\n")
+}
+
+fn signal(pid: i32, sig: i32) {
+    // SAFETY: plain kill(2) of a child process this test started.
+    assert_eq!(unsafe { libc::kill(pid, sig) }, 0);
+}
+
+#[test]
+fn three_nodes_form_one_round_of_three_without_waiting_for_the_last_call() {
+    let port = free_port();
+    let s = "echo \"env $RANK $WORLD_SIZE $GROUP_RANK $GROUP_WORLD_SIZE $LOCAL_WORLD_SIZE \
+             $TORCHELASTIC_RESTART_COUNT $DDP_RDZV_ROUND\"";
+    // A last call of 20 s: reaching MAX must close the round at once.
+    let extra = ["--rdzv-last-call", "20"];
+    let start = Instant::now();
+    let mut v = vec![node(port, "2:3", &extra, s)];
+    v.push(node(port, "2:3", &["--rdzv-last-call", "20", "--nproc-per-node", "2"], s));
+    v.push(node(port, "2:3", &extra, s));
+    let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
+    let text = all(&runs);
+    assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
+    assert!(start.elapsed() < Duration::from_secs(15), "{text}");
+    let mut ranks = BTreeSet::new();
+    let mut groups = BTreeSet::new();
+    for r in &runs {
+        for l in lines_with(&r.stdout, "[rank") {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            assert_eq!(
+                &f[1..],
+                &["env", f[2], "4", f[4], "3", f[6], "0", "0"][..],
+                "{l}\n{text}"
+            );
+            ranks.insert(f[2].parse::<usize>().unwrap());
+            groups.insert(f[4].parse::<usize>().unwrap());
+        }
+    }
+    assert_eq!(ranks, (0..4).collect(), "{text}");
+    assert_eq!(groups, (0..3).collect(), "{text}");
+    assert_eq!(
+        runs.iter().filter(|r| r.stderr.contains("serving the rendezvous store")).count(),
+        1,
+        "exactly one launcher serves the store: {text}"
+    );
+}
+
+#[test]
+fn a_late_node_is_admitted_at_the_next_round_without_using_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = script(dir.path(), "0");
+    // --max-restarts 0: a round started for a join must not count as a failure.
+    let mut v = nodes(port, "2:3", 2, &[], &s);
+    let r0 = wait_for_pids(&pid_files(dir.path(), 0, 2), Duration::from_secs(15));
+    assert!(!dir.path().join("r0_2").exists(), "round 0 ran with two nodes");
+    v.push(node(port, "2:3", &[], &s));
+    let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
+    let text = all(&runs);
+    assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
+    let refs: Vec<&Run> = runs.iter().collect();
+    let lines = round_lines(&refs, 1);
+    assert_eq!(lines.len(), 3, "{text}");
+    for (rank, l) in lines.iter().enumerate() {
+        assert_eq!(l, &format!("r1 {rank} 3 {rank} 3 0"), "{text}");
+    }
+    assert!(
+        runs[0].stderr.contains("not counted as a restart"),
+        "{text}"
+    );
+    assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
+}
+
+/// Three launchers of `--nnodes 2:3`; the third (not the store's) gets `sig` during round 0.
+/// Returns the runs of the first two, the stopped one's launcher, and the time from the signal
+/// to round 1's workers running.
+fn lose_third_node(sig: i32) -> (Vec<Run>, Running, Duration, Vec<i32>) {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = script(dir.path(), "0.5");
+    let mut v = nodes(port, "2:3", 3, &["--max-restarts", "1"], &s);
+    let r0 = wait_for_pids(&pid_files(dir.path(), 0, 3), Duration::from_secs(15));
+    let third = v.pop().unwrap();
+    let at = Instant::now();
+    signal(third.pid(), sig);
+    wait_for_pids(&pid_files(dir.path(), 1, 2), Duration::from_secs(15));
+    let detected = at.elapsed();
+    let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
+    let text = all(&runs);
+    assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
+    let refs: Vec<&Run> = runs.iter().collect();
+    // Renumbered: world 2, ranks and node ranks 0 and 1, one restart used.
+    assert_eq!(
+        round_lines(&refs, 1),
+        ["r1 0 2 0 2 1", "r1 1 2 1 2 1"],
+        "{text}"
+    );
+    assert!(!dir.path().join("r1_2").exists(), "{text}");
+    (runs, third, detected, r0)
+}
+
+/// The largest `no heartbeat for X s` a run reports.
+fn reported_age(text: &str) -> Option<f64> {
+    text.match_indices("no heartbeat for ")
+        .filter_map(|(i, m)| {
+            let rest = &text[i + m.len()..];
+            rest[..rest.find('s')?].parse::<f64>().ok()
+        })
+        .reduce(f64::max)
+}
+
+#[test]
+fn a_killed_launcher_is_dropped_and_the_others_finish_at_world_two() {
+    let (runs, third, detected, r0) = lose_third_node(libc::SIGKILL);
+    let text = all(&runs);
+    let gone = third.finish(Duration::from_secs(5));
+    assert_eq!(gone.status.code(), None, "killed: {gone}");
+    assert!(text.contains("lost: no heartbeat"), "{text}");
+    eprintln!("kill -9 of a launcher: round 1 running {detected:?} later");
+    assert!(
+        detected < Duration::from_secs_f64(HEARTBEAT + 4.0),
+        "detected in {detected:?}: {text}"
+    );
+    // The killed launcher's worker died with it (parent-death signal), the others were stopped.
+    assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
+}
+
+#[test]
+fn a_stopped_launcher_is_detected_by_its_heartbeat_within_the_bound() {
+    let (runs, third, detected, r0) = lose_third_node(libc::SIGSTOP);
+    let text = all(&runs);
+    let age = reported_age(&text).unwrap_or_else(|| panic!("no detection reported: {text}"));
+    eprintln!(
+        "SIGSTOP of a launcher: declared dead at a heartbeat age of {age:.2}s, round 1 running \
+         {detected:?} later"
+    );
+    // Detected within --heartbeat-timeout plus two polls (and scheduling slack on 2 cores).
+    assert!(age >= HEARTBEAT && age < HEARTBEAT + 1.0, "{age}: {text}");
+    assert!(
+        detected >= Duration::from_secs_f64(HEARTBEAT * 0.8)
+            && detected < Duration::from_secs_f64(HEARTBEAT + 4.0),
+        "{detected:?}: {text}"
+    );
+    // Resumed after the others went on, it finds itself declared dead and stops its worker.
+    signal(third.pid(), libc::SIGCONT);
+    let back = third.finish(Duration::from_secs(15));
+    assert_eq!(back.code(), Some(1), "{back}");
+    assert!(back.stderr.contains("declared this node dead"), "{back}");
+    assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
+}
+
+#[test]
+fn below_min_every_launcher_exits_naming_the_lost_node() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = script(dir.path(), "0");
+    let extra = ["--max-restarts", "2", "--rdzv-timeout", "3"];
+    let mut v = nodes(port, "3:4", 3, &extra, &s);
+    wait_for_pids(&pid_files(dir.path(), 0, 3), Duration::from_secs(15));
+    let third = v.pop().unwrap();
+    let at = Instant::now();
+    signal(third.pid(), libc::SIGKILL);
+    let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
+    let took = at.elapsed();
+    let _ = third.finish(Duration::from_secs(5));
+    let text = all(&runs);
+    for r in &runs {
+        assert_eq!(r.code(), Some(1), "{text}");
+        assert!(
+            r.stderr.contains("2 live node(s) joined")
+                && r.stderr.contains("fewer than the minimum 3 of --nnodes 3:4")
+                && r.stderr.contains("lost since the round before")
+                && r.stderr.contains("no heartbeat"),
+            "{text}"
+        );
+    }
+    // Heartbeat timeout, then the 3 s rendezvous timeout, then a clean exit.
+    assert!(took < Duration::from_secs_f64(HEARTBEAT + 3.0 + 5.0), "{took:?}: {text}");
+}
+
+#[test]
+fn a_node_short_of_min_gives_up_after_the_rendezvous_timeout() {
+    let port = free_port();
+    let run = node(port, "2:3", &["--rdzv-timeout", "1.5"], "true").finish(LIMIT);
+    assert_eq!(run.code(), Some(1), "{run}");
+    assert!(
+        run.stderr.contains("rendezvous round 0 timed out")
+            && run.stderr.contains("1 live node(s) joined")
+            && run.stderr.contains("fewer than the minimum 2 of --nnodes 2:3"),
+        "{run}"
+    );
+}
+
+#[test]
+fn losing_the_launcher_that_serves_the_store_ends_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = script(dir.path(), "0");
+    let mut v = nodes(port, "1:2", 2, &["--max-restarts", "3"], &s);
+    let r0 = wait_for_pids(&pid_files(dir.path(), 0, 2), Duration::from_secs(15));
+    let host = v.remove(0);
+    signal(host.pid(), libc::SIGKILL);
+    let other = v.pop().unwrap().finish(LIMIT);
+    let _ = host.finish(Duration::from_secs(5));
+    assert_eq!(other.code(), Some(1), "{other}");
+    assert!(
+        other.stderr.contains("lost contact with the rendezvous store")
+            && other.stderr.contains("cannot outlive the node that serves its store"),
+        "{other}"
+    );
+    assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
+}
+
+/// The line of `text` that contains `key`, after the `[rankN]: ` prefix.
+fn line_with<'a>(text: &'a str, key: &str) -> Option<&'a str> {
+    text.lines()
+        .filter(|l| l.contains(key))
+        .map(|l| l.split_once("]: ").map_or(l, |(_, rest)| rest))
+        .last()
+}
+
+/// The number after `before` in `line`.
+fn number_after(line: &str, before: &str) -> usize {
+    let rest = &line[line.find(before).unwrap_or_else(|| panic!("{before:?} in {line}")) + before.len()..];
+    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    digits.parse().unwrap_or_else(|_| panic!("a number after {before:?} in {line}"))
+}
+
+#[test]
+fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
+    // The example's binary sits next to ddprun when the workspace (or train-digits) is built.
+    let digits = Path::new(DDPRUN).with_file_name("train-digits");
+    if !digits.exists() {
+        let why = format!("{} not built", digits.display());
+        skip("train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint", &why);
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let ckpt = dir.path().join("ckpt");
+    let (epochs, batch) = (6usize, 32usize);
+    let e = epochs.to_string();
+    let b = batch.to_string();
+    let digits = digits.to_str().unwrap();
+    let cmd = [
+        digits,
+        "--epochs",
+        &e,
+        "--batch-size",
+        &b,
+        "--momentum",
+        "0.9",
+        "--lr",
+        "0.1",
+        "--scale-lr",
+        "96",
+        "--checkpoint-dir",
+        ckpt.to_str().unwrap(),
+        "--resume",
+        "--checkpoint-every",
+        "4",
+        "--timeout-s",
+        "20",
+        "--json",
+        "--quiet",
+    ];
+    let port = free_port();
+    let endpoint = format!("127.0.0.1:{port}");
+    let run_id = format!("digits-{port}");
+    let hb = HEARTBEAT.to_string();
+    let launcher = || {
+        let mut args = vec![
+            "--nnodes",
+            "2:3",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--run-id",
+            &run_id,
+            "--rdzv-timeout",
+            "20",
+            "--rdzv-last-call",
+            "0.5",
+            "--heartbeat-timeout",
+            &hb,
+            "--max-restarts",
+            "1",
+            "--stop-grace-period",
+            "2",
+            "--",
+        ];
+        args.extend_from_slice(&cmd);
+        Running::start(ddprun(&args))
+    };
+    let mut v = vec![launcher()];
+    std::thread::sleep(Duration::from_millis(300));
+    v.push(launcher());
+    v.push(launcher());
+    // Kill the third launcher once a mid-epoch checkpoint exists (its worker dies with it).
+    let file = ckpt.join("checkpoint.safetensors");
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !file.exists() {
+        assert!(Instant::now() < deadline, "no checkpoint within 30 s");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let third = v.pop().unwrap();
+    signal(third.pid(), libc::SIGKILL);
+    let _ = third.finish(Duration::from_secs(5));
+    let runs: Vec<Run> = v.into_iter().map(|n| n.finish(Duration::from_secs(90))).collect();
+    let text = all(&runs);
+    assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
+    let out: String = runs.iter().map(|r| r.stdout.as_str()).collect();
+    let resumed = line_with(&out, "re-sharded over 2 ranks")
+        .unwrap_or_else(|| panic!("no resume at world 2: {text}"));
+    assert!(resumed.contains("(written at world size 3)"), "{resumed}");
+    let (step, epoch) = (number_after(resumed, "at step "), number_after(resumed, "epoch "));
+    let global = number_after(resumed, &format!("epoch {epoch}, ")).min(1437);
+    let json = line_with(&out, "\"world_size\"").unwrap_or_else(|| panic!("no JSON: {text}"));
+    let field = |k: &str| {
+        let at = json.find(&format!("\"{k}\":")).unwrap_or_else(|| panic!("{k} in {json}"));
+        let rest = &json[at + k.len() + 3..];
+        rest[..rest.find([',', '}']).unwrap()].to_string()
+    };
+    assert_eq!(field("world_size"), "2", "{json}");
+    assert_eq!(field("replicas_identical"), "true", "{json}");
+    let acc: f64 = field("test_accuracy").parse().unwrap();
+    assert!(acc >= 0.95, "{json}");
+    // The sampler went on where the world of 3 stopped: the rest of that epoch split over 2
+    // ranks (1437 training images), then whole epochs of 719 per rank.
+    let rest = (1437 - global).div_ceil(2).div_ceil(batch);
+    let whole = 719usize.div_ceil(batch) * (epochs - epoch - 1);
+    assert_eq!(
+        field("steps"),
+        (step + rest + whole).to_string(),
+        "{resumed}\n{json}"
+    );
+}

@@ -82,7 +82,8 @@ impl EnvConfig {
         };
         let store_hosted = get("DDP_STORE_HOSTED").is_some_and(|v| v == "1");
         let restart_count = num("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u32;
-        let rdzv_round = num("DDP_RDZV_ROUND")?.map_or(restart_count, |r| r.min(u32::MAX as usize) as u32);
+        let rdzv_round =
+            num("DDP_RDZV_ROUND")?.map_or(restart_count, |r| r.min(u32::MAX as usize) as u32);
 
         let (launcher, rank, world_size, local_rank, local_world_size, master_addr, master_port) =
             if let (Some(rank), Some(world)) = (num("RANK")?, num("WORLD_SIZE")?) {

@@ -475,13 +475,18 @@ mod tests {
             assert!(lens.iter().all(|&l| l == lens[0]), "equal shards: {lens:?}");
             // Every index at least once; the only repeats are the padding of the new shards.
             let padding = lens[0] * new - (n - g.min(n));
-            assert!(seen.iter().all(|&c| c >= 1), "{n} {old} {consumed} {new}: {seen:?}");
+            assert!(
+                seen.iter().all(|&c| c >= 1),
+                "{n} {old} {consumed} {new}: {seen:?}"
+            );
             let extra: u32 = seen.iter().map(|&c| c - 1).sum();
             assert_eq!(extra as usize, padding, "{n} {old} {consumed} {new}");
         }
         // Nothing consumed: exactly the plain sharding, shuffled or not, with drop_last or not.
         for drop_last in [false, true] {
-            let mut a = DistributedSampler::new(10, 3, 2).unwrap().drop_last(drop_last);
+            let mut a = DistributedSampler::new(10, 3, 2)
+                .unwrap()
+                .drop_last(drop_last);
             let b = a.peek_indices();
             assert_eq!(a.indices_from_global(0), b);
         }

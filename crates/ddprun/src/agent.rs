@@ -7,7 +7,7 @@ use crate::cli::{available_cores, Config};
 use crate::guard::{self, Guard};
 use crate::output::{rank_log_dir, Sink, Tail};
 use crate::process::{self, ExitEvent, Worker};
-use crate::rendezvous::{RemoteFailure, Rendezvous, Round, Stop};
+use crate::rendezvous::{RemoteFailure, Rendezvous, Stop};
 use crate::signals::{self, signal_group, signal_name};
 use crate::summary::{format_summary, Failure, SummaryContext};
 use crate::worker_env::{worker_env, JobInfo, Placement};

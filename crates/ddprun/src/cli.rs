@@ -658,21 +658,45 @@ mod tests {
             .into_config()
             .is_err());
         // Elastic: a range, or no --node-rank with an endpoint and a run id.
-        let c = args(&["--nnodes", "2:3", "--rdzv-endpoint", "h:5", "--run-id", "j", "w"])
-            .unwrap()
-            .into_config()
-            .unwrap();
+        let c = args(&[
+            "--nnodes",
+            "2:3",
+            "--rdzv-endpoint",
+            "h:5",
+            "--run-id",
+            "j",
+            "w",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
         let e = c.elastic.unwrap();
         assert_eq!((e.min_nodes, e.max_nodes, c.nnodes), (2, 3, 3));
-        let c = args(&["--nnodes", "2", "--rdzv-endpoint", "h:5", "--run-id", "j", "w"])
-            .unwrap()
-            .into_config()
-            .unwrap();
+        let c = args(&[
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            "h:5",
+            "--run-id",
+            "j",
+            "w",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
         assert_eq!(c.elastic.map(|e| e.min_nodes), Some(2));
-        let c = args(&["--nnodes", "2", "--node-rank", "1", "--rdzv-endpoint", "h:5", "w"])
-            .unwrap()
-            .into_config()
-            .unwrap();
+        let c = args(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "h:5",
+            "w",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
         assert!(c.elastic.is_none(), "static with --node-rank");
         let e = args(&["--nnodes", "1:2", "--node-rank", "0", "--run-id", "j", "w"])
             .unwrap()

@@ -67,7 +67,9 @@ fn script(dir: &Path, later_sleep: &str) -> String {
 }
 
 fn pid_files(dir: &Path, round: u32, world: usize) -> Vec<std::path::PathBuf> {
-    (0..world).map(|r| dir.join(format!("r{round}_{r}"))).collect()
+    (0..world)
+        .map(|r| dir.join(format!("r{round}_{r}")))
+        .collect()
 }
 
 /// `rR ...` lines of every run's stdout, sorted.
@@ -83,7 +85,10 @@ fn round_lines(runs: &[&Run], round: u32) -> Vec<String> {
 }
 
 fn all(runs: &[Run]) -> String {
-    runs.iter().map(|r| r.to_string()).collect::<Vec<_>>().join("\n=====\n")
+    runs.iter()
+        .map(|r| r.to_string())
+        .collect::<Vec<_>>()
+        .join("\n=====\n")
 }
 
 fn signal(pid: i32, sig: i32) {
@@ -100,7 +105,12 @@ fn three_nodes_form_one_round_of_three_without_waiting_for_the_last_call() {
     let extra = ["--rdzv-last-call", "20"];
     let start = Instant::now();
     let mut v = vec![node(port, "2:3", &extra, s)];
-    v.push(node(port, "2:3", &["--rdzv-last-call", "20", "--nproc-per-node", "2"], s));
+    v.push(node(
+        port,
+        "2:3",
+        &["--rdzv-last-call", "20", "--nproc-per-node", "2"],
+        s,
+    ));
     v.push(node(port, "2:3", &extra, s));
     let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
     let text = all(&runs);
@@ -123,7 +133,9 @@ fn three_nodes_form_one_round_of_three_without_waiting_for_the_last_call() {
     assert_eq!(ranks, (0..4).collect(), "{text}");
     assert_eq!(groups, (0..3).collect(), "{text}");
     assert_eq!(
-        runs.iter().filter(|r| r.stderr.contains("serving the rendezvous store")).count(),
+        runs.iter()
+            .filter(|r| r.stderr.contains("serving the rendezvous store"))
+            .count(),
         1,
         "exactly one launcher serves the store: {text}"
     );
@@ -137,7 +149,10 @@ fn a_late_node_is_admitted_at_the_next_round_without_using_a_restart() {
     // --max-restarts 0: a round started for a join must not count as a failure.
     let mut v = nodes(port, "2:3", 2, &[], &s);
     let r0 = wait_for_pids(&pid_files(dir.path(), 0, 2), Duration::from_secs(15));
-    assert!(!dir.path().join("r0_2").exists(), "round 0 ran with two nodes");
+    assert!(
+        !dir.path().join("r0_2").exists(),
+        "round 0 ran with two nodes"
+    );
     v.push(node(port, "2:3", &[], &s));
     let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
     let text = all(&runs);
@@ -155,13 +170,18 @@ fn a_late_node_is_admitted_at_the_next_round_without_using_a_restart() {
     assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
 }
 
-/// Three launchers of `--nnodes 2:3`; the third (not the store's) gets `sig` during round 0.
-/// Returns the runs of the first two, the stopped one's launcher, and the time from the signal
-/// to round 1's workers running.
-fn lose_third_node(sig: i32) -> (Vec<Run>, Running, Duration, Vec<i32>) {
+/// Three launchers of `--nnodes 2:3`; the third (not the store's) gets `sig` during round 0, and
+/// `then` is called with it once round 1 runs (its workers sleep `later_sleep`). Returns the runs
+/// of the first two, the time from the signal to round 1's workers running, and the pids of
+/// round 0's workers.
+fn lose_third_node(
+    sig: i32,
+    later_sleep: &str,
+    then: impl FnOnce(Running),
+) -> (Vec<Run>, Duration, Vec<i32>) {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
-    let s = script(dir.path(), "0.5");
+    let s = script(dir.path(), later_sleep);
     let mut v = nodes(port, "2:3", 3, &["--max-restarts", "1"], &s);
     let r0 = wait_for_pids(&pid_files(dir.path(), 0, 3), Duration::from_secs(15));
     let third = v.pop().unwrap();
@@ -169,6 +189,7 @@ fn lose_third_node(sig: i32) -> (Vec<Run>, Running, Duration, Vec<i32>) {
     signal(third.pid(), sig);
     wait_for_pids(&pid_files(dir.path(), 1, 2), Duration::from_secs(15));
     let detected = at.elapsed();
+    then(third);
     let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
     let text = all(&runs);
     assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
@@ -180,7 +201,7 @@ fn lose_third_node(sig: i32) -> (Vec<Run>, Running, Duration, Vec<i32>) {
         "{text}"
     );
     assert!(!dir.path().join("r1_2").exists(), "{text}");
-    (runs, third, detected, r0)
+    (runs, detected, r0)
 }
 
 /// The largest `no heartbeat for X s` a run reports.
@@ -195,10 +216,11 @@ fn reported_age(text: &str) -> Option<f64> {
 
 #[test]
 fn a_killed_launcher_is_dropped_and_the_others_finish_at_world_two() {
-    let (runs, third, detected, r0) = lose_third_node(libc::SIGKILL);
+    let (runs, detected, r0) = lose_third_node(libc::SIGKILL, "0", |third| {
+        let gone = third.finish(Duration::from_secs(5));
+        assert_eq!(gone.status.code(), None, "killed: {gone}");
+    });
     let text = all(&runs);
-    let gone = third.finish(Duration::from_secs(5));
-    assert_eq!(gone.status.code(), None, "killed: {gone}");
     assert!(text.contains("lost: no heartbeat"), "{text}");
     eprintln!("kill -9 of a launcher: round 1 running {detected:?} later");
     assert!(
@@ -211,7 +233,14 @@ fn a_killed_launcher_is_dropped_and_the_others_finish_at_world_two() {
 
 #[test]
 fn a_stopped_launcher_is_detected_by_its_heartbeat_within_the_bound() {
-    let (runs, third, detected, r0) = lose_third_node(libc::SIGSTOP);
+    // Resumed once the others went on (they are in round 1 for 3 s), it finds itself declared
+    // dead, stops its worker and exits 1.
+    let (runs, detected, r0) = lose_third_node(libc::SIGSTOP, "3", |third| {
+        signal(third.pid(), libc::SIGCONT);
+        let back = third.finish(Duration::from_secs(10));
+        assert_eq!(back.code(), Some(1), "{back}");
+        assert!(back.stderr.contains("declared this node dead"), "{back}");
+    });
     let text = all(&runs);
     let age = reported_age(&text).unwrap_or_else(|| panic!("no detection reported: {text}"));
     eprintln!(
@@ -225,11 +254,6 @@ fn a_stopped_launcher_is_detected_by_its_heartbeat_within_the_bound() {
             && detected < Duration::from_secs_f64(HEARTBEAT + 4.0),
         "{detected:?}: {text}"
     );
-    // Resumed after the others went on, it finds itself declared dead and stops its worker.
-    signal(third.pid(), libc::SIGCONT);
-    let back = third.finish(Duration::from_secs(15));
-    assert_eq!(back.code(), Some(1), "{back}");
-    assert!(back.stderr.contains("declared this node dead"), "{back}");
     assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
 }
 
@@ -252,14 +276,18 @@ fn below_min_every_launcher_exits_naming_the_lost_node() {
         assert_eq!(r.code(), Some(1), "{text}");
         assert!(
             r.stderr.contains("2 live node(s) joined")
-                && r.stderr.contains("fewer than the minimum 3 of --nnodes 3:4")
+                && r.stderr
+                    .contains("fewer than the minimum 3 of --nnodes 3:4")
                 && r.stderr.contains("lost since the round before")
                 && r.stderr.contains("no heartbeat"),
             "{text}"
         );
     }
     // Heartbeat timeout, then the 3 s rendezvous timeout, then a clean exit.
-    assert!(took < Duration::from_secs_f64(HEARTBEAT + 3.0 + 5.0), "{took:?}: {text}");
+    assert!(
+        took < Duration::from_secs_f64(HEARTBEAT + 3.0 + 5.0),
+        "{took:?}: {text}"
+    );
 }
 
 #[test]
@@ -270,7 +298,9 @@ fn a_node_short_of_min_gives_up_after_the_rendezvous_timeout() {
     assert!(
         run.stderr.contains("rendezvous round 0 timed out")
             && run.stderr.contains("1 live node(s) joined")
-            && run.stderr.contains("fewer than the minimum 2 of --nnodes 2:3"),
+            && run
+                .stderr
+                .contains("fewer than the minimum 2 of --nnodes 2:3"),
         "{run}"
     );
 }
@@ -288,8 +318,12 @@ fn losing_the_launcher_that_serves_the_store_ends_the_job() {
     let _ = host.finish(Duration::from_secs(5));
     assert_eq!(other.code(), Some(1), "{other}");
     assert!(
-        other.stderr.contains("lost contact with the rendezvous store")
-            && other.stderr.contains("cannot outlive the node that serves its store"),
+        other
+            .stderr
+            .contains("lost contact with the rendezvous store")
+            && other
+                .stderr
+                .contains("cannot outlive the node that serves its store"),
         "{other}"
     );
     assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
@@ -305,9 +339,14 @@ fn line_with<'a>(text: &'a str, key: &str) -> Option<&'a str> {
 
 /// The number after `before` in `line`.
 fn number_after(line: &str, before: &str) -> usize {
-    let rest = &line[line.find(before).unwrap_or_else(|| panic!("{before:?} in {line}")) + before.len()..];
+    let rest = &line[line
+        .find(before)
+        .unwrap_or_else(|| panic!("{before:?} in {line}"))
+        + before.len()..];
     let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    digits.parse().unwrap_or_else(|_| panic!("a number after {before:?} in {line}"))
+    digits
+        .parse()
+        .unwrap_or_else(|_| panic!("a number after {before:?} in {line}"))
 }
 
 #[test]
@@ -316,12 +355,15 @@ fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
     let digits = Path::new(DDPRUN).with_file_name("train-digits");
     if !digits.exists() {
         let why = format!("{} not built", digits.display());
-        skip("train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint", &why);
+        skip(
+            "train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint",
+            &why,
+        );
         return;
     }
     let dir = tempfile::tempdir().unwrap();
     let ckpt = dir.path().join("ckpt");
-    let (epochs, batch) = (6usize, 32usize);
+    let (epochs, batch) = (10usize, 32usize);
     let e = epochs.to_string();
     let b = batch.to_string();
     let digits = digits.to_str().unwrap();
@@ -372,7 +414,10 @@ fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
             "--",
         ];
         args.extend_from_slice(&cmd);
-        Running::start(ddprun(&args))
+        let mut c = ddprun(&args);
+        // Rank 1 takes 20 ms per forward, so the run lasts long enough to lose a node in it.
+        c.env("DDP_DEBUG_SLOW_RANK", "1:20ms");
+        Running::start(c)
     };
     let mut v = vec![launcher()];
     std::thread::sleep(Duration::from_millis(300));
@@ -382,30 +427,46 @@ fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
     let file = ckpt.join("checkpoint.safetensors");
     let deadline = Instant::now() + Duration::from_secs(30);
     while !file.exists() {
-        assert!(Instant::now() < deadline, "no checkpoint within 30 s");
+        let ended = v.iter_mut().any(|n| n.child.try_wait().unwrap().is_some());
+        if ended || Instant::now() > deadline {
+            let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
+            panic!(
+                "no checkpoint within 30 s, or a launcher exited: {}",
+                all(&runs)
+            );
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     std::thread::sleep(Duration::from_millis(300));
     let third = v.pop().unwrap();
     signal(third.pid(), libc::SIGKILL);
     let _ = third.finish(Duration::from_secs(5));
-    let runs: Vec<Run> = v.into_iter().map(|n| n.finish(Duration::from_secs(90))).collect();
+    let runs: Vec<Run> = v
+        .into_iter()
+        .map(|n| n.finish(Duration::from_secs(90)))
+        .collect();
     let text = all(&runs);
     assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
     let out: String = runs.iter().map(|r| r.stdout.as_str()).collect();
     let resumed = line_with(&out, "re-sharded over 2 ranks")
         .unwrap_or_else(|| panic!("no resume at world 2: {text}"));
     assert!(resumed.contains("(written at world size 3)"), "{resumed}");
-    let (step, epoch) = (number_after(resumed, "at step "), number_after(resumed, "epoch "));
+    let (step, epoch) = (
+        number_after(resumed, "at step "),
+        number_after(resumed, "epoch "),
+    );
     let global = number_after(resumed, &format!("epoch {epoch}, ")).min(1437);
     let json = line_with(&out, "\"world_size\"").unwrap_or_else(|| panic!("no JSON: {text}"));
     let field = |k: &str| {
-        let at = json.find(&format!("\"{k}\":")).unwrap_or_else(|| panic!("{k} in {json}"));
+        let at = json
+            .find(&format!("\"{k}\":"))
+            .unwrap_or_else(|| panic!("{k} in {json}"));
         let rest = &json[at + k.len() + 3..];
         rest[..rest.find([',', '}']).unwrap()].to_string()
     };
     assert_eq!(field("world_size"), "2", "{json}");
     assert_eq!(field("replicas_identical"), "true", "{json}");
+    eprintln!("{resumed}\n{json}");
     let acc: f64 = field("test_accuracy").parse().unwrap();
     assert!(acc >= 0.95, "{json}");
     // The sampler went on where the world of 3 stopped: the rest of that epoch split over 2

@@ -311,9 +311,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let mut steps_run = 0u64;
     // Global samples of the current epoch consumed before this world's sharding of it began.
     let mut epoch_base = 0usize;
-    let global_at = |base: usize, pos: &TrainingState| {
-        resharded_run.then_some(base + pos.consumed * world)
-    };
+    let global_at =
+        |base: usize, pos: &TrainingState| resharded_run.then_some(base + pos.consumed * world);
     'epochs: while pos.epoch < args.epochs {
         sampler.set_epoch(pos.epoch);
         let indices = match reshard.take() {
@@ -394,7 +393,11 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     })?;
                 }
             }
-            if args.checkpoint_every.is_some_and(|k| pos.step.is_multiple_of(k)) && !last_of_epoch {
+            if args
+                .checkpoint_every
+                .is_some_and(|k| pos.step.is_multiple_of(k))
+                && !last_of_epoch
+            {
                 let here = Position {
                     state: pos,
                     global: global_at(epoch_base, &pos),

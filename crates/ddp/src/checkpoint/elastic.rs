@@ -93,7 +93,11 @@ impl RunPlan {
     /// inside the epoch (at most the writer's padded epoch), not past the end of the run. The step
     /// count cannot be checked against the position (earlier epochs may have run at other world
     /// sizes); it must not pass `max_steps`.
-    pub fn check_global(&self, meta: &CheckpointMeta, dataset_len: usize) -> Result<GlobalPosition> {
+    pub fn check_global(
+        &self,
+        meta: &CheckpointMeta,
+        dataset_len: usize,
+    ) -> Result<GlobalPosition> {
         meta.validate()?;
         self.check_hyper(meta)?;
         let bad = |m: String| {

@@ -85,7 +85,15 @@ mod tests {
         assert_eq!(w.observe(1, 5), Duration::ZERO);
         std::thread::sleep(Duration::from_millis(30));
         assert!(w.observe(1, 5) >= Duration::from_millis(30));
-        assert_eq!(w.observe(1, 6), Duration::ZERO, "a new value resets the age");
-        assert_eq!(w.observe(2, 6), Duration::ZERO, "nodes are timed separately");
+        assert_eq!(
+            w.observe(1, 6),
+            Duration::ZERO,
+            "a new value resets the age"
+        );
+        assert_eq!(
+            w.observe(2, 6),
+            Duration::ZERO,
+            "nodes are timed separately"
+        );
     }
 }

@@ -29,7 +29,7 @@ enum Next {
 }
 
 /// Run an elastic job (`cfg.elastic` is set); returns the launcher's exit status.
-pub fn run(cfg: &Config, host: &str, house: &Housekeeping) -> i32 {
+pub(crate) fn run(cfg: &Config, host: &str, house: &Housekeeping) -> i32 {
     let conf = cfg.elastic.clone().expect("an elastic configuration");
     let rdzv = match ElasticRdzv::start(cfg, &conf, host, &mut signals::take_pending) {
         Ok(r) => r,
@@ -246,13 +246,7 @@ fn wait_for_members(cfg: &Config, rdzv: &ElasticRdzv, r: &Round) -> Result<(), S
 }
 
 /// Decide what to do after round `round` was cut short or could not form (workers stopped).
-fn after_stop(
-    cfg: &Config,
-    rdzv: &ElasticRdzv,
-    round: u32,
-    r: Option<&Round>,
-    stop: Stop,
-) -> Next {
+fn after_stop(cfg: &Config, rdzv: &ElasticRdzv, round: u32, r: Option<&Round>, stop: Stop) -> Next {
     match stop {
         Stop::Signal(sig) => {
             let what = format!(

@@ -107,7 +107,11 @@ impl Closed {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum End {
     /// A failure (worker, lost node, a node stopped); `restart`: the others go on.
-    Failure { restart: bool, node: u64, what: String },
+    Failure {
+        restart: bool,
+        node: u64,
+        what: String,
+    },
     /// Nodes wait to join: every member rejoins at the next round (not a failure).
     Join(String),
 }
@@ -190,7 +194,7 @@ pub struct ElasticRdzv {
     rdzv_timeout: Duration,
     watch: RefCell<Watch>,
     /// Members of the latest round this node was in (the store's host waits for them to leave).
-    last_members: RefCell<Vec<u64>>,
+    last_members: RefCell<Vec<Member>>,
 }
 
 /// Try to serve the store on the endpoint's own address: succeeds on the endpoint's host for the
@@ -355,7 +359,9 @@ impl ElasticRdzv {
     }
 
     pub fn end(&self, round: u32) -> Result<Option<End>, Stop> {
-        Ok(self.read(&format!("r/{round}/end"))?.map(|v| End::decode(&v)))
+        Ok(self
+            .read(&format!("r/{round}/end"))?
+            .map(|v| End::decode(&v)))
     }
 
     /// End `round` for `why` unless it already ended; returns why it ended.
@@ -463,7 +469,15 @@ impl ElasticRdzv {
                 0 => None,
                 r => Some((self.closed(r - 1)?, self.end(r - 1)?)),
             };
-            if let Some((_, Some(End::Failure { restart: false, what, node }))) = &prev {
+            if let Some((
+                _,
+                Some(End::Failure {
+                    restart: false,
+                    what,
+                    node,
+                }),
+            )) = &prev
+            {
                 return Err(Stop::Remote(RemoteFailure {
                     node_rank: *node as usize,
                     restart: false,
@@ -504,7 +518,7 @@ impl ElasticRdzv {
                             .collect::<Result<_, _>>()?;
                         let rank_offset = all[..node_rank].iter().map(|m| m.nproc).sum();
                         let world_size = all.iter().map(|m| m.nproc).sum();
-                        *self.last_members.borrow_mut() = c.members.clone();
+                        *self.last_members.borrow_mut() = all.clone();
                         return Ok(Round {
                             round,
                             restarts: c.restarts,
@@ -700,12 +714,12 @@ impl ElasticRdzv {
             return;
         }
         let deadline = Instant::now() + linger;
-        for id in self.last_members.take() {
+        for m in self.last_members.take() {
             while Instant::now() < deadline {
-                match self.store.check(&self.key(&format!("left/{id}"))) {
+                match self.store.check(&self.key(&format!("left/{}", m.id))) {
                     Ok(false) => {
-                        // A member declared dead never leaves.
-                        if let Ok(Some(_)) = self.dead(id) {
+                        // A member that died (or was declared dead) never leaves.
+                        if m.id == self.me.id || !matches!(self.stale(&m), Ok(None)) {
                             break;
                         }
                         std::thread::sleep(Duration::from_millis(20))

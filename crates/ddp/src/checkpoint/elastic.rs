@@ -199,9 +199,9 @@ mod tests {
 
     #[test]
     fn another_world_size_is_refused_exactly_and_accepted_globally() {
-        // Written at world 4 after 3 steps of 5 per rank in epoch 1 (20 + 3 steps).
+        // Written at world 4 (5 steps per epoch) after 3 steps of 5 per rank in epoch 1.
         let meta = plan(4).meta(&TrainingState {
-            step: 23,
+            step: 8,
             epoch: 1,
             consumed: 15,
         });
@@ -213,7 +213,7 @@ mod tests {
         assert_eq!(
             p,
             GlobalPosition {
-                step: 23,
+                step: 8,
                 epoch: 1,
                 global_consumed: 60,
                 from_world_size: 4
@@ -222,7 +222,7 @@ mod tests {
         // Then at world 2, 2 steps later, a checkpoint of the re-sharded epoch.
         let meta2 = plan(2).meta_global(
             &TrainingState {
-                step: 25,
+                step: 10,
                 epoch: 1,
                 consumed: 10,
             },
@@ -231,7 +231,7 @@ mod tests {
         assert!(plan(2).needs_global(&meta2), "a re-sharded epoch");
         assert_eq!(meta2.extra["lr"], 0.1, "the hyper-parameters are kept");
         let p = plan(3).check_global(&meta2, 100).unwrap();
-        assert_eq!((p.step, p.global_consumed, p.from_world_size), (25, 80, 2));
+        assert_eq!((p.step, p.global_consumed, p.from_world_size), (10, 80, 2));
         // Still refused: other hyper-parameters, a position past the epoch or the run.
         let mut other = plan(2);
         other.hyper = serde_json::json!({"lr": 0.2});

@@ -35,10 +35,13 @@ Examples:
   # two nodes (run one on each host):
   ddprun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
   ddprun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
+  # elastic, 2 to 4 nodes, the same command on every node (the first launcher on 10.0.0.1 to
+  # bind the port serves the store; a lost node uses one restart, a joining node none):
+  ddprun --nnodes 2:4 --rdzv-endpoint 10.0.0.1:29500 --run-id job7 --max-restarts 3 ./train
 
 Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID and
-DDP_STORE_HOSTED=1 (the launcher on node 0 hosts the rendezvous store), plus OMP_NUM_THREADS and
+MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
+DDP_RDZV_ROUND and DDP_STORE_HOSTED=1 (the launcher on node 0 hosts the rendezvous store), plus OMP_NUM_THREADS and
 RAYON_NUM_THREADS = max(1, cores / local workers) unless already set. DDP_STORE_SECRET, when set,
 is the shared secret of the store (set it to the same value on every node).
 

@@ -22,7 +22,7 @@ pub struct Beater {
 
 impl Beater {
     /// Start beating `key` on `store` (its own connection) every `interval`.
-    pub fn start(store: TcpStore, key: String, interval: Duration) -> Beater {
+    pub fn start(store: TcpStore, key: String, interval: Duration) -> std::io::Result<Beater> {
         let stop = Arc::new(AtomicBool::new(false));
         let flag = stop.clone();
         let thread = std::thread::Builder::new()
@@ -39,12 +39,11 @@ impl Beater {
                         std::thread::sleep(step);
                     }
                 }
-            })
-            .expect("cannot start the heartbeat thread");
-        Beater {
+            })?;
+        Ok(Beater {
             stop,
             thread: Some(thread),
-        }
+        })
     }
 }
 

@@ -282,7 +282,8 @@ impl ElasticRdzv {
             _ => "the first launcher started on the endpoint's host".into(),
         };
         let interval = (conf.heartbeat_timeout / 5).max(Duration::from_millis(10));
-        let beater = Beater::start(beat_conn, format!("{prefix}hb/{id}"), interval);
+        let beater = Beater::start(beat_conn, format!("{prefix}hb/{id}"), interval)
+            .map_err(|e| Stop::Error(format!("cannot start the heartbeat thread: {e}")))?;
         Ok(ElasticRdzv {
             beater: Some(beater),
             store,

@@ -217,7 +217,7 @@ fn reported_age(text: &str) -> Option<f64> {
 #[test]
 fn a_killed_launcher_is_dropped_and_the_others_finish_at_world_two() {
     let (runs, detected, r0) = lose_third_node(libc::SIGKILL, "0", |third| {
-        let gone = third.finish(Duration::from_secs(5));
+        let gone = third.finish(LIMIT);
         assert_eq!(gone.status.code(), None, "killed: {gone}");
     });
     let text = all(&runs);
@@ -237,7 +237,7 @@ fn a_stopped_launcher_is_detected_by_its_heartbeat_within_the_bound() {
     // dead, stops its worker and exits 1.
     let (runs, detected, r0) = lose_third_node(libc::SIGSTOP, "3", |third| {
         signal(third.pid(), libc::SIGCONT);
-        let back = third.finish(Duration::from_secs(10));
+        let back = third.finish(LIMIT);
         assert_eq!(back.code(), Some(1), "{back}");
         assert!(back.stderr.contains("declared this node dead"), "{back}");
     });
@@ -270,7 +270,7 @@ fn below_min_every_launcher_exits_naming_the_lost_node() {
     signal(third.pid(), libc::SIGKILL);
     let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
     let took = at.elapsed();
-    let _ = third.finish(Duration::from_secs(5));
+    let _ = third.finish(LIMIT);
     let text = all(&runs);
     for r in &runs {
         assert_eq!(r.code(), Some(1), "{text}");
@@ -315,7 +315,7 @@ fn losing_the_launcher_that_serves_the_store_ends_the_job() {
     let host = v.remove(0);
     signal(host.pid(), libc::SIGKILL);
     let other = v.pop().unwrap().finish(LIMIT);
-    let _ = host.finish(Duration::from_secs(5));
+    let _ = host.finish(LIMIT);
     assert_eq!(other.code(), Some(1), "{other}");
     assert!(
         other
@@ -440,7 +440,7 @@ fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
     std::thread::sleep(Duration::from_millis(300));
     let third = v.pop().unwrap();
     signal(third.pid(), libc::SIGKILL);
-    let _ = third.finish(Duration::from_secs(5));
+    let _ = third.finish(LIMIT);
     let runs: Vec<Run> = v
         .into_iter()
         .map(|n| n.finish(Duration::from_secs(90)))
@@ -469,6 +469,10 @@ fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
     eprintln!("{resumed}\n{json}");
     let acc: f64 = field("test_accuracy").parse().unwrap();
     assert!(acc >= 0.95, "{json}");
+    // --scale-lr 96: lr 0.1 × 32 × 3 / 96 at world 3, × 32 × 2 / 96 at world 2.
+    let header = |w: usize| line_with(&out, &format!("world_size {w} on cpu")).unwrap_or("");
+    assert!(header(3).contains("sgd lr 0.1"), "{text}");
+    assert!(header(2).contains("sgd lr 0.0666"), "{text}");
     // The sampler went on where the world of 3 stopped: the rest of that epoch split over 2
     // ranks (1437 training images), then whole epochs of 719 per rank.
     let rest = (1437 - global).div_ceil(2).div_ceil(batch);
@@ -478,4 +482,34 @@ fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
         (step + rest + whole).to_string(),
         "{resumed}\n{json}"
     );
+}
+
+#[test]
+fn a_hung_store_host_ends_the_job_within_the_bound() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = script(dir.path(), "0");
+    let mut v = nodes(port, "1:2", 2, &["--max-restarts", "3"], &s);
+    let r0 = wait_for_pids(&pid_files(dir.path(), 0, 2), Duration::from_secs(15));
+    let host = v.remove(0);
+    let at = Instant::now();
+    signal(host.pid(), libc::SIGSTOP);
+    let other = v.pop().unwrap().finish(LIMIT);
+    let took = at.elapsed();
+    signal(host.pid(), libc::SIGKILL);
+    let _ = host.finish(LIMIT);
+    eprintln!("SIGSTOP of the store's launcher: the other exited {took:?} later");
+    assert_eq!(other.code(), Some(1), "{other}");
+    assert!(
+        other
+            .stderr
+            .contains("lost contact with the rendezvous store"),
+        "{other}"
+    );
+    // The store's answers stop: noticed within the heartbeat timeout + the 5 s reply margin.
+    assert!(
+        took < Duration::from_secs_f64(HEARTBEAT + 5.0 + 4.0),
+        "{took:?}: {other}"
+    );
+    assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
 }

@@ -38,14 +38,16 @@ pub struct Member {
 }
 
 impl Member {
-    fn encode(&self) -> String {
+    /// The store value of the entry.
+    pub fn encode(&self) -> String {
         format!(
             "nproc={};min={};max={};max_restarts={};pid={};host={}",
             self.nproc, self.min, self.max, self.max_restarts, self.pid, self.host
         )
     }
 
-    fn decode(id: u64, s: &str) -> Option<Member> {
+    /// The entry of node `id` from its store value; `None` when unreadable.
+    pub fn decode(id: u64, s: &str) -> Option<Member> {
         let mut m = Member {
             id,
             nproc: 0,
@@ -90,7 +92,8 @@ impl Closed {
         format!("{}\n{}", self.restarts, ids.join(","))
     }
 
-    fn decode(s: &str) -> Option<Closed> {
+    /// A closed round from its store value; `None` when unreadable.
+    pub fn decode(s: &str) -> Option<Closed> {
         let (r, ids) = s.split_once('\n')?;
         let members = ids
             .split(',')
@@ -131,7 +134,8 @@ impl End {
         }
     }
 
-    fn decode(s: &str) -> End {
+    /// Why a round ended, from its store value (unknown kinds read as a final failure).
+    pub fn decode(s: &str) -> End {
         let mut p = s.splitn(3, '\n');
         let kind = p.next().unwrap_or("");
         let node = p.next().and_then(|n| n.parse().ok()).unwrap_or(0);

@@ -182,7 +182,10 @@ fn lose_third_node(
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let s = script(dir.path(), later_sleep);
-    let mut v = nodes(port, "2:3", 3, &["--max-restarts", "1"], &s);
+    // A long last call: round 0 must have all three (it closes at MAX at once), however slowly
+    // the launchers start on a loaded machine.
+    let extra = ["--max-restarts", "1", "--rdzv-last-call", "5"];
+    let mut v = nodes(port, "2:3", 3, &extra, &s);
     let r0 = wait_for_pids(&pid_files(dir.path(), 0, 3), Duration::from_secs(15));
     let third = v.pop().unwrap();
     let at = Instant::now();
@@ -310,7 +313,8 @@ fn losing_the_launcher_that_serves_the_store_ends_the_job() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let s = script(dir.path(), "0");
-    let mut v = nodes(port, "1:2", 2, &["--max-restarts", "3"], &s);
+    let extra = ["--max-restarts", "3", "--rdzv-last-call", "5"];
+    let mut v = nodes(port, "1:2", 2, &extra, &s);
     let r0 = wait_for_pids(&pid_files(dir.path(), 0, 2), Duration::from_secs(15));
     let host = v.remove(0);
     signal(host.pid(), libc::SIGKILL);
@@ -403,8 +407,9 @@ fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
             &run_id,
             "--rdzv-timeout",
             "20",
+            // Round 0 closes at MAX; round 1 (the lost node not yet declared dead) after this.
             "--rdzv-last-call",
-            "0.5",
+            "1",
             "--heartbeat-timeout",
             &hb,
             "--max-restarts",
@@ -489,7 +494,8 @@ fn a_hung_store_host_ends_the_job_within_the_bound() {
     let dir = tempfile::tempdir().unwrap();
     let port = free_port();
     let s = script(dir.path(), "0");
-    let mut v = nodes(port, "1:2", 2, &["--max-restarts", "3"], &s);
+    let extra = ["--max-restarts", "3", "--rdzv-last-call", "5"];
+    let mut v = nodes(port, "1:2", 2, &extra, &s);
     let r0 = wait_for_pids(&pid_files(dir.path(), 0, 2), Duration::from_secs(15));
     let host = v.remove(0);
     let at = Instant::now();

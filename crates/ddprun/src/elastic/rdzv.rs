@@ -556,9 +556,10 @@ impl ElasticRdzv {
                     Some((Some(c), _)) => {
                         let mut back = true;
                         for &id in &c.members {
+                            // Still expected: alive (its heartbeat moves), not joined, not left.
                             if !members.iter().any(|m| m.id == id)
-                                && self.dead(id)?.is_none()
                                 && !self.left(id)?
+                                && self.stale(&self.member(id)?)?.is_none()
                             {
                                 back = false;
                             }

@@ -229,6 +229,31 @@ mod tests {
     }
 
     #[test]
+    fn rendezvous_round_defaults_to_the_restart_count() {
+        let base = [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h")];
+        let port = ("MASTER_PORT", "1");
+        let c = cfg(&[
+            base[0],
+            base[1],
+            base[2],
+            port,
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ]);
+        assert_eq!(c.map(|c| (c.restart_count, c.rdzv_round)).unwrap(), (2, 2));
+        let c = cfg(&[
+            base[0],
+            base[1],
+            base[2],
+            port,
+            ("TORCHELASTIC_RESTART_COUNT", "1"),
+            ("DDP_RDZV_ROUND", "4"),
+        ]);
+        assert_eq!(c.map(|c| (c.restart_count, c.rdzv_round)).unwrap(), (1, 4));
+        let e = cfg(&[base[0], base[1], base[2], port, ("DDP_RDZV_ROUND", "x")]);
+        assert!(e.unwrap_err().to_string().contains("DDP_RDZV_ROUND"));
+    }
+
+    #[test]
     fn invalid_values_are_named() {
         let base = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1")];
         let e = cfg(&[&base[..], &[("RANK", "4"), ("WORLD_SIZE", "4")]].concat()).unwrap_err();

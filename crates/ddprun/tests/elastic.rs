@@ -519,3 +519,27 @@ fn a_hung_store_host_ends_the_job_within_the_bound() {
     );
     assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
 }
+
+#[test]
+fn a_lost_node_uses_a_restart_and_with_none_left_the_job_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = script(dir.path(), "0");
+    let extra = ["--max-restarts", "0", "--rdzv-last-call", "5"];
+    let mut v = nodes(port, "2:3", 3, &extra, &s);
+    let r0 = wait_for_pids(&pid_files(dir.path(), 0, 3), Duration::from_secs(15));
+    let third = v.pop().unwrap();
+    signal(third.pid(), libc::SIGKILL);
+    let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
+    let _ = third.finish(LIMIT);
+    let text = all(&runs);
+    for r in &runs {
+        assert_eq!(r.code(), Some(1), "{text}");
+        assert!(
+            r.stderr.contains("no heartbeat") && r.stderr.contains("no restarts left"),
+            "{text}"
+        );
+    }
+    assert!(!dir.path().join("r1_0").exists(), "no round 1: {text}");
+    assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
+}

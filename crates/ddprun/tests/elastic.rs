@@ -343,106 +343,182 @@ fn line_with<'a>(text: &'a str, key: &str) -> Option<&'a str> {
 
 /// The number after `before` in `line`.
 fn number_after(line: &str, before: &str) -> usize {
-    let rest = &line[line
+    let at = line
         .find(before)
-        .unwrap_or_else(|| panic!("{before:?} in {line}"))
-        + before.len()..];
-    let digits: String = rest.chars().take_while(char::is_ascii_digit).collect();
+        .unwrap_or_else(|| panic!("{before:?} in {line}"));
+    let digits: String = line[at + before.len()..]
+        .chars()
+        .take_while(char::is_ascii_digit)
+        .collect();
     digits
         .parse()
         .unwrap_or_else(|_| panic!("a number after {before:?} in {line}"))
 }
 
-#[test]
-fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
-    // The example's binary sits next to ddprun when the workspace (or train-digits) is built.
-    let digits = Path::new(DDPRUN).with_file_name("train-digits");
-    if !digits.exists() {
-        let why = format!("{} not built", digits.display());
-        skip(
-            "train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint",
-            &why,
-        );
-        return;
+/// train-digits under elastic launchers (one worker each) sharing a checkpoint directory.
+struct Digits {
+    binary: String,
+    _dir: tempfile::TempDir,
+    ckpt: std::path::PathBuf,
+    endpoint: String,
+    run_id: String,
+}
+
+/// Training images of the digits set, and the run's epochs and batch size per rank.
+const IMAGES: usize = 1437;
+const EPOCHS: usize = 10;
+const BATCH: usize = 32;
+
+impl Digits {
+    /// `None` (after saying so) when the example is not built: its binary sits next to ddprun
+    /// when the workspace (or train-digits) is built.
+    fn new(test: &str) -> Option<Digits> {
+        let binary = Path::new(DDPRUN).with_file_name("train-digits");
+        if !binary.exists() {
+            skip(test, &format!("{} not built", binary.display()));
+            return None;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let port = free_port();
+        Some(Digits {
+            binary: binary.to_str().unwrap().to_string(),
+            ckpt: dir.path().join("ckpt"),
+            _dir: dir,
+            endpoint: format!("127.0.0.1:{port}"),
+            run_id: format!("digits-{port}"),
+        })
     }
-    let dir = tempfile::tempdir().unwrap();
-    let ckpt = dir.path().join("ckpt");
-    let (epochs, batch) = (10usize, 32usize);
-    let e = epochs.to_string();
-    let b = batch.to_string();
-    let digits = digits.to_str().unwrap();
-    let cmd = [
-        digits,
-        "--epochs",
-        &e,
-        "--batch-size",
-        &b,
-        "--momentum",
-        "0.9",
-        "--lr",
-        "0.1",
-        "--scale-lr",
-        "96",
-        "--checkpoint-dir",
-        ckpt.to_str().unwrap(),
-        "--resume",
-        "--checkpoint-every",
-        "4",
-        "--timeout-s",
-        "20",
-        "--json",
-        "--quiet",
-    ];
-    let port = free_port();
-    let endpoint = format!("127.0.0.1:{port}");
-    let run_id = format!("digits-{port}");
-    let hb = HEARTBEAT.to_string();
-    let launcher = || {
+
+    /// A launcher of `--nnodes 2:3` with `extra` flags. Rank 1 takes 20 ms per forward, so that
+    /// the run lasts long enough to change the world in it; checkpoints every 4 steps; lr 0.1 for
+    /// a global batch of 96 (`--scale-lr 96`).
+    fn launcher(&self, extra: &[&str]) -> Running {
+        let hb = HEARTBEAT.to_string();
+        let (e, b) = (EPOCHS.to_string(), BATCH.to_string());
         let mut args = vec![
             "--nnodes",
             "2:3",
             "--rdzv-endpoint",
-            &endpoint,
+            &self.endpoint,
             "--run-id",
-            &run_id,
+            &self.run_id,
             "--rdzv-timeout",
             "20",
-            // Round 0 closes at MAX; round 1 (the lost node not yet declared dead) after this.
-            "--rdzv-last-call",
-            "1",
             "--heartbeat-timeout",
             &hb,
-            "--max-restarts",
-            "1",
             "--stop-grace-period",
             "2",
-            "--",
         ];
-        args.extend_from_slice(&cmd);
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&[
+            "--",
+            &self.binary,
+            "--epochs",
+            &e,
+            "--batch-size",
+            &b,
+            "--momentum",
+            "0.9",
+            "--lr",
+            "0.1",
+            "--scale-lr",
+            "96",
+            "--checkpoint-dir",
+            self.ckpt.to_str().unwrap(),
+            "--resume",
+            "--checkpoint-every",
+            "4",
+            "--timeout-s",
+            "20",
+            "--json",
+            "--quiet",
+        ]);
         let mut c = ddprun(&args);
-        // Rank 1 takes 20 ms per forward, so the run lasts long enough to lose a node in it.
         c.env("DDP_DEBUG_SLOW_RANK", "1:20ms");
         Running::start(c)
-    };
-    let mut v = vec![launcher()];
-    std::thread::sleep(Duration::from_millis(300));
-    v.push(launcher());
-    v.push(launcher());
-    // Kill the third launcher once a mid-epoch checkpoint exists (its worker dies with it).
-    let file = ckpt.join("checkpoint.safetensors");
-    let deadline = Instant::now() + Duration::from_secs(30);
-    while !file.exists() {
-        let ended = v.iter_mut().any(|n| n.child.try_wait().unwrap().is_some());
-        if ended || Instant::now() > deadline {
-            let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
-            panic!(
-                "no checkpoint within 30 s, or a launcher exited: {}",
-                all(&runs)
-            );
-        }
-        std::thread::sleep(Duration::from_millis(20));
     }
+
+    /// Wait until a checkpoint exists, and a little longer (the run goes on past it).
+    fn wait_for_checkpoint(&self, v: &mut Vec<Running>) {
+        let file = self.ckpt.join("checkpoint.safetensors");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while !file.exists() {
+            let ended = v.iter_mut().any(|n| n.child.try_wait().unwrap().is_some());
+            if ended || Instant::now() > deadline {
+                let runs: Vec<Run> = std::mem::take(v)
+                    .into_iter()
+                    .map(|n| n.finish(LIMIT))
+                    .collect();
+                panic!(
+                    "no checkpoint within 30 s, or a launcher exited: {}",
+                    all(&runs)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        std::thread::sleep(Duration::from_millis(300));
+    }
+
+    /// The job went from world `from` to world `to`, resumed from a checkpoint of world `from`
+    /// at the right sampler position, and reached the accuracy; returns the resume line.
+    fn check(runs: &[Run], from: usize, to: usize) {
+        let text = all(runs);
+        assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
+        let out: String = runs.iter().map(|r| r.stdout.as_str()).collect();
+        let resumed = line_with(&out, &format!("re-sharded over {to} ranks"))
+            .unwrap_or_else(|| panic!("no resume at world {to}: {text}"));
+        assert!(
+            resumed.contains(&format!("(written at world size {from})")),
+            "{resumed}"
+        );
+        let (step, epoch) = (
+            number_after(resumed, "at step "),
+            number_after(resumed, "epoch "),
+        );
+        let global = number_after(resumed, &format!("epoch {epoch}, ")).min(IMAGES);
+        let json = line_with(&out, "\"world_size\"").unwrap_or_else(|| panic!("no JSON: {text}"));
+        let field = |k: &str| {
+            let at = json
+                .find(&format!("\"{k}\":"))
+                .unwrap_or_else(|| panic!("{k} in {json}"));
+            let rest = &json[at + k.len() + 3..];
+            rest[..rest.find([',', '}']).unwrap()].to_string()
+        };
+        eprintln!("{resumed}\n{json}");
+        assert_eq!(field("world_size"), to.to_string(), "{json}");
+        assert_eq!(field("replicas_identical"), "true", "{json}");
+        let acc: f64 = field("test_accuracy").parse().unwrap();
+        assert!(acc >= 0.95, "{json}");
+        // --scale-lr 96: lr 0.1 × 32 × W / 96 at world W.
+        let header = |w: usize| line_with(&out, &format!("world_size {w} on cpu")).unwrap_or("");
+        let lr = |w: usize| format!("sgd lr {}", 0.1 * (BATCH * w) as f64 / 96.0);
+        assert!(header(from).contains(&lr(from)), "{text}");
+        assert!(header(to).contains(&lr(to)), "{text}");
+        // The sampler went on where the world of `from` stopped: the rest of that epoch split
+        // over `to` ranks, then whole epochs of ceil(IMAGES / to) per rank.
+        let rest = (IMAGES - global).div_ceil(to).div_ceil(BATCH);
+        let whole = IMAGES.div_ceil(to).div_ceil(BATCH) * (EPOCHS - epoch - 1);
+        assert_eq!(
+            field("steps"),
+            (step + rest + whole).to_string(),
+            "{resumed}\n{json}"
+        );
+    }
+}
+
+#[test]
+fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
+    let Some(job) = Digits::new("train_digits_loses_a_node_and_finishes_at_world_two") else {
+        return;
+    };
+    // Round 0 closes at MAX; round 1 (the lost node not yet declared dead) after the last call.
+    let extra = ["--max-restarts", "1", "--rdzv-last-call", "1"];
+    let mut v = vec![job.launcher(&extra)];
     std::thread::sleep(Duration::from_millis(300));
+    v.push(job.launcher(&extra));
+    v.push(job.launcher(&extra));
+    // Kill the third launcher mid-run (its worker dies with it).
+    job.wait_for_checkpoint(&mut v);
     let third = v.pop().unwrap();
     signal(third.pid(), libc::SIGKILL);
     let _ = third.finish(LIMIT);
@@ -450,43 +526,27 @@ fn train_digits_loses_a_node_and_finishes_at_world_two_from_its_checkpoint() {
         .into_iter()
         .map(|n| n.finish(Duration::from_secs(90)))
         .collect();
-    let text = all(&runs);
-    assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
-    let out: String = runs.iter().map(|r| r.stdout.as_str()).collect();
-    let resumed = line_with(&out, "re-sharded over 2 ranks")
-        .unwrap_or_else(|| panic!("no resume at world 2: {text}"));
-    assert!(resumed.contains("(written at world size 3)"), "{resumed}");
-    let (step, epoch) = (
-        number_after(resumed, "at step "),
-        number_after(resumed, "epoch "),
-    );
-    let global = number_after(resumed, &format!("epoch {epoch}, ")).min(1437);
-    let json = line_with(&out, "\"world_size\"").unwrap_or_else(|| panic!("no JSON: {text}"));
-    let field = |k: &str| {
-        let at = json
-            .find(&format!("\"{k}\":"))
-            .unwrap_or_else(|| panic!("{k} in {json}"));
-        let rest = &json[at + k.len() + 3..];
-        rest[..rest.find([',', '}']).unwrap()].to_string()
+    Digits::check(&runs, 3, 2);
+}
+
+#[test]
+fn train_digits_admits_a_node_and_finishes_at_world_three_from_its_checkpoint() {
+    let Some(job) = Digits::new("train_digits_admits_a_node_and_finishes_at_world_three") else {
+        return;
     };
-    assert_eq!(field("world_size"), "2", "{json}");
-    assert_eq!(field("replicas_identical"), "true", "{json}");
-    eprintln!("{resumed}\n{json}");
-    let acc: f64 = field("test_accuracy").parse().unwrap();
-    assert!(acc >= 0.95, "{json}");
-    // --scale-lr 96: lr 0.1 × 32 × 3 / 96 at world 3, × 32 × 2 / 96 at world 2.
-    let header = |w: usize| line_with(&out, &format!("world_size {w} on cpu")).unwrap_or("");
-    assert!(header(3).contains("sgd lr 0.1"), "{text}");
-    assert!(header(2).contains("sgd lr 0.0666"), "{text}");
-    // The sampler went on where the world of 3 stopped: the rest of that epoch split over 2
-    // ranks (1437 training images), then whole epochs of 719 per rank.
-    let rest = (1437 - global).div_ceil(2).div_ceil(batch);
-    let whole = 719usize.div_ceil(batch) * (epochs - epoch - 1);
-    assert_eq!(
-        field("steps"),
-        (step + rest + whole).to_string(),
-        "{resumed}\n{json}"
-    );
+    // Round 0 starts with two after the last call; the third, started mid-run, is admitted at
+    // round 1 without using a restart (none are allowed).
+    let extra = ["--max-restarts", "0", "--rdzv-last-call", "0.5"];
+    let mut v = vec![job.launcher(&extra)];
+    std::thread::sleep(Duration::from_millis(300));
+    v.push(job.launcher(&extra));
+    job.wait_for_checkpoint(&mut v);
+    v.push(job.launcher(&extra));
+    let runs: Vec<Run> = v
+        .into_iter()
+        .map(|n| n.finish(Duration::from_secs(90)))
+        .collect();
+    Digits::check(&runs, 2, 3);
 }
 
 #[test]

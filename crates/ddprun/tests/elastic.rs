@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 const LIMIT: Duration = Duration::from_secs(40);
 /// `--heartbeat-timeout` of these tests.
-const HEARTBEAT: f64 = 1.5;
+const HEARTBEAT: f64 = 2.0;
 
 /// An elastic launcher: `--nnodes RANGE` on the store at 127.0.0.1:`port`, one worker running
 /// `sh -c script`, short timeouts.
@@ -251,7 +251,7 @@ fn a_stopped_launcher_is_detected_by_its_heartbeat_within_the_bound() {
          {detected:?} later"
     );
     // Detected within --heartbeat-timeout plus two polls (and scheduling slack on 2 cores).
-    assert!((HEARTBEAT..HEARTBEAT + 1.0).contains(&age), "{age}: {text}");
+    assert!((HEARTBEAT..HEARTBEAT + 2.0).contains(&age), "{age}: {text}");
     assert!(
         detected >= Duration::from_secs_f64(HEARTBEAT * 0.8)
             && detected < Duration::from_secs_f64(HEARTBEAT + 4.0),

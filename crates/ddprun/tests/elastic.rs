@@ -603,3 +603,36 @@ fn a_lost_node_uses_a_restart_and_with_none_left_the_job_ends() {
     assert!(!dir.path().join("r1_0").exists(), "no round 1: {text}");
     assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
 }
+
+#[test]
+fn a_node_beyond_max_waits_as_a_spare_and_says_why_it_was_never_admitted() {
+    let dir = tempfile::tempdir().unwrap();
+    let port = free_port();
+    let s = script(dir.path(), "0");
+    // Two of --nnodes 1:2 run round 0 (closed at MAX); a third is never admitted.
+    let extra = ["--rdzv-last-call", "5"];
+    let mut v = nodes(port, "1:2", 2, &extra, &s);
+    let r0 = wait_for_pids(&pid_files(dir.path(), 0, 2), Duration::from_secs(15));
+    let spare = node(port, "1:2", &["--rdzv-timeout", "1.5"], &s).finish(LIMIT);
+    assert_eq!(spare.code(), Some(1), "{spare}");
+    assert!(
+        spare
+            .stderr
+            .contains("round 0 runs with the maximum of 2 nodes")
+            && spare.stderr.contains("was never admitted"),
+        "{spare}"
+    );
+    assert!(
+        !dir.path().join("r1_0").exists(),
+        "the spare did not restart round 0"
+    );
+    // SIGTERM to both: each exits 143, or 1 when it saw the other leave first.
+    for n in &v {
+        signal(n.pid(), libc::SIGTERM);
+    }
+    for n in v.drain(..) {
+        let r = n.finish(LIMIT);
+        assert!(matches!(r.code(), Some(1 | 143)), "{r}");
+    }
+    assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
+}

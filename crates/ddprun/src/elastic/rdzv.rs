@@ -585,6 +585,15 @@ impl ElasticRdzv {
                     return Err(Stop::Signal(sig));
                 }
                 if Instant::now() >= deadline {
+                    if !prev_ended {
+                        return Err(Stop::Error(format!(
+                            "rendezvous timed out after {:?} (--rdzv-timeout): round {} runs with \
+                             the maximum of {max} nodes (--nnodes {min}:{max}) and did not end, so \
+                             this node, waiting for round {round}, was never admitted",
+                            self.rdzv_timeout,
+                            round - 1
+                        )));
+                    }
                     return Err(self.too_few(round, &members, prev.and_then(|p| p.0)));
                 }
                 std::thread::sleep(poll);

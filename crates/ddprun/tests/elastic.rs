@@ -636,3 +636,88 @@ fn a_node_beyond_max_waits_as_a_spare_and_says_why_it_was_never_admitted() {
     }
     assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
 }
+
+#[test]
+fn pytorch_workers_grow_from_two_to_three_nodes_with_a_fresh_store_namespace() {
+    let ok = std::process::Command::new("python3")
+        .args([
+            "-c",
+            "import torch.distributed as d; assert d.is_available()",
+        ])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ok {
+        note_skip(
+            "pytorch_workers_grow_from_two_to_three_nodes_with_a_fresh_store_namespace",
+            "python3 cannot import torch.distributed",
+        );
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    // Each worker counts itself in PyTorch's store (TORCHELASTIC_USE_AGENT_STORE: the
+    // launcher's store); round 0 then sleeps until the third node's arrival stops it.
+    let script = r#"import os, time, torch
+import torch.distributed as dist
+dist.init_process_group('gloo')
+r = int(os.environ['DDP_RDZV_ROUND'])
+n = dist.distributed_c10d._get_default_store().add('arrived', 1)
+t = torch.ones(1)
+dist.all_reduce(t)
+dist.barrier()
+print(f'round {r}: rank {dist.get_rank()}/{dist.get_world_size()} arrived {n} sum {t.item():g}', flush=True)
+if r == 0:
+    open('DIR/r0_' + os.environ['RANK'], 'w').write(f'{os.getpid()}\n')
+    time.sleep(60)
+"#
+    .replace("DIR", &dir.path().display().to_string());
+    let port = free_port();
+    let endpoint = format!("127.0.0.1:{port}");
+    let run_id = format!("torch-{port}");
+    let launcher = || {
+        Running::start(ddprun(&[
+            "--nnodes",
+            "2:3",
+            "--rdzv-endpoint",
+            &endpoint,
+            "--run-id",
+            &run_id,
+            "--rdzv-timeout",
+            "60",
+            "--rdzv-last-call",
+            "0.5",
+            "--stop-grace-period",
+            "2",
+            "--",
+            "python3",
+            "-c",
+            &script,
+        ]))
+    };
+    let mut v = vec![launcher()];
+    std::thread::sleep(Duration::from_millis(300));
+    v.push(launcher());
+    let r0 = wait_for_pids(&pid_files(dir.path(), 0, 2), Duration::from_secs(60));
+    v.push(launcher());
+    let runs: Vec<Run> = v
+        .into_iter()
+        .map(|n| n.finish(Duration::from_secs(120)))
+        .collect();
+    let text = all(&runs);
+    assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
+    let mut lines: Vec<&str> = runs
+        .iter()
+        .flat_map(|r| r.stdout.lines())
+        .filter_map(|l| l.split_once("]: round 1: ").map(|x| x.1))
+        .collect();
+    lines.sort();
+    // Counted from zero again in round 1: its own namespace, not on top of round 0's keys.
+    let mut arrived: Vec<&str> = lines
+        .iter()
+        .filter_map(|l| l.split(" arrived ").nth(1))
+        .collect();
+    arrived.sort();
+    assert_eq!(arrived, ["1 sum 3", "2 sum 3", "3 sum 3"], "{text}");
+    assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
+}

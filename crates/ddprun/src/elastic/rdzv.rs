@@ -468,7 +468,7 @@ impl ElasticRdzv {
         let deadline = Instant::now() + self.rdzv_timeout;
         'rounds: loop {
             if let Some(server) = &self.server {
-                server.set_torch_prefix(&format!("torch/elastic/{round}/"));
+                server.set_torch_prefix(&format!("torch/{}{round}/", self.prefix));
             }
             let prev = match round {
                 0 => None,

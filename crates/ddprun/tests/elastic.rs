@@ -721,3 +721,32 @@ if r == 0:
     assert_eq!(arrived, ["1 sum 3", "2 sum 3", "3 sum 3"], "{text}");
     assert_all_gone(&r0, Duration::from_secs(5), "round 0's workers");
 }
+
+#[test]
+fn a_worker_failure_restarts_every_node_at_the_same_size_using_a_restart() {
+    let port = free_port();
+    let s = "if [ \"$DDP_RDZV_ROUND\" = 0 ]; then \
+               if [ \"$GROUP_RANK\" = 1 ]; then echo 'node 1 breaks' >&2; exit 3; fi; \
+               exec sleep 30; fi; \
+             echo \"r$DDP_RDZV_ROUND $RANK $WORLD_SIZE $TORCHELASTIC_RESTART_COUNT\"";
+    let extra = ["--max-restarts", "1", "--rdzv-last-call", "5"];
+    let v = nodes(port, "2:3", 3, &extra, s);
+    let runs: Vec<Run> = v.into_iter().map(|n| n.finish(LIMIT)).collect();
+    let text = all(&runs);
+    assert!(runs.iter().all(|r| r.code() == Some(0)), "{text}");
+    let refs: Vec<&Run> = runs.iter().collect();
+    // Every node rejoined at once (no last call): round 1 has all three, one restart used.
+    assert_eq!(
+        round_lines(&refs, 1),
+        ["r1 0 3 1", "r1 1 3 1", "r1 2 3 1"],
+        "{text}"
+    );
+    assert!(
+        text.contains("exit code 3") && text.contains("node 1 breaks"),
+        "{text}"
+    );
+    assert!(
+        runs.iter().all(|r| r.elapsed < Duration::from_secs(12)),
+        "the sleeping workers were stopped and nobody waited for the last call: {text}"
+    );
+}

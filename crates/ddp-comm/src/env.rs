@@ -37,8 +37,12 @@ pub struct EnvConfig {
     /// `true` when the launcher already hosts the store (`DDP_STORE_HOSTED=1`, set by `ddprun`):
     /// then rank 0 connects as a client instead of starting a server.
     pub store_hosted: bool,
-    /// `TORCHELASTIC_RESTART_COUNT` (0 when absent): namespaces the rendezvous keys of each attempt.
+    /// `TORCHELASTIC_RESTART_COUNT` (0 when absent): failures restarted so far.
     pub restart_count: u32,
+    /// `DDP_RDZV_ROUND` (default: `restart_count`): the launcher's rendezvous round, unique per
+    /// round of the job; namespaces the rendezvous keys. An elastic `ddprun` starts new rounds on
+    /// membership changes too, which torchrun's `TORCHELASTIC_RESTART_COUNT` does not count.
+    pub rdzv_round: u32,
 }
 
 impl EnvConfig {
@@ -78,6 +82,8 @@ impl EnvConfig {
         };
         let store_hosted = get("DDP_STORE_HOSTED").is_some_and(|v| v == "1");
         let restart_count = num("TORCHELASTIC_RESTART_COUNT")?.unwrap_or(0) as u32;
+        let rdzv_round =
+            num("DDP_RDZV_ROUND")?.map_or(restart_count, |r| r.min(u32::MAX as usize) as u32);
 
         let (launcher, rank, world_size, local_rank, local_world_size, master_addr, master_port) =
             if let (Some(rank), Some(world)) = (num("RANK")?, num("WORLD_SIZE")?) {
@@ -166,6 +172,7 @@ impl EnvConfig {
             master_port,
             store_hosted,
             restart_count,
+            rdzv_round,
         })
     }
 }
@@ -219,6 +226,31 @@ mod tests {
         );
         assert_eq!((c.master_addr.as_str(), c.master_port), ("10.0.0.1", 1234));
         assert_eq!(c.launcher, Launcher::Torchrun);
+    }
+
+    #[test]
+    fn rendezvous_round_defaults_to_the_restart_count() {
+        let base = [("RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "h")];
+        let port = ("MASTER_PORT", "1");
+        let c = cfg(&[
+            base[0],
+            base[1],
+            base[2],
+            port,
+            ("TORCHELASTIC_RESTART_COUNT", "2"),
+        ]);
+        assert_eq!(c.map(|c| (c.restart_count, c.rdzv_round)).unwrap(), (2, 2));
+        let c = cfg(&[
+            base[0],
+            base[1],
+            base[2],
+            port,
+            ("TORCHELASTIC_RESTART_COUNT", "1"),
+            ("DDP_RDZV_ROUND", "4"),
+        ]);
+        assert_eq!(c.map(|c| (c.restart_count, c.rdzv_round)).unwrap(), (1, 4));
+        let e = cfg(&[base[0], base[1], base[2], port, ("DDP_RDZV_ROUND", "x")]);
+        assert!(e.unwrap_err().to_string().contains("DDP_RDZV_ROUND"));
     }
 
     #[test]

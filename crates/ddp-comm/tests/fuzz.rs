@@ -316,6 +316,7 @@ const ENV_VARS: &[&str] = &[
     "MASTER_ADDR",
     "MASTER_PORT",
     "TORCHELASTIC_RESTART_COUNT",
+    "DDP_RDZV_ROUND",
     "DDP_STORE_HOSTED",
     "SLURM_PROCID",
     "SLURM_NTASKS",

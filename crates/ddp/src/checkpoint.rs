@@ -21,7 +21,8 @@
 //! Optimizers implement [`OptimizerState`] (a framework-agnostic state: named host tensors, step,
 //! hyper-parameters); [`resume_or_start`] is the one call a training program makes at start (rank
 //! 0 checks the directory, loads and shares the checkpoint, every rank checks it against its
-//! [`RunPlan`]).
+//! [`RunPlan`]). A run whose world size changes (an elastic job) resumes by the global sampler
+//! position instead: [`resume_or_start_global`], [`RunPlan::check_global`] (module `elastic`).
 //!
 //! Frameworks with serializers of their own (Burn's burnpack records) store their bytes as named
 //! *blobs* ([`Checkpoint::insert_blob`]): `U8` tensors in the same file, checksummed like the
@@ -44,9 +45,13 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::sampler::SamplerState;
 
+mod elastic;
 pub mod integrity;
 mod resume;
 
+pub use elastic::{
+    global_consumed, resume_or_start_global, GlobalPosition, ResumedGlobal, GLOBAL_CONSUMED_KEY,
+};
 pub use integrity::{ensure_writable, MAX_COUNT, MAX_WORLD_SIZE};
 pub use resume::{
     broadcast, resume_or_start, OptimizerRecord, OptimizerState, OptimizerStateDict, Resumed,

@@ -204,6 +204,48 @@ impl DistributedSampler {
         Ok(indices)
     }
 
+    /// Number of indices [`indices_from_global`](Self::indices_from_global) gives this rank.
+    pub fn len_from_global(&self, global_consumed: usize) -> usize {
+        let left = self.dataset_len - global_consumed.min(self.dataset_len);
+        num_samples(left, self.num_replicas, self.drop_last)
+    }
+
+    /// This rank's share of the rest of the epoch after all ranks together consumed the first
+    /// `global_consumed` positions of the epoch's global order, possibly at another world size
+    /// (an elastic job resuming from a checkpoint with fewer or more ranks). The indices left,
+    /// `order[global_consumed..N]`, are split among this sampler's replicas as an epoch is
+    /// (rank `r` takes every `R`-th, from the `r`-th), padded by cycling them (or truncated with
+    /// `drop_last`) so that every rank gets [`len_from_global`](Self::len_from_global): none of
+    /// the epoch is skipped, and none seen twice except as padding. With `global_consumed = 0`
+    /// this is [`indices`](Self::indices). Positions past `N` (the padding of the world that
+    /// consumed them) leave nothing.
+    ///
+    /// After `c` steps of this sampler's own sharding the ranks have consumed the first
+    /// `c × batch × R` positions: rank `r`'s `j`-th index is position `r + j·R` of the order.
+    ///
+    /// ```
+    /// // 12 items: 4 ranks took 2 each (the first 8 positions); 2 ranks share the last 4.
+    /// let mut s = ddp::DistributedSampler::new(12, 2, 1).unwrap().shuffle(false);
+    /// assert_eq!(s.indices_from_global(8), vec![9, 11]);
+    /// ```
+    pub fn indices_from_global(&mut self, global_consumed: usize) -> Vec<usize> {
+        self.note_iteration();
+        let order = if self.shuffle {
+            shuffled_indices(self.dataset_len, self.seed.wrapping_add(self.epoch))
+        } else {
+            (0..self.dataset_len).collect()
+        };
+        let left = &order[global_consumed.min(self.dataset_len)..];
+        let per_rank = self.len_from_global(global_consumed);
+        left.iter()
+            .copied()
+            .cycle()
+            .take(per_rank * self.num_replicas)
+            .skip(self.rank)
+            .step_by(self.num_replicas)
+            .collect()
+    }
+
     /// This rank's indices for the current epoch without counting as an iteration (no same-epoch
     /// warning): for inspection and verification.
     pub fn peek_indices(&self) -> Vec<usize> {
@@ -397,6 +439,60 @@ mod tests {
         // Each bucket expects 1000; 6 sigma ~ 170.
         assert!(seen.iter().all(|&c| (830..=1170).contains(&c)), "{seen:?}");
         assert_eq!(SplitMix64(3).below(1), 0);
+    }
+
+    #[test]
+    fn resharding_mid_epoch_sees_every_index_once_across_the_change() {
+        // (dataset, old world, steps × batch per rank before the change, new world)
+        for &(n, old, consumed, new) in &[
+            (100, 4, 5, 2),
+            (100, 2, 10, 4),
+            (96, 3, 8, 2),
+            (97, 3, 7, 2),
+            (50, 1, 11, 3),
+            (64, 2, 0, 3),
+        ] {
+            let mut seen = vec![0u32; n];
+            for r in 0..old {
+                let mut s = DistributedSampler::new(n, old, r).unwrap().seed(9);
+                s.set_epoch(4);
+                for i in s.indices().into_iter().take(consumed) {
+                    seen[i] += 1;
+                }
+            }
+            let g = consumed * old;
+            let mut lens = Vec::new();
+            for r in 0..new {
+                let mut s = DistributedSampler::new(n, new, r).unwrap().seed(9);
+                s.set_epoch(4);
+                let idx = s.indices_from_global(g);
+                assert_eq!(idx.len(), s.len_from_global(g));
+                lens.push(idx.len());
+                for i in idx {
+                    seen[i] += 1;
+                }
+            }
+            assert!(lens.iter().all(|&l| l == lens[0]), "equal shards: {lens:?}");
+            // Every index at least once; the only repeats are the padding of the new shards.
+            let padding = lens[0] * new - (n - g.min(n));
+            assert!(
+                seen.iter().all(|&c| c >= 1),
+                "{n} {old} {consumed} {new}: {seen:?}"
+            );
+            let extra: u32 = seen.iter().map(|&c| c - 1).sum();
+            assert_eq!(extra as usize, padding, "{n} {old} {consumed} {new}");
+        }
+        // Nothing consumed: exactly the plain sharding, shuffled or not, with drop_last or not.
+        for drop_last in [false, true] {
+            let mut a = DistributedSampler::new(10, 3, 2)
+                .unwrap()
+                .drop_last(drop_last);
+            let b = a.peek_indices();
+            assert_eq!(a.indices_from_global(0), b);
+        }
+        // Past the end (the old world's padding): nothing left.
+        let mut s = DistributedSampler::new(10, 3, 0).unwrap();
+        assert_eq!(s.indices_from_global(12), Vec::<usize>::new());
     }
 
     #[test]

@@ -255,6 +255,43 @@ fn a_checkpoint_of_another_run_is_refused_by_the_run_plan() {
         .unwrap();
 }
 
+#[test]
+fn a_checkpoint_of_any_world_size_is_checked_by_its_global_position() {
+    let plan = RunPlan {
+        world_size: 3,
+        samples_per_epoch: 479,
+        batch_size: 32,
+        epochs: 6,
+        max_steps: Some(500),
+        hyper: json!({"lr": 0.1}),
+        rng_state: 7,
+    };
+    let global = prop_oneof![
+        Just(serde_json::Value::Null),
+        (0u64..3000).prop_map(serde_json::Value::from),
+        any::<u64>().prop_map(serde_json::Value::from),
+        any::<i64>().prop_map(serde_json::Value::from),
+        any::<f64>().prop_map(serde_json::Value::from),
+        "\\PC{0,8}".prop_map(serde_json::Value::from),
+    ];
+    runner(20_000)
+        .run(&(meta(), global), |(mut m, g)| {
+            if !g.is_null() {
+                m.extra[ddp::checkpoint::GLOBAL_CONSUMED_KEY] = g;
+            }
+            match plan.check_global(&m, 1437) {
+                Ok(p) => {
+                    prop_assert!(p.epoch <= plan.epochs && p.step <= 500);
+                    prop_assert!(p.global_consumed < 1437 + m.world_size);
+                    prop_assert!(p.epoch < plan.epochs || p.global_consumed == 0);
+                }
+                Err(e) => prop_assert!(!e.to_string().is_empty()),
+            }
+            Ok(())
+        })
+        .unwrap();
+}
+
 /// What the forged-header target found: an end offset near 2^64 made safetensors 0.4 overflow
 /// (`buffer_end + 8 + n`), a panic with overflow checks. Now a named error.
 #[test]

@@ -7,7 +7,7 @@ use crate::cli::{available_cores, Config};
 use crate::guard::{self, Guard};
 use crate::output::{rank_log_dir, Sink, Tail};
 use crate::process::{self, ExitEvent, Worker};
-use crate::rendezvous::{RemoteFailure, Rendezvous, Round, Stop};
+use crate::rendezvous::{RemoteFailure, Rendezvous, Stop};
 use crate::signals::{self, signal_group, signal_name};
 use crate::summary::{format_summary, Failure, SummaryContext};
 use crate::worker_env::{worker_env, JobInfo, Placement};
@@ -24,7 +24,7 @@ const DRAIN_WAIT: Duration = Duration::from_secs(2);
 const RDZV_POLL: Duration = Duration::from_millis(50);
 
 /// Launcher exit status for a signal.
-fn signal_exit(sig: i32) -> i32 {
+pub(crate) fn signal_exit(sig: i32) -> i32 {
     128 + sig
 }
 
@@ -42,7 +42,7 @@ pub fn hostname() -> String {
 }
 
 /// How one attempt of this node's workers ended.
-enum Outcome {
+pub(crate) enum Outcome {
     Success,
     /// Workers that failed on their own, root cause first.
     Failed(Vec<Failure>),
@@ -55,6 +55,21 @@ enum Outcome {
 enum Next {
     Restart,
     Exit(i32),
+}
+
+/// Where this node's workers sit in one round, and what they are told about it.
+pub(crate) struct Launch {
+    pub master_addr: String,
+    pub master_port: u16,
+    /// `TORCHELASTIC_RESTART_COUNT`: failures restarted so far.
+    pub restart_count: u32,
+    /// Rendezvous round (`DDP_RDZV_ROUND`, the `attempt_K` log directory); the restart count in
+    /// a static job.
+    pub round: u32,
+    pub rank_offset: usize,
+    pub world_size: usize,
+    pub node_rank: usize,
+    pub nnodes: usize,
 }
 
 /// Run the job described by `cfg`; returns the launcher's exit status.
@@ -75,6 +90,9 @@ pub fn run(cfg: &Config) -> i32 {
     keep.extend(guard.as_ref().map(Guard::pid));
     let house = Housekeeping { guard, keep };
     let host = hostname();
+    if cfg.elastic.is_some() {
+        return crate::elastic::run(cfg, &host, &house);
+    }
     let rdzv = match Rendezvous::start(cfg, &host, &mut signals::take_pending) {
         Ok(r) => r,
         Err(Stop::Signal(sig)) => {
@@ -84,7 +102,7 @@ pub fn run(cfg: &Config) -> i32 {
             );
             return signal_exit(sig);
         }
-        Err(Stop::Error(e)) => {
+        Err(Stop::Error(e) | Stop::Rejoin(e) | Stop::JobDone(e)) => {
             eprintln!("ddprun: error: {e}");
             return 1;
         }
@@ -106,10 +124,27 @@ pub fn run(cfg: &Config) -> i32 {
 
 /// What the launcher keeps for cleaning up after workers: the orphan guard and the children it
 /// must not sweep.
-struct Housekeeping {
-    guard: Option<Guard>,
+pub(crate) struct Housekeeping {
+    pub guard: Option<Guard>,
     /// Children of this process that are not the workers' leftovers.
-    keep: Vec<i32>,
+    pub keep: Vec<i32>,
+}
+
+impl Housekeeping {
+    /// After an attempt: kill what the workers left behind (adopted as subreaper) and remove
+    /// stale shared-memory segments.
+    pub fn sweep(&self) {
+        let adopted = guard::reap_adopted(&self.keep);
+        if adopted > 0 {
+            eprintln!("ddprun: killed {adopted} process(es) left behind by the workers");
+        }
+        // Workers are gone: remove shared-memory segments whose creator died before every rank
+        // attached (the one case where a segment name can outlive its group).
+        let swept = ddp_comm::transport::shm::sweep_stale_segments();
+        if swept > 0 {
+            eprintln!("ddprun: removed {swept} stale shared-memory segment(s) from /dev/shm");
+        }
+    }
 }
 
 fn run_round(
@@ -144,17 +179,23 @@ fn run_round(
             .map(|d| format!(", logs in {}", d.join(&cfg.run_id).display()))
             .unwrap_or_default()
     );
-    let outcome = supervise(cfg, rdzv, &round, host, house.guard.as_ref());
-    let adopted = guard::reap_adopted(&house.keep);
-    if adopted > 0 {
-        eprintln!("ddprun: killed {adopted} process(es) left behind by the workers");
-    }
-    // Workers are gone: remove shared-memory segments whose creator died before every rank
-    // attached (the one case where a segment name can outlive its group).
-    let swept = ddp_comm::transport::shm::sweep_stale_segments();
-    if swept > 0 {
-        eprintln!("ddprun: removed {swept} stale shared-memory segment(s) from /dev/shm");
-    }
+    let launch = Launch {
+        master_addr: rdzv.master_addr.clone(),
+        master_port: rdzv.master_port,
+        restart_count: round.attempt,
+        round: round.attempt,
+        rank_offset: round.rank_offset,
+        world_size: round.world_size,
+        node_rank: cfg.node_rank,
+        nnodes: cfg.nnodes,
+    };
+    let mut poll = || match rdzv.failure(round.attempt) {
+        Ok(None) => None,
+        Ok(Some(f)) => Some(Stop::Remote(f)),
+        Err(stop) => Some(stop),
+    };
+    let outcome = supervise(cfg, &launch, host, house.guard.as_ref(), &mut poll);
+    house.sweep();
     match outcome {
         Outcome::Success => {
             if cfg.nnodes == 1 {
@@ -221,7 +262,7 @@ fn after_stop(cfg: &Config, rdzv: &Rendezvous, attempt: u32, stop: Stop) -> Next
             rdzv.report_failure(attempt, false, &what);
             Next::Exit(signal_exit(sig))
         }
-        Stop::Error(e) => {
+        Stop::Error(e) | Stop::Rejoin(e) | Stop::JobDone(e) => {
             eprintln!("ddprun: error: {e}");
             rdzv.report_failure(attempt, false, &format!("node {}: {e}", cfg.node_rank));
             Next::Exit(1)
@@ -315,16 +356,17 @@ fn sinks(
     Ok((out, err))
 }
 
-/// Start this node's workers for `round` and watch them until the attempt ends.
-fn supervise(
+/// Start this node's workers for `launch` and watch them until the attempt ends. `poll` is asked
+/// every monitor interval whether the rest of the job wants the workers stopped.
+pub(crate) fn supervise(
     cfg: &Config,
-    rdzv: &Rendezvous,
-    round: &Round,
+    launch: &Launch,
     host: &str,
     guard: Option<&Guard>,
+    poll: &mut dyn FnMut() -> Option<Stop>,
 ) -> Outcome {
     let mut workers: Vec<Worker> = Vec::with_capacity(cfg.nproc_per_node);
-    let outcome = supervise_workers(cfg, rdzv, round, host, guard, &mut workers);
+    let outcome = supervise_workers(cfg, launch, host, guard, poll, &mut workers);
     // Every exit path has stopped the workers and SIGKILLed their groups.
     for w in &workers {
         if let Some(g) = guard {
@@ -336,33 +378,34 @@ fn supervise(
 
 fn supervise_workers(
     cfg: &Config,
-    rdzv: &Rendezvous,
-    round: &Round,
+    launch: &Launch,
     host: &str,
     guard: Option<&Guard>,
+    poll: &mut dyn FnMut() -> Option<Stop>,
     workers: &mut Vec<Worker>,
 ) -> Outcome {
     let (tx, rx) = mpsc::channel::<ExitEvent>();
     let job = JobInfo {
-        master_addr: rdzv.master_addr.clone(),
-        master_port: rdzv.master_port,
-        restart_count: round.attempt,
+        master_addr: launch.master_addr.clone(),
+        master_port: launch.master_port,
+        restart_count: launch.restart_count,
+        rdzv_round: launch.round,
         max_restarts: cfg.max_restarts,
         run_id: cfg.run_id.clone(),
         cores: available_cores(),
     };
     for local_rank in 0..cfg.nproc_per_node {
         let p = Placement {
-            rank: round.rank_offset + local_rank,
+            rank: launch.rank_offset + local_rank,
             local_rank,
-            world_size: round.world_size,
+            world_size: launch.world_size,
             local_world_size: cfg.nproc_per_node,
-            node_rank: cfg.node_rank,
-            nnodes: cfg.nnodes,
+            node_rank: launch.node_rank,
+            nnodes: launch.nnodes,
         };
         let env = worker_env(&p, &job, |k| std::env::var(k).ok());
         let tail = Arc::new(Mutex::new(Tail::default()));
-        let started = sinks(cfg, &p, round.attempt, &tail).and_then(|(out, err)| {
+        let started = sinks(cfg, &p, launch.round, &tail).and_then(|(out, err)| {
             process::spawn(&cfg.program, &env, p, out, err, tail, tx.clone())
         });
         match started {
@@ -410,16 +453,9 @@ fn supervise_workers(
             stop_workers(workers, &rx, sig, cfg.stop_grace_period);
             return Outcome::Stopped(Stop::Signal(sig));
         }
-        match rdzv.failure(round.attempt) {
-            Ok(None) => {}
-            Ok(Some(f)) => {
-                stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
-                return Outcome::Stopped(Stop::Remote(f));
-            }
-            Err(stop) => {
-                stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
-                return Outcome::Stopped(stop);
-            }
+        if let Some(stop) = poll() {
+            stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
+            return Outcome::Stopped(stop);
         }
     }
 }
@@ -438,7 +474,7 @@ fn record_exit(workers: &mut [Worker], ev: ExitEvent, failed: Option<&mut Vec<us
     }
 }
 
-fn failure_of(w: &Worker, host: &str) -> Failure {
+pub(crate) fn failure_of(w: &Worker, host: &str) -> Failure {
     let (status, at) = w.exit.expect("failed workers have exited");
     Failure {
         rank: w.placement.rank,

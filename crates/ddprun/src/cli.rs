@@ -35,10 +35,13 @@ Examples:
   # two nodes (run one on each host):
   ddprun --nnodes 2 --node-rank 0 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
   ddprun --nnodes 2 --node-rank 1 --master-addr 10.0.0.1 --nproc-per-node 8 ./train
+  # elastic, 2 to 4 nodes, the same command on every node (the first launcher on 10.0.0.1 to
+  # bind the port serves the store; a lost node uses one restart, a joining node none):
+  ddprun --nnodes 2:4 --rdzv-endpoint 10.0.0.1:29500 --run-id job7 --max-restarts 3 ./train
 
 Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
-MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID and
-DDP_STORE_HOSTED=1 (the launcher on node 0 hosts the rendezvous store), plus OMP_NUM_THREADS and
+MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
+DDP_RDZV_ROUND and DDP_STORE_HOSTED=1 (the launcher on node 0 hosts the rendezvous store), plus OMP_NUM_THREADS and
 RAYON_NUM_THREADS = max(1, cores / local workers) unless already set. DDP_STORE_SECRET, when set,
 is the shared secret of the store (set it to the same value on every node).
 
@@ -56,19 +59,32 @@ pub struct Args {
           default_value = "1", value_name = "N|auto|cpu", value_parser = parse_nproc)]
     pub nproc_per_node: Nproc,
 
-    /// Number of nodes (one `ddprun` per node). `N:N` is accepted; elastic `MIN:MAX` ranges are not.
-    #[arg(long, env = "PET_NNODES", default_value = "1", value_name = "N", value_parser = parse_nnodes)]
-    pub nnodes: usize,
+    /// Number of nodes (one `ddprun` per node): `N`, or an elastic range `MIN:MAX` (ranks are
+    /// then assigned at each rendezvous round; no --node-rank).
+    #[arg(long, env = "PET_NNODES", default_value = "1", value_name = "N|MIN:MAX", value_parser = parse_nnodes)]
+    pub nnodes: NodeRange,
 
-    /// Rank of this node, in `0..nnodes`. Node 0 hosts the rendezvous store.
+    /// Rank of this node, in `0..nnodes` (default 0). Node 0 hosts the rendezvous store. Omit it
+    /// with --rdzv-endpoint and --run-id for an elastic job.
     #[arg(
         long = "node-rank",
         alias = "node_rank",
         env = "PET_NODE_RANK",
-        default_value_t = 0,
         value_name = "R"
     )]
-    pub node_rank: usize,
+    pub node_rank: Option<usize>,
+
+    /// Elastic jobs: seconds a rendezvous round stays open for more nodes once MIN have joined
+    /// (torchrun's `--rdzv-conf last_call_timeout`, 30 s there).
+    #[arg(long = "rdzv-last-call", alias = "rdzv_last_call", env = "PET_RDZV_LAST_CALL",
+          default_value_t = 5.0, value_name = "SECS", value_parser = parse_secs)]
+    pub rdzv_last_call: f64,
+
+    /// Elastic jobs: a node whose launcher has not beaten its heartbeat in the store for this many
+    /// seconds is treated as dead (hung, stopped or partitioned), even if its connection is open.
+    #[arg(long = "heartbeat-timeout", alias = "heartbeat_timeout", env = "PET_HEARTBEAT_TIMEOUT",
+          default_value_t = 15.0, value_name = "SECS", value_parser = parse_secs)]
+    pub heartbeat_timeout: f64,
 
     /// Address of node 0, where the rendezvous store listens (workers get it as MASTER_ADDR).
     #[arg(
@@ -94,7 +110,8 @@ pub struct Args {
     )]
     pub rdzv_endpoint: Option<String>,
 
-    /// Accepted for torchrun compatibility; ddprun always uses its static TCP-store rendezvous.
+    /// Accepted for torchrun compatibility: ddprun always rendezvouses through its TCP store
+    /// (static with --node-rank, elastic with --nnodes MIN:MAX).
     #[arg(long = "rdzv-backend", alias = "rdzv_backend", env = "PET_RDZV_BACKEND",
           value_parser = ["static", "c10d"], value_name = "static|c10d")]
     pub rdzv_backend: Option<String>,
@@ -298,7 +315,14 @@ fn parse_nproc(s: &str) -> Result<Nproc, String> {
     }
 }
 
-fn parse_nnodes(s: &str) -> Result<usize, String> {
+/// `--nnodes`: `N` (static, or `N:N`) or an elastic range `MIN:MAX`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NodeRange {
+    pub min: usize,
+    pub max: usize,
+}
+
+fn parse_nnodes(s: &str) -> Result<NodeRange, String> {
     let parse = |v: &str| {
         v.trim()
             .parse::<usize>()
@@ -307,17 +331,15 @@ fn parse_nnodes(s: &str) -> Result<usize, String> {
             .ok_or_else(|| format!("`{v}` is not a node count (1..={MAX_NODES})"))
     };
     match s.split_once(':') {
-        None => parse(s),
+        None => parse(s).map(|n| NodeRange { min: n, max: n }),
         Some((lo, hi)) => {
-            let (lo, hi) = (parse(lo)?, parse(hi)?);
-            if lo == hi {
-                Ok(lo)
-            } else {
-                Err(format!(
-                    "elastic node ranges ({lo}:{hi}) are not supported: ddprun uses a static \
-                     rendezvous, give one count (e.g. --nnodes {hi})"
-                ))
+            let (min, max) = (parse(lo)?, parse(hi)?);
+            if min > max {
+                return Err(format!(
+                    "`{s}`: the minimum {min} is above the maximum {max} (use MIN:MAX)"
+                ));
             }
+            Ok(NodeRange { min, max })
         }
     }
 }
@@ -334,6 +356,18 @@ fn parse_rank_set(s: &str) -> Result<BTreeSet<usize>, String> {
                 .map_err(|_| format!("`{p}` is not a local rank"))
         })
         .collect()
+}
+
+/// An elastic job's settings (`--nnodes MIN:MAX`, or no `--node-rank` with `--rdzv-endpoint`
+/// and `--run-id`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Elastic {
+    pub min_nodes: usize,
+    pub max_nodes: usize,
+    /// How long a round stays open for more nodes once `min_nodes` joined.
+    pub last_call: Duration,
+    /// A node whose heartbeat has not advanced for this long is dead.
+    pub heartbeat_timeout: Duration,
 }
 
 /// Everything the launcher needs, checked and resolved.
@@ -361,6 +395,8 @@ pub struct Config {
     pub console: ConsoleStyle,
     /// Program and arguments.
     pub program: Vec<String>,
+    /// `Some` for an elastic job (then `nnodes` is the maximum and `node_rank` unused).
+    pub elastic: Option<Elastic>,
 }
 
 impl Args {
@@ -373,8 +409,33 @@ impl Args {
             master_addr = host;
             master_port = port.unwrap_or(DEFAULT_MASTER_PORT);
         }
-        let mut nnodes = self.nnodes;
+        let range = self.nnodes;
+        let mut nnodes = range.max;
         let mut run_id = self.run_id;
+        // torchrun's c10d rendezvous: a range, or the same flags on every node (no --node-rank)
+        // with an endpoint and a job id.
+        let elastic = !self.standalone
+            && (range.min < range.max
+                || (range.max > 1
+                    && self.node_rank.is_none()
+                    && self.rdzv_endpoint.is_some()
+                    && run_id.is_some()));
+        if elastic {
+            if let Some(r) = self.node_rank {
+                return Err(format!(
+                    "--node-rank {r} cannot be combined with the elastic --nnodes {}:{}: ranks are \
+                     assigned at each rendezvous round (start every node with the same flags)",
+                    range.min, range.max
+                ));
+            }
+            if run_id.is_none() {
+                return Err(format!(
+                    "an elastic job (--nnodes {}:{}) needs a --run-id (the same on every node)",
+                    range.min, range.max
+                ));
+            }
+        }
+        let node_rank = self.node_rank.unwrap_or(0);
         if self.standalone {
             if nnodes != 1 {
                 return Err(format!(
@@ -388,10 +449,9 @@ impl Args {
                 run_id = Some(random_run_id());
             }
         }
-        if self.node_rank >= nnodes {
+        if node_rank >= nnodes {
             return Err(format!(
-                "--node-rank {} is out of range for --nnodes {nnodes} (valid: 0..={})",
-                self.node_rank,
+                "--node-rank {node_rank} is out of range for --nnodes {nnodes} (valid: 0..={})",
                 nnodes - 1
             ));
         }
@@ -435,7 +495,7 @@ impl Args {
         Ok(Config {
             nproc_per_node: self.nproc_per_node.resolve(),
             nnodes,
-            node_rank: self.node_rank,
+            node_rank,
             master_addr,
             master_port,
             run_id,
@@ -449,6 +509,12 @@ impl Args {
             local_ranks_filter: self.local_ranks_filter,
             console: ConsoleStyle::Prefixed,
             program: self.program,
+            elastic: elastic.then(|| Elastic {
+                min_nodes: range.min,
+                max_nodes: range.max,
+                last_call: Duration::from_secs_f64(self.rdzv_last_call),
+                heartbeat_timeout: Duration::from_secs_f64(self.heartbeat_timeout),
+            }),
         })
     }
 }
@@ -513,13 +579,20 @@ mod tests {
         assert_eq!(a.nproc_per_node, Nproc::Cpu);
         // Flags after the program belong to the program.
         assert_eq!(a.program, ["./w", "--nnodes", "2"]);
-        assert_eq!(a.nnodes, 1);
+        assert_eq!(a.nnodes, NodeRange { min: 1, max: 1 });
         assert!(args(&["--nproc-per-node", "0", "./w"]).is_err());
-        assert!(args(&["--nnodes", "1:4", "./w"])
+        assert_eq!(
+            args(&["--nnodes", "1:4", "./w"]).unwrap().nnodes,
+            NodeRange { min: 1, max: 4 }
+        );
+        assert!(args(&["--nnodes", "3:2", "./w"])
             .unwrap_err()
             .to_string()
-            .contains("elastic"));
-        assert_eq!(args(&["--nnodes", "2:2", "./w"]).unwrap().nnodes, 2);
+            .contains("above the maximum"));
+        assert_eq!(
+            args(&["--nnodes", "2:2", "./w"]).unwrap().nnodes,
+            NodeRange { min: 2, max: 2 }
+        );
         assert!(args(&[]).is_err(), "a program is required");
     }
 
@@ -587,5 +660,52 @@ mod tests {
             .unwrap()
             .into_config()
             .is_err());
+        // Elastic: a range, or no --node-rank with an endpoint and a run id.
+        let c = args(&[
+            "--nnodes",
+            "2:3",
+            "--rdzv-endpoint",
+            "h:5",
+            "--run-id",
+            "j",
+            "w",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
+        let e = c.elastic.unwrap();
+        assert_eq!((e.min_nodes, e.max_nodes, c.nnodes), (2, 3, 3));
+        let c = args(&[
+            "--nnodes",
+            "2",
+            "--rdzv-endpoint",
+            "h:5",
+            "--run-id",
+            "j",
+            "w",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
+        assert_eq!(c.elastic.map(|e| e.min_nodes), Some(2));
+        let c = args(&[
+            "--nnodes",
+            "2",
+            "--node-rank",
+            "1",
+            "--rdzv-endpoint",
+            "h:5",
+            "w",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
+        assert!(c.elastic.is_none(), "static with --node-rank");
+        let e = args(&["--nnodes", "1:2", "--node-rank", "0", "--run-id", "j", "w"])
+            .unwrap()
+            .into_config();
+        assert!(e.unwrap_err().contains("cannot be combined"));
+        let e = args(&["--nnodes", "1:2", "w"]).unwrap().into_config();
+        assert!(e.unwrap_err().contains("needs a --run-id"));
     }
 }

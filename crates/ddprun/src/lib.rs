@@ -4,6 +4,7 @@
 //! Modules, in the order a run uses them:
 //! - [`cli`]: flags (torchrun's names) → [`cli::Config`].
 //! - [`rendezvous`]: node 0 hosts the `ddp_comm` TCP store; every node joins a round per attempt.
+//! - [`elastic`]: `--nnodes MIN:MAX`: rounds that shrink and grow, heartbeats through the store.
 //! - [`worker_env`]: the variables each worker gets (`RANK`, `WORLD_SIZE`, ...).
 //! - [`process`]: spawning and reaping workers (own process group, parent-death signal).
 //! - [`output`]: `[rankN]: ` prefixed console output, per-rank log files, stderr tails.
@@ -18,6 +19,7 @@
 
 pub mod agent;
 pub mod cli;
+pub mod elastic;
 pub mod guard;
 pub mod output;
 pub mod process;

@@ -27,6 +27,11 @@ pub enum Stop {
     Remote(RemoteFailure),
     /// Rendezvous or store problem (message names what is wrong).
     Error(String),
+    /// Elastic jobs: the membership changes (a node waits to join), so the workers stop and every
+    /// node joins the next round; not a failure.
+    Rejoin(String),
+    /// Elastic jobs: an arriving node finds the job already finished.
+    JobDone(String),
 }
 
 /// A failure reported by some node through the store.
@@ -140,7 +145,56 @@ pub struct Rendezvous {
     last_round: RefCell<Vec<usize>>,
 }
 
-fn store_error(endpoint: &str, what: &str, e: impl std::fmt::Display) -> String {
+/// Connect a launcher's client to the store at `connect_addr` (named `endpoint` in messages),
+/// retrying until `wait` passes; `timeout` bounds each operation. `interrupted` is polled while
+/// waiting for the store to come up.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn connect_store(
+    connect_addr: &str,
+    endpoint: &str,
+    secret: Option<String>,
+    wait: Duration,
+    timeout: Duration,
+    hosted_by: &str,
+    hint: &str,
+    interrupted: &mut dyn FnMut() -> Option<i32>,
+) -> Result<TcpStore, Stop> {
+    let deadline = Instant::now() + wait;
+    loop {
+        let remaining = deadline.saturating_duration_since(Instant::now());
+        let opts = StoreOptions {
+            secret: secret.clone(),
+            timeout,
+            connect_timeout: remaining
+                .min(Duration::from_secs(2))
+                .max(Duration::from_millis(100)),
+        };
+        match TcpStore::connect(connect_addr, opts) {
+            Ok(s) => return Ok(s),
+            // A refusal by a running store (e.g. wrong DDP_STORE_SECRET) or a malformed
+            // address will not go away by retrying.
+            Err(e @ (ddp_comm::Error::Store { .. } | ddp_comm::Error::Config(_))) => {
+                return Err(Stop::Error(format!(
+                    "cannot join the rendezvous store at {endpoint}: {e}"
+                )))
+            }
+            Err(e) => {
+                if let Some(sig) = interrupted() {
+                    return Err(Stop::Signal(sig));
+                }
+                if Instant::now() >= deadline {
+                    return Err(Stop::Error(format!(
+                        "cannot reach the rendezvous store at {endpoint} ({hosted_by}) within \
+                         {wait:?} (--rdzv-timeout): {e}. {hint}"
+                    )));
+                }
+                std::thread::sleep(Duration::from_millis(200).min(remaining));
+            }
+        }
+    }
+}
+
+pub(crate) fn store_error(endpoint: &str, what: &str, e: impl std::fmt::Display) -> String {
     format!("rendezvous store at {endpoint}: {what}: {e}")
 }
 
@@ -180,41 +234,17 @@ impl Rendezvous {
         };
         let endpoint = join_host_port(&worker_addr, port);
         let connect_addr = join_host_port(&connect_host, port);
-        let deadline = Instant::now() + cfg.rdzv_timeout;
-        let store = loop {
-            let remaining = deadline.saturating_duration_since(Instant::now());
-            let opts = StoreOptions {
-                secret: secret.clone(),
-                timeout: cfg.rdzv_timeout,
-                connect_timeout: remaining
-                    .min(Duration::from_secs(2))
-                    .max(Duration::from_millis(100)),
-            };
-            match TcpStore::connect(&connect_addr, opts) {
-                Ok(s) => break s,
-                // A refusal by a running store (e.g. wrong DDP_STORE_SECRET) or a malformed
-                // address will not go away by retrying.
-                Err(e @ (ddp_comm::Error::Store { .. } | ddp_comm::Error::Config(_))) => {
-                    return Err(Stop::Error(format!(
-                        "cannot join the rendezvous store at {endpoint}: {e}"
-                    )))
-                }
-                Err(e) => {
-                    if let Some(sig) = interrupted() {
-                        return Err(Stop::Signal(sig));
-                    }
-                    if Instant::now() >= deadline {
-                        return Err(Stop::Error(format!(
-                            "cannot reach the rendezvous store at {endpoint} (hosted by node 0's \
-                             ddprun) within {:?} (--rdzv-timeout): {e}. Is node 0 started, and are \
-                             --master-addr/--master-port right and reachable from this host?",
-                            cfg.rdzv_timeout
-                        )));
-                    }
-                    std::thread::sleep(Duration::from_millis(200).min(remaining));
-                }
-            }
-        };
+        let store = connect_store(
+            &connect_addr,
+            &endpoint,
+            secret,
+            cfg.rdzv_timeout,
+            cfg.rdzv_timeout,
+            "hosted by node 0's ddprun",
+            "Is node 0 started, and are --master-addr/--master-port right and reachable from \
+             this host?",
+            interrupted,
+        )?;
         Ok(Rendezvous {
             store,
             server,

@@ -139,6 +139,7 @@ impl SpawnOptions {
             local_ranks_filter: None,
             console: self.console,
             program,
+            elastic: None,
         })
     }
 }

@@ -24,8 +24,12 @@ pub struct Placement {
 pub struct JobInfo {
     pub master_addr: String,
     pub master_port: u16,
-    /// Attempt number, 0 for the first run (`TORCHELASTIC_RESTART_COUNT`).
+    /// Failures restarted so far, 0 for the first run (`TORCHELASTIC_RESTART_COUNT`).
     pub restart_count: u32,
+    /// Rendezvous round (`DDP_RDZV_ROUND`): unique per round of the job, so that workers keep
+    /// each round's store keys apart; equals `restart_count` in a static job, and also counts
+    /// the rounds that an elastic job's membership changes start.
+    pub rdzv_round: u32,
     pub max_restarts: u32,
     pub run_id: String,
     /// CPU cores available on this node.
@@ -52,6 +56,7 @@ pub fn worker_env(
         ("MASTER_ADDR", job.master_addr.clone()),
         ("MASTER_PORT", job.master_port.to_string()),
         ("TORCHELASTIC_RESTART_COUNT", job.restart_count.to_string()),
+        ("DDP_RDZV_ROUND", job.rdzv_round.to_string()),
         ("TORCHELASTIC_MAX_RESTARTS", job.max_restarts.to_string()),
         ("TORCHELASTIC_RUN_ID", job.run_id.clone()),
         ("TORCHELASTIC_USE_AGENT_STORE", "True".to_string()),
@@ -80,6 +85,7 @@ mod tests {
             master_addr: "10.0.0.1".into(),
             master_port: 1234,
             restart_count: 2,
+            rdzv_round: 5,
             max_restarts: 3,
             run_id: "job7".into(),
             cores: 8,
@@ -111,6 +117,7 @@ mod tests {
         assert_eq!((c.master_addr.as_str(), c.master_port), ("10.0.0.1", 1234));
         assert!(c.store_hosted);
         assert_eq!(c.restart_count, 2);
+        assert_eq!(c.rdzv_round, 5, "store keys are namespaced by the round");
     }
 
     #[test]

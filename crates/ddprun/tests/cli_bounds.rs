@@ -26,6 +26,8 @@ fn ddprun_flags_at_their_bounds() {
         ("--max-restarts", U32_MAX),
         ("--monitor-interval", F64_MAX),
         ("--stop-grace-period", F64_MAX),
+        ("--rdzv-last-call", F64_MAX),
+        ("--heartbeat-timeout", F64_MAX),
         ("--local-ranks-filter", U64_MAX),
         ("--redirects", U64_MAX),
         ("--tee", U64_MAX),

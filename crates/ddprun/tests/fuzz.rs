@@ -26,6 +26,8 @@ const FLAGS: &[&str] = &[
     "--max-restarts",
     "--monitor-interval",
     "--stop-grace-period",
+    "--rdzv-last-call",
+    "--heartbeat-timeout",
     "--redirects",
     "--tee",
     "--log-dir",
@@ -101,4 +103,46 @@ fn any_flags_give_a_configuration_or_a_clear_error() {
         configs.get(),
         refused.get()
     );
+}
+
+/// Elastic rendezvous entries come from other launchers through the store: any text decodes to
+/// an entry or to nothing (a clear error at the caller), never a panic; entries round-trip.
+#[test]
+fn elastic_store_entries_decode_or_are_refused() {
+    use ddprun::elastic::rdzv::{Closed, End, Member};
+    let text = prop_oneof![
+        "\\PC{0,40}",
+        "[0-9a-z=;,\n]{0,40}",
+        (any::<u64>(), any::<i64>(), "[0-9,]{0,20}").prop_map(|(a, b, c)| format!("{a}\n{b}\n{c}")),
+        "(nproc|min|max|max_restarts|pid|host)=[0-9a-z-]{0,20}(;[a-z_]{0,12}=[0-9a-z]{0,20}){0,6}",
+    ];
+    let mut runner = TestRunner::new(Config {
+        cases: cases(20_000),
+        failure_persistence: None,
+        ..Config::default()
+    });
+    runner
+        .run(&(text, any::<u64>()), |(s, id)| {
+            let _ = Member::decode(id, &s);
+            let _ = Closed::decode(&s);
+            let _ = End::decode(&s);
+            Ok(())
+        })
+        .unwrap();
+    let member = (any::<u64>(), any::<usize>(), any::<u32>(), "\\PC{0,20}");
+    runner
+        .run(&member, |(id, n, r, host)| {
+            let m = Member {
+                id,
+                nproc: n,
+                min: n / 2,
+                max: n,
+                max_restarts: r,
+                pid: r,
+                host,
+            };
+            prop_assert_eq!(Member::decode(id, &m.encode()), Some(m));
+            Ok(())
+        })
+        .unwrap();
 }

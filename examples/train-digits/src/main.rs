@@ -83,9 +83,21 @@ pub struct Args {
     /// Directory for checkpoints (written by rank 0 at the end of every epoch and at exit).
     #[arg(long)]
     pub checkpoint_dir: Option<std::path::PathBuf>,
-    /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none).
+    /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none). A
+    /// checkpoint of another world size (an elastic `ddprun --nnodes MIN:MAX` job that lost or
+    /// gained nodes) resumes too: the rest of its epoch is re-sharded over the new ranks by the
+    /// global number of samples consumed.
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
+    /// Also checkpoint every this many optimizer steps (mid-epoch), not only at epoch ends.
+    #[arg(long, value_name = "STEPS", requires = "checkpoint_dir",
+          value_parser = int_in::<u64>(1, 1 << 32))]
+    pub checkpoint_every: Option<u64>,
+    /// Linear learning-rate scaling (`ddp::scale_lr_linear`): --lr is tuned for a global batch of
+    /// BASE samples, and a run at world size W uses lr × (batch-size × W) / BASE, so a job that
+    /// resumes at another world size follows its new global batch.
+    #[arg(long, value_name = "BASE", value_parser = int_in::<usize>(1, 1 << 40))]
+    pub scale_lr: Option<usize>,
     /// Backward path.
     #[arg(long, value_enum, default_value_t = BackwardMode::Plain)]
     pub backward: BackwardMode,

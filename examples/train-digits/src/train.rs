@@ -36,13 +36,26 @@ fn init_options(args: &Args) -> InitOptions {
     }
 }
 
-/// The optimizer of the run.
-fn optimizer(args: &Args, vars: Vec<(String, Var)>) -> ddp_candle::Result<Box<dyn DynOptimizer>> {
+/// The learning rate at world size `world`: `--lr`, scaled linearly to the global batch with
+/// `--scale-lr BASE`.
+fn effective_lr(args: &Args, world: usize) -> f64 {
+    match args.scale_lr {
+        Some(base) => ddp::scale_lr_linear(args.lr(), args.batch_size, world, base),
+        None => args.lr(),
+    }
+}
+
+/// The optimizer of the run, at learning rate `lr`.
+fn optimizer(
+    args: &Args,
+    lr: f64,
+    vars: Vec<(String, Var)>,
+) -> ddp_candle::Result<Box<dyn DynOptimizer>> {
     Ok(match args.optimizer {
         OptimizerKind::Sgd => Box::new(Sgd::new_named(
             vars,
             ParamsSgd {
-                lr: args.lr(),
+                lr,
                 momentum: args.momentum,
                 ..Default::default()
             },
@@ -50,7 +63,7 @@ fn optimizer(args: &Args, vars: Vec<(String, Var)>) -> ddp_candle::Result<Box<dy
         OptimizerKind::Adamw => Box::new(AdamW::new_named(
             vars,
             candle_nn::ParamsAdamW {
-                lr: args.lr(),
+                lr,
                 ..Default::default()
             },
         )?),
@@ -60,22 +73,43 @@ fn optimizer(args: &Args, vars: Vec<(String, Var)>) -> ddp_candle::Result<Box<dy
 /// The run as checkpoints record it; a checkpoint of other hyper-parameters is refused on resume
 /// (it would not continue "exactly"), as is a position this run could not have reached.
 fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan {
+    let mut hyper = serde_json::json!({
+        "optimizer": args.optimizer_name(),
+        "lr": args.lr(),
+        "momentum": args.momentum,
+        "batch_size": args.batch_size,
+        "hidden": args.hidden,
+        "seed": args.seed,
+        "hook": args.hook.to_string(),
+    });
+    if let Some(base) = args.scale_lr {
+        hyper["scale_lr"] = base.into();
+    }
     RunPlan {
         world_size,
         samples_per_epoch,
         batch_size: args.batch_size,
         epochs: args.epochs,
         max_steps: args.max_steps,
-        hyper: serde_json::json!({
-            "optimizer": args.optimizer_name(),
-            "lr": args.lr(),
-            "momentum": args.momentum,
-            "batch_size": args.batch_size,
-            "hidden": args.hidden,
-            "seed": args.seed,
-            "hook": args.hook.to_string(),
-        }),
+        hyper,
         rng_state: args.seed,
+    }
+}
+
+/// Where the run stands in its epoch, in the checkpoint's terms.
+struct Position {
+    state: TrainingState,
+    /// `Some(global samples of the epoch consumed)` once the run was re-sharded (resumed at
+    /// another world size): its checkpoints are then checked by the global position.
+    global: Option<usize>,
+}
+
+impl Position {
+    fn meta(&self, plan: &RunPlan) -> checkpoint::CheckpointMeta {
+        match self.global {
+            Some(g) => plan.meta_global(&self.state, g),
+            None => plan.meta(&self.state),
+        }
     }
 }
 
@@ -85,14 +119,14 @@ fn save(
     plan: &RunPlan,
     zero: &ZeroDdp,
     averager: Option<&PeriodicModelAverager>,
-    pos: &TrainingState,
+    position: &Position,
 ) -> BoxResult<()> {
     let Some(dir) = &args.checkpoint_dir else {
         return Ok(());
     };
     if zero.stage() != ZeroStage::Ddp {
         // Sharded: every rank writes its own shard (loadable at any world size).
-        zero.save(dir, &plan.meta(pos))?;
+        zero.save(dir, &position.meta(plan))?;
         return Ok(());
     }
     let (ddp, opt) = (zero.ddp(), zero.optimizer());
@@ -100,7 +134,7 @@ fn save(
     // between ranks, so rank 0 saves every rank's (a collective).
     let hook_state = ddp::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
     if pg.rank() == 0 {
-        let mut ckpt = Checkpoint::new(plan.meta(pos));
+        let mut ckpt = Checkpoint::new(position.meta(plan));
         ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
         ckpt.save_optimizer(opt)?;
         ckpt.save_hook_state(&hook_state)?;
@@ -147,10 +181,11 @@ pub fn run(args: &Args) -> BoxResult<()> {
     }
     let resumed = match &args.checkpoint_dir {
         Some(dir) if stage == ZeroStage::Ddp => {
-            checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?
+            checkpoint::resume_or_start_global(&pg, dir, args.resume, &plan, train.len())?
         }
         _ => None,
     };
+    let lr = effective_lr(args, world);
 
     let opts = DdpOptions {
         check_finite: !args.no_check_finite,
@@ -161,8 +196,12 @@ pub fn run(args: &Args) -> BoxResult<()> {
         ddp.register_comm_hook(hook)?;
     }
     let mut averager = args.hook.averager()?;
-    let mut ddp = ZeroDdp::new(ddp, stage, |vars| optimizer(args, vars))?;
+    let mut ddp = ZeroDdp::new(ddp, stage, |vars| optimizer(args, lr, vars))?;
     let mut pos = TrainingState::default();
+    // Set when resuming at another world size (or in a re-sharded run): the global samples of
+    // the epoch already consumed, where this world's sharding of the epoch starts.
+    let mut reshard: Option<usize> = None;
+    let mut resharded_run = false;
     if let (Some(dir), true, true) = (&args.checkpoint_dir, args.resume, stage != ZeroStage::Ddp) {
         // Sharded: every rank reads the set (saved at any world size), cut for this world.
         if let Some(meta) = ddp.load(dir)? {
@@ -187,8 +226,31 @@ pub fn run(args: &Args) -> BoxResult<()> {
         if let Some(a) = &mut averager {
             a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
         }
-        pos = r.state;
-        if rank == 0 {
+        let p = r.position;
+        resharded_run = plan.needs_global(&r.checkpoint.meta);
+        pos = TrainingState {
+            step: p.step,
+            epoch: p.epoch,
+            consumed: if resharded_run {
+                0
+            } else {
+                p.global_consumed / world
+            },
+        };
+        if resharded_run {
+            reshard = Some(p.global_consumed);
+        }
+        if rank == 0 && resharded_run {
+            println!(
+                "resuming from {} at step {}, epoch {}, {} samples of the epoch consumed (written \
+                 at world size {}): the rest of the epoch re-sharded over {world} ranks",
+                r.path.display(),
+                pos.step,
+                pos.epoch,
+                p.global_consumed,
+                p.from_world_size
+            );
+        } else if rank == 0 {
             println!(
                 "resuming from {} at step {}, epoch {}, {} samples into the epoch",
                 r.path.display(),
@@ -212,7 +274,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
             args.batch_size * world,
             sampler.len().div_ceil(args.batch_size),
             args.optimizer_name(),
-            args.lr(),
+            lr,
             match args.backward {
                 BackwardMode::Plain => "plain",
                 BackwardMode::Staged => "staged",
@@ -247,9 +309,23 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let mut time_to_target: Option<Duration> = None;
     let mut local_samples = 0u64;
     let mut steps_run = 0u64;
+    // Global samples of the current epoch consumed before this world's sharding of it began.
+    let mut epoch_base = 0usize;
+    let global_at =
+        |base: usize, pos: &TrainingState| resharded_run.then_some(base + pos.consumed * world);
     'epochs: while pos.epoch < args.epochs {
         sampler.set_epoch(pos.epoch);
-        let indices = sampler.indices_from(pos.consumed)?;
+        let indices = match reshard.take() {
+            Some(g) => {
+                epoch_base = g;
+                sampler.indices_from_global(g)
+            }
+            None => {
+                epoch_base = 0;
+                sampler.indices_from(pos.consumed)?
+            }
+        };
+        let epoch_len = pos.consumed + indices.len();
         let mut loss_sum = 0f64;
         let mut batches = 0u64;
         for batch in indices.chunks(args.batch_size) {
@@ -303,19 +379,32 @@ pub fn run(args: &Args) -> BoxResult<()> {
             let elapsed = start.elapsed().as_secs_f64();
             let sps = (local_samples * world as u64) as f64 / elapsed.max(1e-9);
             progress.step(pos.epoch, pos.step, loss, sps);
+            let last_of_epoch = pos.consumed >= epoch_len;
             if let Some(m) = &mut metrics {
                 m.count(batch.len(), wait);
-                let last_of_epoch = pos.consumed >= sampler.len();
                 if m.due(pos.step) && !last_of_epoch {
                     m.write(StepMetrics {
                         step: pos.step,
                         epoch: pos.epoch,
                         loss,
                         accuracy: None,
-                        lr: args.lr(),
+                        lr,
                         bytes_sent: ddp.reducer().bytes_sent(),
                     })?;
                 }
+            }
+            if args
+                .checkpoint_every
+                .is_some_and(|k| pos.step.is_multiple_of(k))
+                && !last_of_epoch
+            {
+                let here = Position {
+                    state: pos,
+                    global: global_at(epoch_base, &pos),
+                };
+                prof.phase(Phase::Checkpoint, || {
+                    save(&pg, args, &plan, &ddp, averager.as_ref(), &here)
+                })?;
             }
         }
         pos.epoch += 1;
@@ -331,13 +420,18 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 epoch: pos.epoch - 1,
                 loss: loss_sum / batches.max(1) as f64,
                 accuracy: Some(acc),
-                lr: args.lr(),
+                lr,
                 bytes_sent: ddp.reducer().bytes_sent(),
             })?;
             eval_time += paused.elapsed();
         }
+        epoch_base = 0;
+        let here = Position {
+            state: pos,
+            global: global_at(0, &pos),
+        };
         prof.phase(Phase::Checkpoint, || {
-            save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)
+            save(&pg, args, &plan, &ddp, averager.as_ref(), &here)
         })?;
         if let Some(target) = args.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
@@ -374,8 +468,12 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let train_time = start.elapsed() - eval_time;
     // Stopped early (--max-steps) mid-epoch: record the exact position.
     if pos.epoch < args.epochs {
+        let here = Position {
+            state: pos,
+            global: global_at(epoch_base, &pos),
+        };
         prof.phase(Phase::Checkpoint, || {
-            save(&pg, args, &plan, &ddp, averager.as_ref(), &pos)
+            save(&pg, args, &plan, &ddp, averager.as_ref(), &here)
         })?;
     }
     // Local SGD: the replicas differ between averagings; average once more so that every rank

@@ -36,6 +36,7 @@ fn every_numeric_flag_at_its_bounds() {
         ("--timeout-s", U64_MAX),
         ("--log-every", U64_MAX),
         ("--metrics-every", U64_MAX),
+        ("--scale-lr", U64_MAX),
     ]);
     for (flag, value) in [
         ("--hidden", "0"),

@@ -254,7 +254,7 @@ fn rendezvous(opts: &InitOptions, secret: Option<String>) -> Result<Rendezvous> 
                 host: env.master_addr,
                 port: env.master_port,
                 hosted: env.store_hosted,
-                restart: env.restart_count,
+                restart: env.rdzv_round,
             }
         }
         Some(m) if m.starts_with("tcp://") => {

@@ -216,13 +216,8 @@ impl RunPlan {
         }
     }
 
-    /// Checks a checkpoint's metadata against this run and returns its position: same world size
-    /// and hyper-parameters; a sampler position inside the epoch's data, at a batch boundary, in
-    /// the same epoch; a step count equal to the one the epoch and position imply; not past the
-    /// end of the run (so a crafted position can neither wrap counters nor skip training).
-    pub fn check(&self, meta: &CheckpointMeta) -> Result<TrainingState> {
-        meta.validate()?;
-        meta.check_world_size(self.world_size)?;
+    /// The hyper-parameters of `meta` (its `extra`) include this run's, with the same values.
+    pub(super) fn check_hyper(&self, meta: &CheckpointMeta) -> Result<()> {
         if let Some(want) = self.hyper.as_object() {
             for (k, v) in want {
                 let got = meta.extra.get(k);
@@ -234,6 +229,17 @@ impl RunPlan {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Checks a checkpoint's metadata against this run and returns its position: same world size
+    /// and hyper-parameters; a sampler position inside the epoch's data, at a batch boundary, in
+    /// the same epoch; a step count equal to the one the epoch and position imply; not past the
+    /// end of the run (so a crafted position can neither wrap counters nor skip training).
+    pub fn check(&self, meta: &CheckpointMeta) -> Result<TrainingState> {
+        meta.validate()?;
+        meta.check_world_size(self.world_size)?;
+        self.check_hyper(meta)?;
         let bad = |m: String| {
             Err(Error::Checkpoint(format!(
                 "checkpoint position is inconsistent with this run: {m}"
@@ -341,7 +347,7 @@ pub fn broadcast(
 
 /// Broadcasts `root`'s outcome (`local`, `Some` on `root` only): a checkpoint, none, or an error,
 /// which then fails every rank.
-fn share(
+pub(super) fn share(
     pg: &ProcessGroup,
     local: Option<Result<Option<Checkpoint>>>,
     root: usize,

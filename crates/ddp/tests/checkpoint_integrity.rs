@@ -405,6 +405,37 @@ fn unwritable_checkpoint_directory_is_found_before_training() {
     assert_eq!(fs::read_dir(&fresh).unwrap().count(), 0);
 }
 
+#[test]
+fn temporary_files_of_interrupted_saves_are_removed_at_start() {
+    // A rank 0 killed mid-save (or mid-probe) leaves its temporary file; the next start removes
+    // it and nothing else.
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    for name in [
+        ".checkpoint.safetensors.tmp.4242",
+        ".ddp-write-probe.4243",
+        "checkpoint.safetensors",
+        "notes.txt",
+        ".checkpoint.safetensors.tmpfoo",
+    ] {
+        fs::write(d.join(name), b"x").unwrap();
+    }
+    ensure_writable(d).unwrap();
+    let mut left: Vec<String> = fs::read_dir(d)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().into_string().unwrap())
+        .collect();
+    left.sort();
+    assert_eq!(
+        left,
+        [
+            ".checkpoint.safetensors.tmpfoo",
+            "checkpoint.safetensors",
+            "notes.txt"
+        ]
+    );
+}
+
 /// A framework-free optimizer: one momentum buffer per parameter, on the host.
 struct Toy {
     kind: &'static str,

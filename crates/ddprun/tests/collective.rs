@@ -11,6 +11,7 @@
 
 mod common;
 
+use common::netns::{have, missing_prerequisite, TwoHosts};
 use common::*;
 use std::process::{Command, Stdio};
 use std::time::Duration;
@@ -71,14 +72,6 @@ fn allreduce_after_restart() {
     assert_eq!(attempt1.len(), 3, "all ranks succeed on attempt 1: {r}");
 }
 
-fn have(program: &str) -> bool {
-    Command::new("sh")
-        .args(["-c", &format!("command -v {program}")])
-        .stdout(Stdio::null())
-        .status()
-        .is_ok_and(|s| s.success())
-}
-
 #[test]
 fn allreduce_under_mpirun() {
     if !have("mpirun") {
@@ -118,118 +111,10 @@ fn allreduce_under_mpirun() {
     }
 }
 
-/// Two network namespaces joined by a veth pair (10.77.0.1/24 and 10.77.0.2/24); deleted on
-/// drop, so also when the test fails. Each launcher also gets its own mount namespace with a
-/// fresh tmpfs on `/dev/shm`, so the two hosts share no memory (and their host ids differ).
-struct TwoHosts {
-    ns: [String; 2],
-}
-
-fn ip(args: &[&str]) -> Result<(), String> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .map_err(|e| format!("ip {args:?}: {e}"))?;
-    if out.status.success() {
-        Ok(())
-    } else {
-        Err(format!(
-            "ip {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        ))
-    }
-}
-
-impl TwoHosts {
-    const ADDRS: [&'static str; 2] = ["10.77.0.1", "10.77.0.2"];
-    /// A second network between the hosts (interfaces `dat0`, `dat1`), for `DDP_SOCKET_IFNAME`.
-    const DATA_ADDRS: [&'static str; 2] = ["10.78.0.1", "10.78.0.2"];
-
-    fn new() -> Result<TwoHosts, String> {
-        let id = std::process::id();
-        let hosts = TwoHosts {
-            ns: [format!("ddprun-{id}-0"), format!("ddprun-{id}-1")],
-        };
-        let [a, b] = &hosts.ns;
-        ip(&["netns", "add", a])?;
-        ip(&["netns", "add", b])?;
-        for (link, addrs) in [("veth", Self::ADDRS), ("dat", Self::DATA_ADDRS)] {
-            let (d0, d1) = (format!("{link}0"), format!("{link}1"));
-            ip(&[
-                "link", "add", &d0, "netns", a, "type", "veth", "peer", "name", &d1, "netns", b,
-            ])?;
-            for (i, ns) in hosts.ns.iter().enumerate() {
-                let dev = format!("{link}{i}");
-                let addr = format!("{}/24", addrs[i]);
-                ip(&["-n", ns, "addr", "add", &addr, "dev", &dev])?;
-                ip(&["-n", ns, "link", "set", &dev, "up"])?;
-            }
-        }
-        for ns in &hosts.ns {
-            ip(&["-n", ns, "link", "set", "lo", "up"])?;
-        }
-        Ok(hosts)
-    }
-
-    /// Bytes sent so far through interface `dev` of host `i`.
-    fn tx_bytes(&self, i: usize, dev: &str) -> u64 {
-        let path = format!("/sys/class/net/{dev}/statistics/tx_bytes");
-        let out = Command::new("ip")
-            .args(["netns", "exec", &self.ns[i], "cat", &path])
-            .output()
-            .expect("ip netns exec cat");
-        String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
-    }
-
-    /// `ddprun ARGS` as a launcher on host `i`.
-    fn ddprun(&self, i: usize, args: &[&str]) -> Running {
-        self.ddprun_env(i, args, &[])
-    }
-
-    /// `ddprun ARGS` on host `i` with extra environment variables.
-    fn ddprun_env(&self, i: usize, args: &[&str], env: &[(&str, &str)]) -> Running {
-        let mut cmd = Command::new("ip");
-        cmd.args([
-            "netns",
-            "exec",
-            &self.ns[i],
-            "unshare",
-            "--mount",
-            "sh",
-            "-c",
-        ])
-        .arg(r#"mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@""#)
-        .arg(DDPRUN)
-        .args(args)
-        .envs(env.iter().copied())
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped());
-        Running::start(cmd)
-    }
-}
-
-impl Drop for TwoHosts {
-    fn drop(&mut self) {
-        for ns in &self.ns {
-            // Deleting a namespace also deletes its end of the veth pair.
-            let _ = ip(&["netns", "del", ns]);
-        }
-    }
-}
-
 #[test]
 fn two_hosts_in_network_namespaces() {
-    // SAFETY: plain syscall.
-    if unsafe { libc::geteuid() } != 0 {
-        skip("two_hosts_in_network_namespaces", "needs root (ip netns)");
-        return;
-    }
-    if !have("ip") || !have("unshare") {
-        skip(
-            "two_hosts_in_network_namespaces",
-            "`ip` or `unshare` not found (install iproute2, util-linux)",
-        );
+    if let Some(why) = missing_prerequisite() {
+        skip("two_hosts_in_network_namespaces", &why);
         return;
     }
     let hosts = TwoHosts::new().expect("set up two network namespaces");

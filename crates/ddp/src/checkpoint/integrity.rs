@@ -12,7 +12,7 @@ use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use super::{write_synced, CheckpointMeta};
+use super::{write_synced, CheckpointMeta, TEMP_PREFIX};
 use crate::error::{Error, Result};
 
 /// Largest step, epoch or sample count a checkpoint may record (2^53: exact in JSON numbers, in
@@ -117,10 +117,16 @@ impl CheckpointMeta {
 /// removes a small probe file there. Call it before training starts, so that an unwritable
 /// directory (read-only, a path through a regular file, full disk, ...) is an error at once
 /// instead of after the first epoch. [`resume_or_start`](super::resume_or_start) calls it on rank 0.
+///
+/// It also removes the temporary files of interrupted saves and probes (a writer killed between
+/// creating its file and renaming or removing it, e.g. a rank 0 that died with its launcher:
+/// found by the fault-injection suite, `crates/ddprun/tests/chaos.rs`), which would otherwise stay
+/// for ever and fill a small disk: at the start of a run no save of the job is in flight.
 pub fn ensure_writable(dir: &Path) -> Result<()> {
     const WHY: &str = "checkpoint directory is not writable:";
     fs::create_dir_all(dir).map_err(|e| Error::io(format!("{WHY} cannot create"), dir, e))?;
-    let probe = dir.join(format!(".ddp-write-probe.{}", std::process::id()));
+    remove_stale_temporaries(dir);
+    let probe = dir.join(format!("{PROBE_PREFIX}.{}", std::process::id()));
     let written = write_synced(&probe, b"ddp checkpoint directory probe\n");
     let removed = fs::remove_file(&probe);
     written.map_err(|e| match e {
@@ -128,4 +134,33 @@ pub fn ensure_writable(dir: &Path) -> Result<()> {
         other => other,
     })?;
     removed.map_err(|e| Error::io(format!("{WHY} cannot remove a file in"), dir, e))
+}
+
+/// Prefix of [`ensure_writable`]'s probe files.
+const PROBE_PREFIX: &str = ".ddp-write-probe";
+
+/// Remove the temporary files (`.checkpoint.safetensors.tmp.PID`, `.ddp-write-probe.PID`) that
+/// interrupted saves and probes left in `dir`; returns how many. Errors are ignored: a file that
+/// cannot be removed does no harm beyond its space.
+fn remove_stale_temporaries(dir: &Path) -> usize {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return 0;
+    };
+    let mut removed = 0;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        let stale = [TEMP_PREFIX, PROBE_PREFIX].iter().any(|p| {
+            name.strip_prefix(p)
+                .is_some_and(|rest| rest.starts_with('.'))
+        });
+        if stale && fs::remove_file(entry.path()).is_ok() {
+            tracing::info!(
+                "removed {}, left by an interrupted checkpoint save",
+                entry.path().display()
+            );
+            removed += 1;
+        }
+    }
+    removed
 }

@@ -1,11 +1,16 @@
 //! Helpers shared by the launcher's integration tests: running `ddprun` with a hard time limit,
-//! free ports, and checking that processes are really gone.
+//! free ports, and checking that processes are really gone; two hosts made of network
+//! namespaces in [`netns`].
 #![allow(dead_code)]
 
-use std::io::Read;
+pub mod marked;
+pub mod netns;
+
+use std::io::BufRead;
 use std::net::TcpListener;
 use std::path::Path;
 use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 /// Path of the `ddprun` binary under test.
@@ -21,12 +26,22 @@ pub fn ddprun(args: &[&str]) -> Command {
     c
 }
 
-/// Finished run: status, stdout, stderr, elapsed time.
+/// Finished run: status, stdout, stderr, elapsed time, and every output line with the time it
+/// was read.
 pub struct Run {
     pub status: ExitStatus,
     pub stdout: String,
     pub stderr: String,
     pub elapsed: Duration,
+    pub lines: Vec<Line>,
+}
+
+/// One line of a run's output, and when the test read it.
+#[derive(Debug, Clone)]
+pub struct Line {
+    pub at: Instant,
+    pub stderr: bool,
+    pub text: String,
 }
 
 impl Run {
@@ -45,20 +60,37 @@ impl std::fmt::Display for Run {
     }
 }
 
+/// How long the output pipes may stay open after the process exited.
+const PIPE_DRAIN: Duration = Duration::from_secs(10);
+
 /// A started `ddprun` (or other command) whose output is collected in the background.
 pub struct Running {
     pub child: Child,
     program: String,
     start: Instant,
+    lines: Arc<Mutex<Vec<Line>>>,
     out: std::thread::JoinHandle<String>,
     err: std::thread::JoinHandle<String>,
 }
 
-fn collect(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<String> {
+/// Read `r` to its end on a thread, line by line, each line also timestamped into `lines`.
+fn collect(
+    r: impl std::io::Read + Send + 'static,
+    stderr: bool,
+    lines: Arc<Mutex<Vec<Line>>>,
+) -> std::thread::JoinHandle<String> {
     std::thread::spawn(move || {
-        let mut v = Vec::new();
-        let _ = r.read_to_end(&mut v);
-        String::from_utf8_lossy(&v).into_owned()
+        let mut r = std::io::BufReader::new(r);
+        let mut all = Vec::new();
+        let mut line = Vec::new();
+        while matches!(r.read_until(b'\n', &mut line), Ok(n) if n > 0) {
+            all.extend_from_slice(&line);
+            let text = String::from_utf8_lossy(&line).trim_end().to_string();
+            let at = Instant::now();
+            lines.lock().unwrap().push(Line { at, stderr, text });
+            line.clear();
+        }
+        String::from_utf8_lossy(&all).into_owned()
     })
 }
 
@@ -69,12 +101,14 @@ impl Running {
         let mut child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("cannot start {program}: {e}"));
-        let out = collect(child.stdout.take().unwrap());
-        let err = collect(child.stderr.take().unwrap());
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let out = collect(child.stdout.take().unwrap(), false, lines.clone());
+        let err = collect(child.stderr.take().unwrap(), true, lines.clone());
         Running {
             child,
             program,
             start: Instant::now(),
+            lines,
             out,
             err,
         }
@@ -84,29 +118,83 @@ impl Running {
         self.child.id() as i32
     }
 
-    /// Wait at most `limit`; on timeout kill it and panic with its output.
-    pub fn finish(mut self, limit: Duration) -> Run {
-        let deadline = self.start + limit;
-        let status = loop {
+    /// When it was started.
+    pub fn started(&self) -> Instant {
+        self.start
+    }
+
+    /// Whether it has exited (it is reaped then; [`Running::finish`] still reports it).
+    pub fn exited(&mut self) -> bool {
+        self.child.try_wait().unwrap().is_some()
+    }
+
+    /// The output lines read so far.
+    pub fn lines_so_far(&self) -> Vec<Line> {
+        self.lines.lock().unwrap().clone()
+    }
+
+    /// Wait until `deadline`; on timeout kill it and return `Err` with what it wrote.
+    pub fn finish_by(mut self, deadline: Instant) -> Result<Run, Run> {
+        let (status, in_time) = loop {
             if let Some(s) = self.child.try_wait().unwrap() {
-                break s;
+                break (s, true);
             }
             if Instant::now() >= deadline {
                 let _ = self.child.kill();
-                let _ = self.child.wait();
-                let out = self.out.join().unwrap();
-                let err = self.err.join().unwrap();
-                panic!("{} did not finish within {limit:?}\n--- stdout ---\n{out}\n--- stderr ---\n{err}", self.program);
+                break (self.child.wait().unwrap(), false);
             }
             std::thread::sleep(Duration::from_millis(20));
         };
         let elapsed = self.start.elapsed();
-        Run {
-            status,
-            stdout: self.out.join().unwrap(),
-            stderr: self.err.join().unwrap(),
-            elapsed,
+        // The pipes close when every process holding them is gone: a process left behind (an
+        // orphan) could hold them for ever, so wait a bounded time and then say so.
+        let drained = Instant::now() + PIPE_DRAIN;
+        while !(self.out.is_finished() && self.err.is_finished()) && Instant::now() < drained {
+            std::thread::sleep(Duration::from_millis(10));
         }
+        let lines = self.lines.lock().unwrap().clone();
+        let (stdout, stderr) = if self.out.is_finished() && self.err.is_finished() {
+            (self.out.join().unwrap(), self.err.join().unwrap())
+        } else {
+            let text = |err: bool| {
+                let mut s: String = lines
+                    .iter()
+                    .filter(|l| l.stderr == err)
+                    .map(|l| format!("{}\n", l.text))
+                    .collect();
+                s.push_str(&format!(
+                    "\n[test: output still open {PIPE_DRAIN:?} after {} exited: a process \
+                     left behind holds the pipe]\n",
+                    self.program
+                ));
+                s
+            };
+            (text(false), text(true))
+        };
+        let run = Run {
+            status,
+            stdout,
+            stderr,
+            elapsed,
+            lines,
+        };
+        if in_time {
+            Ok(run)
+        } else {
+            Err(run)
+        }
+    }
+
+    /// Wait at most `limit`; on timeout kill it and panic with its output.
+    pub fn finish(self, limit: Duration) -> Run {
+        let program = self.program.clone();
+        let deadline = self.start + limit;
+        self.finish_by(deadline).unwrap_or_else(|run| {
+            panic!(
+                "{program} did not finish within {limit:?}\n--- stdout ---\n{}\n--- stderr ---\n{}",
+                run.stdout, run.stderr
+            )
+        })
     }
 }
 

@@ -178,7 +178,9 @@ pub fn causes(kind: Kind) -> (&'static [&'static str], &'static [&'static str]) 
         Kind::StopRank => &["timed out", "peer rank"],
         Kind::Partition => &["timed out", "no heartbeat", "lost contact", "peer rank"],
         Kind::FullDisk => &["No space left on device"],
-        Kind::KillStoreHost => &["lost contact"],
+        // Elastic launchers say "lost contact with the rendezvous store"; a static one finds the
+        // store gone when it rejoins for its restart.
+        Kind::KillStoreHost => &["lost contact", "the store closed the connection"],
         Kind::None => &[],
     };
     (direct, RELAYED)

@@ -121,18 +121,7 @@ impl RunPlan {
                 meta.world_size
             ));
         }
-        if meta.epoch > self.epochs || (meta.epoch == self.epochs && g > 0) {
-            return bad(format!(
-                "epoch {} is past the end of this run ({} epochs)",
-                meta.epoch, self.epochs
-            ));
-        }
-        if let Some(m) = self.max_steps.filter(|&m| meta.step > m) {
-            return bad(format!(
-                "step {} is past this run's max_steps {m}",
-                meta.step
-            ));
-        }
+        self.check_not_past_end(meta, g)?;
         Ok(GlobalPosition {
             step: meta.step,
             epoch: meta.epoch,

@@ -216,6 +216,29 @@ impl RunPlan {
         }
     }
 
+    /// The position (`consumed` samples into `meta.epoch`) is not past the end of this run:
+    /// its epochs, or `max_steps`. Shared by [`RunPlan::check`] and the elastic check.
+    pub(super) fn check_not_past_end(&self, meta: &CheckpointMeta, consumed: usize) -> Result<()> {
+        let bad = |m: String| {
+            Err(Error::Checkpoint(format!(
+                "checkpoint position is inconsistent with this run: {m}"
+            )))
+        };
+        if meta.epoch > self.epochs || (meta.epoch == self.epochs && consumed > 0) {
+            return bad(format!(
+                "epoch {} is past the end of this run ({} epochs)",
+                meta.epoch, self.epochs
+            ));
+        }
+        if let Some(m) = self.max_steps.filter(|&m| meta.step > m) {
+            return bad(format!(
+                "step {} is past this run's max_steps {m}",
+                meta.step
+            ));
+        }
+        Ok(())
+    }
+
     /// The hyper-parameters of `meta` (its `extra`) include this run's, with the same values.
     pub(super) fn check_hyper(&self, meta: &CheckpointMeta) -> Result<()> {
         if let Some(want) = self.hyper.as_object() {
@@ -274,18 +297,7 @@ impl RunPlan {
                 expected.map_or_else(|| "out of range".to_string(), |x| x.to_string())
             ));
         }
-        if meta.epoch > self.epochs || (meta.epoch == self.epochs && s.consumed > 0) {
-            return bad(format!(
-                "epoch {} is past the end of this run ({} epochs)",
-                meta.epoch, self.epochs
-            ));
-        }
-        if let Some(m) = self.max_steps.filter(|&m| meta.step > m) {
-            return bad(format!(
-                "step {} is past this run's max_steps {m}",
-                meta.step
-            ));
-        }
+        self.check_not_past_end(meta, s.consumed)?;
         Ok(TrainingState {
             step: meta.step,
             epoch: meta.epoch,

@@ -28,6 +28,14 @@ pub(crate) fn signal_exit(sig: i32) -> i32 {
     128 + sig
 }
 
+/// `", logs in DIR/RUN_ID"` for the start-up line when `--log-dir` is set, else nothing.
+pub(crate) fn logs_note(cfg: &Config) -> String {
+    cfg.log_dir
+        .as_ref()
+        .map(|d| format!(", logs in {}", d.join(&cfg.run_id).display()))
+        .unwrap_or_default()
+}
+
 /// Name of this host, for summaries and the rendezvous entry.
 pub fn hostname() -> String {
     let mut buf = [0u8; 256];
@@ -174,10 +182,7 @@ fn run_round(
         round.world_size,
         rdzv.endpoint,
         cfg.run_id,
-        cfg.log_dir
-            .as_ref()
-            .map(|d| format!(", logs in {}", d.join(&cfg.run_id).display()))
-            .unwrap_or_default()
+        logs_note(cfg)
     );
     let launch = Launch {
         master_addr: rdzv.master_addr.clone(),

@@ -10,7 +10,7 @@
 pub mod heartbeat;
 pub mod rdzv;
 
-use crate::agent::{signal_exit, supervise, Housekeeping, Launch, Outcome};
+use crate::agent::{logs_note, signal_exit, supervise, Housekeeping, Launch, Outcome};
 use crate::cli::Config;
 use crate::rendezvous::{RemoteFailure, Stop};
 use crate::signals::{self, signal_name};
@@ -110,10 +110,7 @@ fn run_round(
         rdzv.endpoint,
         cfg.run_id,
         r.restarts,
-        cfg.log_dir
-            .as_ref()
-            .map(|d| format!(", logs in {}", d.join(&cfg.run_id).display()))
-            .unwrap_or_default()
+        logs_note(cfg)
     );
     let launch = Launch {
         master_addr: rdzv.master_addr.clone(),

@@ -9,8 +9,8 @@
 //!      .launch(Learner::new(model, optim, lr))          ── on every rank
 //!
 //!  fit (this module), per optimizer step, on every rank:
-//!    stop?  ── all_reduce(max) of "this rank was interrupted" ──► every rank stops at the same step
-//!    Join::begin_step(has a batch)                       ──► None: every rank is out of data
+//!    Join::begin_step_or_stop(has a batch, interrupted)  ── one all-reduce ──► Stopped: every
+//!                                      rank stops at the same step; Done: every rank out of data
 //!    learner.train_step(item)  (forward + backward: Burn's TrainStep)
 //!    Ddp::sync_gradients_join  (bucketed all-reduce; no_sync for accumulated micro-batches)
 //!    learner.lr_step(); learner.optimizer_step(averaged grads)   ── identical on every rank
@@ -50,7 +50,7 @@ use burn_train::{
     SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
     TrainingStrategy, ValidLoader,
 };
-use ddp::join::{Join, JoinStep};
+use ddp::join::{Join, JoinStart, JoinStep};
 use ddp_comm::{ProcessGroup, ReduceOp};
 use std::sync::{Arc, Mutex};
 
@@ -188,15 +188,18 @@ impl<M: LearnerModel> Fit<'_, M> {
             }
             // A stop (Burn's interrupter, a data error) on any rank stops every rank here, at
             // the same step: a rank leaving alone would leave the others in their all-reduce.
-            if any_rank(&pg, interrupter.should_stop())? {
-                if !interrupter.should_stop() {
-                    interrupter.stop(Some("ddp-rs: another rank stopped the training"));
-                }
-                return Ok(true);
-            }
-            let Some(step) = join.begin_step(!inputs.is_empty())? else {
-                return Ok(false);
-            };
+            // It travels in Join's own all-reduce: one collective per step.
+            let step =
+                match join.begin_step_or_stop(!inputs.is_empty(), interrupter.should_stop())? {
+                    JoinStart::Step(step) => step,
+                    JoinStart::Done => return Ok(false),
+                    JoinStart::Stopped { .. } => {
+                        if !interrupter.should_stop() {
+                            interrupter.stop(Some("ddp-rs: another rank stopped the training"));
+                        }
+                        return Ok(true);
+                    }
+                };
             self.refresh()?;
             let (grads, outputs) = if inputs.is_empty() {
                 let grads = self.ddp.sync_gradients_join(None, &join, &step)?;

@@ -10,7 +10,8 @@
 //!
 //! 1. [`Join::begin_step`]`(has_data)`: one small all-reduce telling every rank which ranks
 //!    still have a batch. `None` means every rank is out of data: the loop ends on all ranks at
-//!    the same step.
+//!    the same step. [`Join::begin_step_or_stop`] carries a stop request (an interrupt, early
+//!    stopping) in the same all-reduce, so that a stop on one rank ends the loop on all.
 //! 2. Every rank calls [`Reducer::set_divisor`]`(step.divisor)` (buckets launched for the
 //!    world size average inside the collective). A rank with data runs forward/backward and
 //!    hands its gradients to the [`Reducer`] (`mark_ready`). A rank without data does nothing
@@ -94,6 +95,17 @@ impl JoinStep {
     }
 }
 
+/// What [`Join::begin_step_or_stop`] decides, the same on every rank.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum JoinStart {
+    /// Run this step (some rank has data, none asked to stop).
+    Step(JoinStep),
+    /// Every rank is out of data: the loop ends.
+    Done,
+    /// These ranks (ascending, never empty) asked to stop: the loop ends on every rank.
+    Stopped { ranks: Vec<usize> },
+}
+
 /// Counts of a finished [`Join`] loop (the same on every rank except `own_steps`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct JoinSummary {
@@ -141,22 +153,49 @@ impl Join {
     /// data. Returns `None` — on every rank at the same step — once no rank has data; the loop
     /// must end then. Call it on every rank, every step, even when out of data.
     pub fn begin_step(&mut self, has_data: bool) -> Result<Option<JoinStep>> {
+        Ok(match self.begin(has_data, false)? {
+            JoinStart::Step(step) => Some(step),
+            JoinStart::Done => None,
+            JoinStart::Stopped { .. } => unreachable!("no rank asks to stop through begin_step"),
+        })
+    }
+
+    /// [`begin_step`](Self::begin_step) that also carries a stop request in the same
+    /// all-reduce: if any rank passes `stop = true` (a user interrupt, a data error, early
+    /// stopping), every rank gets [`JoinStart::Stopped`] at this same step, naming the ranks that
+    /// asked, and the loop must end on every rank — a rank leaving alone would leave the others
+    /// in their next collective. One collective per step instead of two. A stop ends the loop
+    /// like [`JoinStart::Done`] (call [`reset`](Self::reset) to start another).
+    pub fn begin_step_or_stop(&mut self, has_data: bool, stop: bool) -> Result<JoinStart> {
+        self.begin(has_data, stop)
+    }
+
+    fn begin(&mut self, has_data: bool, stop: bool) -> Result<JoinStart> {
         if self.done {
             return Err(Error::InvalidArgument(format!(
-                "Join::begin_step on rank {} after every rank ran out of data (step {}): the \
-                 loop should have ended when begin_step returned None (call reset() to start \
-                 another loop)",
+                "Join::begin_step on rank {} after the loop ended (every rank ran out of data \
+                 or one asked to stop; step {}): the loop should have ended then (call reset() \
+                 to start another loop)",
                 self.pg.rank(),
                 self.steps
             )));
         }
+        // Bit 0: has data; bit 1: asks to stop.
         let mut flags = vec![0i64; self.pg.size()];
-        flags[self.pg.rank()] = has_data as i64;
+        flags[self.pg.rank()] = has_data as i64 | (stop as i64) << 1;
         self.pg.all_reduce(&mut flags, ReduceOp::Sum)?;
-        let active_ranks: Vec<usize> = (0..flags.len()).filter(|&r| flags[r] != 0).collect();
+        let ranks = |bit: i64| -> Vec<usize> {
+            (0..flags.len()).filter(|&r| flags[r] & bit != 0).collect()
+        };
+        let stopping = ranks(2);
+        if !stopping.is_empty() {
+            self.done = true;
+            return Ok(JoinStart::Stopped { ranks: stopping });
+        }
+        let active_ranks = ranks(1);
         if active_ranks.is_empty() {
             self.done = true;
-            return Ok(None);
+            return Ok(JoinStart::Done);
         }
         let step = JoinStep {
             index: self.steps,
@@ -171,7 +210,7 @@ impl Join {
         self.steps += 1;
         self.own_steps += has_data as u64;
         self.last_active_ranks.clone_from(&step.active_ranks);
-        Ok(Some(step))
+        Ok(JoinStart::Step(step))
     }
 
     /// Synchronizes this step's gradients on every rank: `reducer.finish_with_divisor(divisor)`.

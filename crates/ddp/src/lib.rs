@@ -15,7 +15,7 @@ pub mod verify;
 
 pub use checkpoint::{Checkpoint, CheckpointMeta, TensorData};
 pub use error::{Error, Result};
-pub use join::{Join, JoinStep, JoinSummary};
+pub use join::{Join, JoinStart, JoinStep, JoinSummary};
 pub use lr::{global_batch_size, scale_lr_linear};
 pub use sampler::{DistributedSampler, SamplerState};
 pub use verify::{

@@ -3,7 +3,7 @@
 //! bit-identical parameters, and each step's gradient must be the mean over the active ranks.
 
 use ddp::reducer::{broadcast_coalesced, ParamSpec, Reducer, ReducerOptions};
-use ddp::{verify_replicas, Join, JoinStep};
+use ddp::{verify_replicas, Join, JoinStart, JoinStep};
 use ddp_comm::testing::{run_local_group, LocalGroup};
 use ddp_comm::{DType, ProcessGroup};
 use std::time::{Duration, Instant};
@@ -388,4 +388,46 @@ fn a_divisor_set_after_buckets_launched_is_a_clear_error_and_the_next_step_works
     };
     assert_eq!(out[0], out[1]);
     assert_eq!(out[0], sum);
+}
+
+#[test]
+fn a_stop_asked_by_any_rank_ends_the_loop_on_every_rank_at_the_same_step() {
+    // Three ranks with 2, 6 and 6 batches; rank 2 asks to stop at its 4th step (index 3), when
+    // rank 0 is already out of data: the stop wins over running on, on every rank alike.
+    let counts = [2usize, 6, 6];
+    let out = run_ranks(3, TIMEOUT, move |pg| {
+        let rank = pg.rank();
+        let mut join = Join::new(&pg);
+        let mut seen = Vec::new();
+        let mut k = 0;
+        let end = loop {
+            let stop = rank == 2 && k == 3;
+            match join.begin_step_or_stop(k < counts[rank], stop).unwrap() {
+                JoinStart::Step(step) => {
+                    seen.push((step.index, step.active_ranks.clone()));
+                    k += step.has_data as usize;
+                }
+                other => break other,
+            }
+        };
+        assert!(join.is_done());
+        let again = join.begin_step(true).unwrap_err().to_string();
+        assert!(again.contains("asked to stop"), "{again}");
+        // After reset the same Join runs a new loop; two ranks asking at once are both named.
+        join.reset();
+        let both = join.begin_step_or_stop(true, rank != 1).unwrap();
+        (end, seen, join.summary().steps, both)
+    });
+    for (rank, (end, seen, steps, both)) in out.iter().enumerate() {
+        assert_eq!(end, &JoinStart::Stopped { ranks: vec![2] }, "rank {rank}");
+        let want: Vec<(u64, Vec<usize>)> =
+            vec![(0, vec![0, 1, 2]), (1, vec![0, 1, 2]), (2, vec![1, 2])];
+        assert_eq!(seen, &want, "rank {rank}");
+        assert_eq!(*steps, 0, "rank {rank}: a stop is not a step");
+        assert_eq!(
+            both,
+            &JoinStart::Stopped { ranks: vec![0, 2] },
+            "rank {rank}"
+        );
+    }
 }

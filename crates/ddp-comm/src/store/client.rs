@@ -253,10 +253,9 @@ impl TcpStore {
         if let Some(why) = &conn.broken {
             return Err(Error::Store {
                 addr: self.addr.clone(),
-                message: format!(
-                    "{what} failed: the connection was lost earlier ({why}); \
-                     open a new one with TcpStore::try_clone or connect"
-                ),
+                // No API advice here: launchers show this to users (the module doc says how
+                // to reconnect).
+                message: format!("{what} failed: the connection was lost earlier ({why})"),
             });
         }
         let limit = Some(reply_within.max(Duration::from_millis(1)));

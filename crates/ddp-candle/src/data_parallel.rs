@@ -183,15 +183,18 @@ impl DistributedDataParallel {
     }
 
     /// `loss.backward()` and every parameter gradient handed to the reducer (last parameter
-    /// first); returns the local gradients.
+    /// first); returns the local gradients under `no_sync` (what `backward` returns then), an
+    /// empty store otherwise: the local gradients are freed as soon as the reducer holds them,
+    /// not kept next to the averaged ones (4Ψ bytes less at the peak for f32 parameters).
     fn local_backward(&mut self, loss: &Tensor) -> Result<GradStore> {
         self.reducer.prepare_for_backward()?;
         let grads = loss.backward()?;
         let mut local = GradStore::default();
+        let keep = !self.reducer.require_backward_grad_sync();
         let vars = self.params.vars();
         adapter::mark_grads(&self.params, &mut self.reducer, &grads, |i| {
             let t = vars[i].1.as_tensor();
-            if let Some(g) = grads.get(t) {
+            if let (true, Some(g)) = (keep, grads.get(t)) {
                 local.insert(t, g.clone());
             }
             Ok(())

@@ -83,11 +83,23 @@ pub fn flatten_f64(vars: &[&Var]) -> Result<Vec<f64>> {
 }
 
 /// Checks that every rank holds bit-identical values of `vars` (a collective: every rank must
-/// call it with the same parameters; every rank gets the same report). Values are widened to
-/// `f64` (exact, and bit-identity is preserved) and compared with `ddp::verify_replicas`: one
-/// small message of hashes when the replicas agree, an element-wise comparison of the differing
-/// parameters otherwise.
+/// call it with the same parameters; every rank gets the same report), with
+/// `ddp::verify_replicas`: one small message of hashes when the replicas agree, an element-wise
+/// comparison of the differing parameters otherwise. When every parameter has the same dtype
+/// the values are compared in it, borrowed from contiguous CPU tensors (no copy: checking a
+/// model does not double its memory); mixed dtypes are widened to `f64` (exact, and
+/// bit-identity is preserved).
 pub fn verify_replicas(pg: &ProcessGroup, vars: &[&Var]) -> Result<ReplicaReport> {
+    let first = vars.first().map(|v| v.dtype());
+    if vars.iter().all(|v| Some(v.dtype()) == first) {
+        match first {
+            Some(DType::F32) => return verify_as::<f32>(pg, vars),
+            Some(DType::F64) => return verify_as::<f64>(pg, vars),
+            Some(DType::F16) => return verify_as::<f16>(pg, vars),
+            Some(DType::BF16) => return verify_as::<bf16>(pg, vars),
+            _ => {}
+        }
+    }
     let values: Vec<Vec<f64>> = vars
         .iter()
         .map(|v| {
@@ -101,10 +113,48 @@ pub fn verify_replicas(pg: &ProcessGroup, vars: &[&Var]) -> Result<ReplicaReport
     Ok(ddp::verify::verify_replicas(pg, &slices)?)
 }
 
-/// `(sum, l2 norm)` over every element of `vars`, accumulated in `f64`.
+/// [`verify_replicas`] for parameters all of dtype `T`.
+fn verify_as<T>(pg: &ProcessGroup, vars: &[&Var]) -> Result<ReplicaReport>
+where
+    T: WithDType + ddp::verify::ReplicaValue,
+{
+    // Read guards of every storage, held for the check; tensors that are not contiguous on the
+    // CPU (a GPU parameter) are copied to the host instead.
+    let guards: Vec<_> = vars
+        .iter()
+        .map(|v| v.as_tensor().storage_and_layout())
+        .collect();
+    let mut owned: Vec<Option<Vec<T>>> = Vec::with_capacity(vars.len());
+    for (v, (storage, layout)) in vars.iter().zip(&guards) {
+        let borrowable =
+            matches!(&**storage, Storage::Cpu(_)) && layout.contiguous_offsets().is_some();
+        owned.push(if borrowable {
+            None
+        } else {
+            Some(v.as_tensor().flatten_all()?.to_vec1::<T>()?)
+        });
+    }
+    let mut slices: Vec<&[T]> = Vec::with_capacity(vars.len());
+    for ((storage, layout), copy) in guards.iter().zip(&owned) {
+        slices.push(match (copy, &**storage, layout.contiguous_offsets()) {
+            (Some(v), _, _) => v.as_slice(),
+            (None, Storage::Cpu(cpu), Some((start, end))) => &cpu.as_slice::<T>()?[start..end],
+            (None, _, _) => unreachable!("checked borrowable above"),
+        });
+    }
+    Ok(ddp::verify::verify_replicas(pg, &slices)?)
+}
+
+/// `(sum, l2 norm)` over every element of `vars`, accumulated in `f64`, one parameter at a time
+/// (no widened copy of the whole model).
 pub fn param_sum_l2(vars: &[&Var]) -> Result<(f64, f64)> {
-    let flat = flatten_f64(vars)?;
-    let sum = flat.iter().sum();
-    let sq: f64 = flat.iter().map(|x| x * x).sum();
+    let (mut sum, mut sq) = (0f64, 0f64);
+    for v in vars {
+        let t = v.as_tensor().flatten_all()?.to_dtype(DType::F64)?;
+        for x in t.to_vec1::<f64>()? {
+            sum += x;
+            sq += x * x;
+        }
+    }
     Ok((sum, sq.sqrt()))
 }

@@ -26,8 +26,11 @@
 //! ```
 
 use crate::error::Result;
-use crate::reducer::{broadcast_coalesced, DeviceSlice, HostBuffer, HostSlice, ParamSpec, Reducer};
-use ddp_comm::{Element, ProcessGroup};
+use crate::reducer::{
+    broadcast_coalesced, DeviceSlice, HostBuffer, HostSlice, ParamSpec, Reducer,
+    BROADCAST_BUCKET_BYTES,
+};
+use ddp_comm::{DType, Element, ProcessGroup};
 use half::{bf16, f16};
 
 /// A framework's named parameters in a fixed registration order (see the module doc).
@@ -159,16 +162,25 @@ where
     Ok(out)
 }
 
-/// Copies rank `root`'s parameter values to every rank: one coalesced broadcast per dtype (a
-/// collective; every rank must hold parameters of the same specs).
+/// Copies rank `root`'s parameter values to every rank (a collective; every rank must hold
+/// parameters of the same specs): consecutive parameters of one dtype are read, broadcast
+/// coalesced and written back in groups of at most [`BROADCAST_BUCKET_BYTES`] (or one
+/// parameter), so that the host copies never exceed two groups — not the whole model twice.
 pub fn broadcast_params<P: ParamAccess + ?Sized>(
     params: &P,
     pg: &ProcessGroup,
     root: usize,
 ) -> Result<(), P::Error> {
-    let mut values: Vec<HostBuffer> = (0..params.param_count())
-        .map(|i| params.read_param(i))
-        .collect::<Result<_, _>>()?;
+    broadcast_params_in_groups(params, pg, root, BROADCAST_BUCKET_BYTES)
+}
+
+/// [`broadcast_params`] with groups of at most `cap` bytes.
+fn broadcast_params_in_groups<P: ParamAccess + ?Sized>(
+    params: &P,
+    pg: &ProcessGroup,
+    root: usize,
+    cap: usize,
+) -> Result<(), P::Error> {
     fn per_dtype<T: Element>(
         pg: &ProcessGroup,
         values: &mut [HostBuffer],
@@ -181,15 +193,39 @@ pub fn broadcast_params<P: ParamAccess + ?Sized>(
         }
         broadcast_coalesced(pg, &mut slices, root)
     }
-    per_dtype::<f32>(pg, &mut values, root)?;
-    per_dtype::<f64>(pg, &mut values, root)?;
-    per_dtype::<f16>(pg, &mut values, root)?;
-    per_dtype::<bf16>(pg, &mut values, root)?;
-    per_dtype::<i32>(pg, &mut values, root)?;
-    per_dtype::<i64>(pg, &mut values, root)?;
-    per_dtype::<u8>(pg, &mut values, root)?;
-    for (i, v) in values.iter().enumerate() {
-        params.write_param(i, v.as_host_slice())?;
+    let n = params.param_count();
+    let size = |v: &HostBuffer| v.len() * v.dtype().size();
+    let mut start = 0;
+    let mut pending = None;
+    while start < n {
+        let first = match pending.take() {
+            Some(v) => v,
+            None => params.read_param(start)?,
+        };
+        let (dtype, mut bytes) = (first.dtype(), size(&first));
+        let mut group = vec![first];
+        while start + group.len() < n {
+            let next = params.read_param(start + group.len())?;
+            if next.dtype() != dtype || bytes + size(&next) > cap {
+                pending = Some(next); // the first of the next group
+                break;
+            }
+            bytes += size(&next);
+            group.push(next);
+        }
+        match dtype {
+            DType::F32 => per_dtype::<f32>(pg, &mut group, root)?,
+            DType::F64 => per_dtype::<f64>(pg, &mut group, root)?,
+            DType::F16 => per_dtype::<f16>(pg, &mut group, root)?,
+            DType::BF16 => per_dtype::<bf16>(pg, &mut group, root)?,
+            DType::I32 => per_dtype::<i32>(pg, &mut group, root)?,
+            DType::I64 => per_dtype::<i64>(pg, &mut group, root)?,
+            DType::U8 => per_dtype::<u8>(pg, &mut group, root)?,
+        }
+        for (k, v) in group.iter().enumerate() {
+            params.write_param(start + k, v.as_host_slice())?;
+        }
+        start += group.len();
     }
     Ok(())
 }
@@ -239,6 +275,34 @@ mod tests {
         fn write_param(&self, i: usize, v: HostSlice<'_>) -> Result<()> {
             *self.params[i].1.borrow_mut() = v.get::<f32>().unwrap().to_vec();
             Ok(())
+        }
+    }
+
+    #[test]
+    fn parameters_are_broadcast_in_groups_of_the_cap_whatever_their_sizes() {
+        // Sizes around a cap of 3 elements (12 bytes): one larger than the cap, an empty one,
+        // groups that fill the cap exactly and one that would overflow it.
+        let sizes = [1usize, 2, 5, 0, 3, 1, 1, 2];
+        for cap in [12, 4, 1 << 20] {
+            ddp_comm::testing::run_ranks(3, |pg| {
+                let r = pg.rank() as f32;
+                let toy = Toy {
+                    params: sizes
+                        .iter()
+                        .enumerate()
+                        .map(|(i, &n)| {
+                            let v = (0..n).map(|k| r * 100.0 + i as f32 * 10.0 + k as f32);
+                            (format!("p{i}"), RefCell::new(v.collect()))
+                        })
+                        .collect(),
+                };
+                broadcast_params_in_groups(&toy, &pg, 2, cap).unwrap();
+                for (i, &n) in sizes.iter().enumerate() {
+                    let want: Vec<f32> =
+                        (0..n).map(|k| 200.0 + i as f32 * 10.0 + k as f32).collect();
+                    assert_eq!(*toy.params[i].1.borrow(), want, "p{i}, cap {cap}");
+                }
+            });
         }
     }
 

@@ -112,8 +112,8 @@ impl Sizes {
 /// A rank's trainer at any stage: `ZeroDdp` (stages 0-2, over the full model) or `Fsdp` (stage
 /// 3, over units), driven through one interface by the tests.
 enum Trainer {
-    Zero(ZeroDdp, Mlp),
-    Fsdp(Fsdp),
+    Zero(Box<ZeroDdp>, Mlp),
+    Fsdp(Box<Fsdp>),
 }
 
 impl Trainer {
@@ -128,10 +128,14 @@ impl Trainer {
         let (vm, m) = model(seed, hidden);
         if stage == ZeroStage::Three {
             let units = mlp_units(hidden, sizes);
-            return Trainer::Fsdp(Fsdp::from_varmap(&vm, units, pg, make_opt(opt)).unwrap());
+            let f = Fsdp::from_varmap(&vm, units, pg, make_opt(opt)).unwrap();
+            return Trainer::Fsdp(Box::new(f));
         }
         let ddp = Ddp::new(&vm, pg, sizes.ddp()).unwrap();
-        Trainer::Zero(ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap(), m)
+        Trainer::Zero(
+            Box::new(ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap()),
+            m,
+        )
     }
 
     /// Forward and backward of global step `k`'s batch, the loss scaled by `scale`.

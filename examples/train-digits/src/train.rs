@@ -207,15 +207,17 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let mut averager = args.hook.averager()?;
     let mut ddp = if stage == ZeroStage::Three {
         let units = trainer::units(FEATURES, args.hidden, CLASSES);
-        Trainer::Fsdp(Fsdp::from_varmap(&varmap, units, &pg, |vars| {
+        Trainer::Fsdp(Box::new(Fsdp::from_varmap(&varmap, units, &pg, |vars| {
             optimizer(args, lr, vars)
-        })?)
+        })?))
     } else {
         let mut ddp = Ddp::new(&varmap, &pg, opts)?;
         if let Some(hook) = args.hook.hook()? {
             ddp.register_comm_hook(hook)?;
         }
-        Trainer::Zero(ZeroDdp::new(ddp, stage, |vars| optimizer(args, lr, vars))?)
+        Trainer::Zero(Box::new(ZeroDdp::new(ddp, stage, |vars| {
+            optimizer(args, lr, vars)
+        })?))
     };
     let mut pos = TrainingState::default();
     // Set when resuming at another world size (or in a re-sharded run): the global samples of

@@ -12,8 +12,8 @@ use ddp_candle::{Fsdp, Unit, ZeroDdp};
 use std::path::Path;
 
 pub enum Trainer {
-    Zero(ZeroDdp),
-    Fsdp(Fsdp),
+    Zero(Box<ZeroDdp>),
+    Fsdp(Box<Fsdp>),
 }
 
 /// Stage 3's units: `fc1 + relu` and `fc2`, the model's two stages.

@@ -334,9 +334,10 @@ mod tests {
                         assert_eq!(comm.gathered(u).unwrap(), full(u));
                         assert!(comm.gathered(u).is_err(), "taken once");
                     }
-                    let split = comm.split(0, &full(0)[..]);
+                    let flat0 = full(0);
+                    let split = comm.split(0, &flat0);
                     assert_eq!(split[0].0, 2);
-                    assert_eq!(split[1], (0, &full(0)[5..]));
+                    assert_eq!(split[1], (0, &flat0[5..]));
                     for u in [1, 0] {
                         let g = full(u).iter().map(|v| v * (pg.rank() + 1) as f32).collect();
                         comm.reduce_scatter(u, g).unwrap();

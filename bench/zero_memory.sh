@@ -4,7 +4,9 @@
 # and the per-rank formulas next to the measured peak RSS: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N bytes for fp32
 # AdamW, and for stage 3 16Ψ/N + the largest gathered unit and its gradient (2·4U) + the
 # activations kept (every unit's input, batch × width × 4 bytes per unit).
-#   bench/zero_memory.sh [NPROC] [RUNS]        STAGES="0 1 2 3" by default
+#   bench/zero_memory.sh [NPROC] [RUNS]        STAGES="0 1 2 3" by default; BIN=path/to/ddp-bench
+#   uses that binary (e.g. target/debug/ddp-bench from `cargo test`, opt-level 3) instead of a
+#   release build
 set -euo pipefail
 NPROC=${1:-2}
 RUNS=${2:-3}
@@ -13,11 +15,14 @@ LAYERS=${LAYERS:-13}
 BATCH=${BATCH:-16}
 STAGES=${STAGES:-0 1 2 3}
 cd "$(dirname "$0")/.."
-cargo build --release -q -p ddp-bench
+if [ -z "${BIN:-}" ]; then
+  cargo build --release -q -p ddp-bench
+  BIN=./target/release/ddp-bench
+fi
 out=$(mktemp)
 for run in $(seq "$RUNS"); do
   for z in $STAGES; do
-    ./target/release/ddp-bench train --nproc "$NPROC" --hidden "$HIDDEN" --layers "$LAYERS" \
+    "$BIN" train --nproc "$NPROC" --hidden "$HIDDEN" --layers "$LAYERS" \
       --batch "$BATCH" --steps 4 --warmup 1 --optimizer adamw --zero "$z" --json |
       tail -n 1 >>"$out"
   done

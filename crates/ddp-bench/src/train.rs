@@ -280,6 +280,9 @@ fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup, varmap: VarMap) -> Re
     let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     let mut fsdp = Fsdp::from_varmap(&varmap, units(args), pg, optimizer(args))?;
     drop(varmap);
+    // The full model existed only to be cut into shards: give its memory back (the retained
+    // heap would otherwise keep it resident for good).
+    ddp_candle::alloc::release_freed_memory();
     let x = Tensor::randn(0f32, 1.0, (args.batch, 784), &Device::Cpu)?
         .affine(1.0, rank as f64 * 0.01)?;
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();

@@ -23,7 +23,8 @@
 //! ```
 //!
 //! Memory per rank: the shards (16Ψ/N with AdamW), at most two gathered units and one unit's
-//! gradient, the units' inputs (activations) and one unit's graph. Communication: the
+//! gradient (plus at most `ddp::sharding::units::MAX_SCATTERS_IN_FLIGHT` gradients waiting to
+//! be reduce-scattered), the units' inputs (activations) and one unit's graph. Communication: the
 //! all-gathers (every unit in forward, all but the last again in backward) and the gradient
 //! reduce-scatters, at most 1.5× DDP's all-reduce ([`Fsdp::bytes_per_step`]).
 //!
@@ -348,7 +349,8 @@ impl Fsdp {
                 "ZeRO stage 3 needs at least one unit".into(),
             ));
         }
-        let mut wait = Duration::ZERO;
+        let wait = std::cell::Cell::new(Duration::ZERO);
+        let timed = |t: Instant| wait.set(wait.get() + t.elapsed());
         let (mut x, loss_fn) = match batch {
             Some((x, l)) => (Some(x.clone()), Some(l)),
             None => (None, None),
@@ -356,10 +358,10 @@ impl Fsdp {
         let shard = &self.shard;
         let numel = |u: usize| shard.layout.buckets()[u].numel;
         let mut comm = UnitComm::new(&self.pg, &shard.layout, divisor)?;
-        let mut gathered = |comm: &mut UnitComm, u: usize| -> Result<Vec<f32>> {
+        let gathered = |comm: &mut UnitComm, u: usize| -> Result<Vec<f32>> {
             let t = Instant::now();
             let v = comm.gathered(u)?;
-            wait += t.elapsed();
+            timed(t);
             Ok(v)
         };
         // Forward of every unit but the last, without a graph; only the inputs are kept.
@@ -423,7 +425,10 @@ impl Fsdp {
                 }
             }
             if self.sync {
+                // Waits for the oldest reduce-scatter if too many are in flight.
+                let t = Instant::now();
                 comm.reduce_scatter(u, grad)?;
+                timed(t);
             } else {
                 let acc = accum.get_or_insert_with(|| vec![Vec::new(); n]);
                 acc[u] = grad;
@@ -450,10 +455,10 @@ impl Fsdp {
                 ..Default::default()
             }
         };
-        wait += t.elapsed();
+        timed(t);
         let stats = StepStats {
             total: start.elapsed(),
-            comm_wait: wait,
+            comm_wait: wait.get(),
             ..stats
         };
         self.last = Some(stats);

@@ -24,7 +24,7 @@ use super::layout::ShardLayout;
 use crate::error::{Error, Result};
 use crate::reducer::{BucketInfo, ParamSpec};
 use ddp_comm::{DType, ProcessGroup, ReduceOp, Work};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, VecDeque};
 
 /// The [`ShardLayout`] of stage 3: one bucket per unit, `units[u]` listing its parameters (indices
 /// into `specs`) in flat order. Every parameter must be in exactly one unit; an error names the
@@ -91,13 +91,22 @@ pub fn stage3_bytes_per_step(layout: &ShardLayout) -> u64 {
         .sum()
 }
 
+/// Reduce-scatters in flight at most, by default: a unit's full gradient waits in its
+/// collective's input until it is sent, so when communication is slower than compute an
+/// unbounded queue would hold every unit's gradient (the whole model's) at once.
+pub const MAX_SCATTERS_IN_FLIGHT: usize = 2;
+
 /// The per-unit collectives of one stage-3 step, with the prefetch of gathers and the reduce-
-/// scatters kept in flight until [`finish`](Self::finish). Counts the bytes it sends.
+/// scatters in flight (at most [`MAX_SCATTERS_IN_FLIGHT`]; starting one more waits for the
+/// oldest) until [`finish`](Self::finish). Counts the bytes it sends.
 pub struct UnitComm<'a> {
     pg: &'a ProcessGroup,
     layout: &'a ShardLayout,
     gathers: BTreeMap<usize, Work<Vec<f32>>>,
-    scatters: Vec<(usize, Work<Vec<f32>>)>,
+    scatters: VecDeque<(usize, Work<Vec<f32>>)>,
+    /// Reduced chunks of the units whose reduce-scatter was waited for.
+    done: Vec<Option<Vec<f32>>>,
+    max_scatters: usize,
     divisor: usize,
     bytes: usize,
 }
@@ -122,10 +131,18 @@ impl<'a> UnitComm<'a> {
             pg,
             layout,
             gathers: BTreeMap::new(),
-            scatters: Vec::new(),
+            scatters: VecDeque::new(),
+            done: vec![None; layout.buckets().len()],
+            max_scatters: MAX_SCATTERS_IN_FLIGHT,
             divisor,
             bytes: 0,
         })
+    }
+
+    /// At most `n` (at least 1) reduce-scatters in flight.
+    pub fn with_max_scatters_in_flight(mut self, n: usize) -> Self {
+        self.max_scatters = n.max(1);
+        self
     }
 
     /// Units of the layout.
@@ -200,8 +217,9 @@ impl<'a> UnitComm<'a> {
             .collect()
     }
 
-    /// Starts the reduce-scatter of `unit`'s flat gradient (unit order, `numel` elements); its
-    /// owned chunk comes back from [`finish`](Self::finish). A collective.
+    /// Starts the reduce-scatter of `unit`'s flat gradient (unit order, `numel` elements), after
+    /// waiting for the oldest one if the limit is reached; its owned chunk comes back from
+    /// [`finish`](Self::finish). A collective.
     pub fn reduce_scatter(&mut self, unit: usize, mut grad: Vec<f32>) -> Result<()> {
         self.check(unit, "reduce_scatter")?;
         let b = &self.layout.buckets()[unit];
@@ -222,7 +240,29 @@ impl<'a> UnitComm<'a> {
         };
         self.bytes += c * 4 * (world - 1);
         self.scatters
-            .push((unit, self.pg.reduce_scatter_async(grad, op)));
+            .push_back((unit, self.pg.reduce_scatter_async(grad, op)));
+        while self.scatters.len() > self.max_scatters {
+            self.wait_oldest()?;
+        }
+        Ok(())
+    }
+
+    /// Waits for the oldest reduce-scatter in flight and keeps this rank's averaged chunk.
+    fn wait_oldest(&mut self) -> Result<()> {
+        let Some((unit, w)) = self.scatters.pop_front() else {
+            return Ok(());
+        };
+        let mut v = w.wait()?;
+        let world = self.layout.world_size();
+        let (lo, hi) = self.layout.buckets()[unit].owned(world, self.rank());
+        v.truncate(hi - lo);
+        if self.divisor != world {
+            let d = self.divisor as f32;
+            for g in &mut v {
+                *g /= d;
+            }
+        }
+        self.done[unit] = Some(v);
         Ok(())
     }
 
@@ -235,34 +275,22 @@ impl<'a> UnitComm<'a> {
     /// unit (in unit order, as `ShardLayout::chunks`); a unit that was not reduce-scattered is
     /// an error naming it. Gathers still in flight are waited for and dropped.
     pub fn finish(mut self) -> Result<Vec<Vec<f32>>> {
-        let world = self.layout.world_size();
-        let mut out: Vec<Option<Vec<f32>>> = vec![None; self.units()];
         let mut failed = None;
         for (_, w) in std::mem::take(&mut self.gathers) {
             if let Err(e) = w.wait() {
+                failed = failed.or(Some(Error::Comm(e)));
+            }
+        }
+        while !self.scatters.is_empty() {
+            if let Err(e) = self.wait_oldest() {
                 failed = failed.or(Some(e));
             }
         }
-        for (unit, w) in std::mem::take(&mut self.scatters) {
-            match w.wait() {
-                Ok(mut v) => {
-                    let (lo, hi) = self.layout.buckets()[unit].owned(world, self.rank());
-                    v.truncate(hi - lo);
-                    if self.divisor != world {
-                        let d = self.divisor as f32;
-                        for g in &mut v {
-                            *g /= d;
-                        }
-                    }
-                    out[unit] = Some(v);
-                }
-                Err(e) => failed = failed.or(Some(e)),
-            }
-        }
         if let Some(e) = failed {
-            return Err(Error::Comm(e));
+            return Err(e);
         }
-        out.into_iter()
+        std::mem::take(&mut self.done)
+            .into_iter()
             .enumerate()
             .map(|(u, v)| {
                 v.ok_or_else(|| {
@@ -324,7 +352,10 @@ mod tests {
                             .map(|i| (u * 100 + i) as f32)
                             .collect()
                     };
-                    let mut comm = UnitComm::new(&pg, &l, divisor).unwrap();
+                    // With the Join divisor, one reduce-scatter in flight at a time.
+                    let mut comm = UnitComm::new(&pg, &l, divisor)
+                        .unwrap()
+                        .with_max_scatters_in_flight(if divisor == 1 { 1 } else { 2 });
                     for u in [1, 0] {
                         let (lo, hi) = l.buckets()[u].owned(world, pg.rank());
                         comm.prefetch(u, full(u)[lo..hi].to_vec()).unwrap();

@@ -728,3 +728,25 @@ fn stage_3_refuses_units_that_do_not_cover_the_model() {
         );
     }
 }
+
+/// Join combined with `no_sync` is not built at stage 3: refused by name on every rank, before
+/// any collective of the step.
+#[test]
+fn stage_3_refuses_join_under_no_sync_by_name() {
+    let errors = run_ranks(2, |rank, pg| {
+        let (vm, _) = model(7, HID);
+        let units = mlp_units(HID, Sizes::Tiny);
+        let mut f = Fsdp::from_varmap(&vm, units, &pg, make_opt(Opt::AdamW)).unwrap();
+        let mut join = ddp::Join::new(&pg);
+        let step = join.begin_step(true).unwrap().unwrap();
+        f.set_require_backward_grad_sync(false);
+        let (xs, ys) = batch_at(0, rank, 2);
+        let loss = |o: &Tensor| candle_nn::loss::cross_entropy(o, &ys);
+        f.forward_backward_join(Some((&xs, loss)), &join, &step)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errors {
+        assert!(e.contains("Join with no_sync"), "{e}");
+    }
+}

@@ -89,6 +89,18 @@ fn mlp_units(hidden: usize, sizes: Sizes) -> Vec<Unit> {
         Sizes::Default => vec![Unit::new(["l1", "l2", "l3"], move |vb, x| {
             l3(vb.clone(), &l2(vb.clone(), &l1(vb, x)?)?)
         })],
+        // `l3` cut in two: its bias (5 elements) is a unit smaller than 4 ranks, so one rank
+        // owns nothing of it. The same ops as `Linear::forward`.
+        Sizes::Uneven => vec![
+            Unit::new(["l1"], l1),
+            Unit::new(["l2"], l2),
+            Unit::new(["l3.weight"], move |vb, x: &Tensor| {
+                x.matmul(&vb.get((OUT, hidden), "l3.weight")?.t()?)
+            }),
+            Unit::new(["l3.bias"], |vb, x: &Tensor| {
+                x.broadcast_add(&vb.get(OUT, "l3.bias")?)
+            }),
+        ],
     }
 }
 
@@ -98,12 +110,14 @@ fn mlp_units(hidden: usize, sizes: Sizes) -> Vec<Unit> {
 enum Sizes {
     Tiny,
     Default,
+    /// Stage 3 only: a unit per layer, the last layer's weight and bias apart.
+    Uneven,
 }
 
 impl Sizes {
     fn ddp(self) -> DdpOptions {
         match self {
-            Sizes::Tiny => tiny_buckets(),
+            Sizes::Tiny | Sizes::Uneven => tiny_buckets(),
             Sizes::Default => DdpOptions::default(),
         }
     }
@@ -749,4 +763,30 @@ fn stage_3_refuses_join_under_no_sync_by_name() {
     for e in errors {
         assert!(e.contains("Join with no_sync"), "{e}");
     }
+}
+
+/// A unit smaller than the world (one rank owns an empty chunk of it) trains like DDP (and
+/// bit-identically at world 1).
+#[test]
+fn stage_3_with_a_unit_smaller_than_the_world_equals_ddp() {
+    for opt in [Opt::SgdMomentum, Opt::AdamW] {
+        let want = train(4, ZeroStage::Ddp, opt, Sizes::Tiny, 4, None);
+        let got = run_zero(4, ZeroStage::Three, opt, Sizes::Uneven, |z, rank, pg| {
+            if let Trainer::Fsdp(f) = z {
+                let empty = f.shard_vars().iter().filter(|v| v.is_none()).count();
+                assert_eq!(empty, usize::from(rank == 3), "rank {rank}");
+            }
+            for k in 0..4 {
+                z.backward(k, rank, pg.size());
+                z.step();
+            }
+        });
+        for r in 0..4 {
+            assert_eq!(got[r], got[0], "ranks are bit-identical");
+        }
+        assert_close(&got[0], &want[0], 1e-6, &format!("uneven units, {opt:?}"));
+    }
+    let want = train(1, ZeroStage::Ddp, Opt::AdamW, Sizes::Tiny, 3, None);
+    let got = train(1, ZeroStage::Three, Opt::AdamW, Sizes::Uneven, 3, None);
+    assert_eq!(got[0], want[0], "bit-identical at world 1");
 }

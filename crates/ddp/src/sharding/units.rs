@@ -104,8 +104,12 @@ pub struct UnitComm<'a> {
     layout: &'a ShardLayout,
     gathers: BTreeMap<usize, Work<Vec<f32>>>,
     scatters: VecDeque<(usize, Work<Vec<f32>>)>,
-    /// Reduced chunks of the units whose reduce-scatter was waited for.
-    done: Vec<Option<Vec<f32>>>,
+    /// This rank's reduced chunk of every unit, allocated at the first reduce-scatter (by the
+    /// calling thread, all together: the chunks that live until the optimizer step are not
+    /// interleaved with the step's transient buffers in the heap).
+    grads: Option<Vec<Vec<f32>>>,
+    /// Whether each unit's chunk in `grads` was filled.
+    scattered: Vec<bool>,
     max_scatters: usize,
     divisor: usize,
     bytes: usize,
@@ -132,7 +136,8 @@ impl<'a> UnitComm<'a> {
             layout,
             gathers: BTreeMap::new(),
             scatters: VecDeque::new(),
-            done: vec![None; layout.buckets().len()],
+            grads: None,
+            scattered: vec![false; layout.buckets().len()],
             max_scatters: MAX_SCATTERS_IN_FLIGHT,
             divisor,
             bytes: 0,
@@ -233,6 +238,10 @@ impl<'a> UnitComm<'a> {
         let world = self.layout.world_size();
         let c = b.chunk_len(world);
         grad.resize(c * world, 0.0);
+        if self.grads.is_none() {
+            let chunks = self.layout.chunks();
+            self.grads = Some(chunks.iter().map(|c| vec![0f32; c.len()]).collect());
+        }
         let op = if self.divisor == world {
             ReduceOp::Avg
         } else {
@@ -252,17 +261,19 @@ impl<'a> UnitComm<'a> {
         let Some((unit, w)) = self.scatters.pop_front() else {
             return Ok(());
         };
-        let mut v = w.wait()?;
+        let v = w.wait()?;
         let world = self.layout.world_size();
-        let (lo, hi) = self.layout.buckets()[unit].owned(world, self.rank());
-        v.truncate(hi - lo);
+        let out = &mut self.grads.as_mut().expect("allocated by reduce_scatter")[unit];
+        let n = out.len();
+        out.copy_from_slice(&v[..n]);
+        drop(v);
         if self.divisor != world {
             let d = self.divisor as f32;
-            for g in &mut v {
+            for g in out.iter_mut() {
                 *g /= d;
             }
         }
-        self.done[unit] = Some(v);
+        self.scattered[unit] = true;
         Ok(())
     }
 
@@ -289,17 +300,12 @@ impl<'a> UnitComm<'a> {
         if let Some(e) = failed {
             return Err(e);
         }
-        std::mem::take(&mut self.done)
-            .into_iter()
-            .enumerate()
-            .map(|(u, v)| {
-                v.ok_or_else(|| {
-                    Error::InvalidArgument(format!(
-                        "UnitComm::finish: unit {u} was not reduce-scattered"
-                    ))
-                })
-            })
-            .collect()
+        if let Some(u) = self.scattered.iter().position(|&s| !s) {
+            return Err(Error::InvalidArgument(format!(
+                "UnitComm::finish: unit {u} was not reduce-scattered"
+            )));
+        }
+        Ok(self.grads.take().unwrap_or_default())
     }
 }
 

@@ -1,35 +1,49 @@
 #!/usr/bin/env bash
-# ZeRO memory and throughput: ddp-bench train with AdamW at --zero 0, 1, 2 on an MLP of
-# ~52 M parameters (784-2048x13-10), world 2 by default; RUNS runs each, medians, and the
-# per-rank formulas (16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N bytes for fp32 AdamW) next to the measured peak RSS.
-#   bench/zero_memory.sh [NPROC] [RUNS]
+# ZeRO memory and throughput: ddp-bench train with AdamW at --zero 0, 1, 2, 3 on an MLP of
+# ~52 M parameters (784-2048x13-10), world 2 by default; RUNS runs each (interleaved), medians,
+# and the per-rank formulas next to the measured peak RSS: 16Ψ, 8Ψ+8Ψ/N, 4Ψ+12Ψ/N bytes for fp32
+# AdamW, and for stage 3 16Ψ/N + the largest gathered unit and its gradient (2·4U) + the
+# activations kept (every unit's input, batch × width × 4 bytes per unit).
+#   bench/zero_memory.sh [NPROC] [RUNS]        STAGES="0 1 2 3" by default; BIN=path/to/ddp-bench
+#   uses that binary (e.g. target/debug/ddp-bench from `cargo test`, opt-level 3) instead of a
+#   release build
 set -euo pipefail
 NPROC=${1:-2}
 RUNS=${2:-3}
 HIDDEN=${HIDDEN:-2048}
 LAYERS=${LAYERS:-13}
 BATCH=${BATCH:-16}
+STAGES=${STAGES:-0 1 2 3}
 cd "$(dirname "$0")/.."
-cargo build --release -q -p ddp-bench
+if [ -z "${BIN:-}" ]; then
+  cargo build --release -q -p ddp-bench
+  BIN=./target/release/ddp-bench
+fi
 out=$(mktemp)
 for run in $(seq "$RUNS"); do
-  for z in 0 1 2; do
-    ./target/release/ddp-bench train --nproc "$NPROC" --hidden "$HIDDEN" --layers "$LAYERS" \
+  for z in $STAGES; do
+    "$BIN" train --nproc "$NPROC" --hidden "$HIDDEN" --layers "$LAYERS" \
       --batch "$BATCH" --steps 4 --warmup 1 --optimizer adamw --zero "$z" --json |
       tail -n 1 >>"$out"
   done
 done
-python3 - "$out" "$NPROC" <<'PY'
+python3 - "$out" "$NPROC" "$BATCH" "$HIDDEN" "$LAYERS" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-n = int(sys.argv[2])
+n, batch, hidden, layers = (int(a) for a in sys.argv[2:6])
 psi = rows[0]["params"]
-formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n}
-print(f"params {psi/1e6:.1f} M, world {n}, AdamW fp32; medians of {len(rows)//3} runs")
+stages = sorted({r["zero"] for r in rows})
+unit = max((r.get("largest_unit_params", 0) for r in rows), default=0)
+# Activations kept by stage 3: each unit's input (784 wide for the first, hidden after).
+acts = 4 * batch * (784 + hidden * layers)
+formula = {0: 16 * psi, 1: 8 * psi + 8 * psi / n, 2: 4 * psi + 12 * psi / n,
+           3: 16 * psi / n + 2 * 4 * unit + acts}
+print(f"params {psi/1e6:.1f} M, world {n}, AdamW fp32; largest unit {unit/1e6:.2f} M params; "
+      f"medians of {len(rows)//len(stages)} runs")
 print("| stage | peak RSS/rank (MiB) | formula (MiB) | ratio | bytes/step (MiB) | samples/s | vs stage 0 |")
 print("|---|---|---|---|---|---|---|")
 base = None
-for z in (0, 1, 2):
+for z in stages:
     rs = [r for r in rows if r["zero"] == z]
     rss = statistics.median(r["peak_rss_bytes"] for r in rs)
     sps = statistics.median(r["samples_per_s"] for r in rs)

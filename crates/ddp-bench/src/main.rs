@@ -126,7 +126,8 @@ pub struct TrainArgs {
     /// optimizer, params, peak_rss_bytes, bytes_per_step.
     #[arg(long)]
     pub json: bool,
-    /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients); 3 is not built yet.
+    /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded), 2 (+ gradients), 3 (+ parameters, one
+    /// unit per layer; CPU).
     #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 3))]
     pub zero: u8,
     /// Optimizer: sgd (lr 0.01) or adamw (lr 1e-3, candle's defaults otherwise).

@@ -1,6 +1,9 @@
 //! Training throughput: an MLP `784 - H×L - 10` on synthetic data, one thread per rank, with
 //! DDP (plain backward by default; `--staged` communicates buckets while earlier layers compute).
 //!
+//! `--zero 1|2` shards optimizer state (and gradients) with `ddp_candle::ZeroDdp`; `--zero 3`
+//! shards the parameters too with `ddp_candle::Fsdp`, one unit per layer.
+//!
 //! Reports global samples/s (world × batch × steps ÷ the slowest rank's time), ms/step and the
 //! mean time per step that backward spent blocked on communication.
 
@@ -9,7 +12,7 @@ use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
 use ddp::sharding::ZeroStage;
 use ddp::trace;
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
+use ddp_candle::{Ddp, DdpOptions, Fsdp, Unit, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use std::time::Instant;
 
@@ -63,27 +66,43 @@ impl Module for Block {
 
 pub(crate) type Error = Box<dyn std::error::Error>;
 
+/// The MLP's layers: `(name, in, out, relu)`.
+fn layers(args: &TrainArgs) -> Vec<(String, usize, usize, bool)> {
+    let mut out = Vec::new();
+    let mut width = 784;
+    for l in 0..args.layers {
+        out.push((format!("l{l:02}"), width, args.hidden, true));
+        width = args.hidden;
+    }
+    out.push(("out".to_string(), width, 10, false));
+    out
+}
+
 /// The MLP's blocks, their variables taken from (or created in) `vb`'s map.
 fn build(args: &TrainArgs, vb: VarBuilder) -> Result<Vec<Block>, Error> {
     let mut blocks = Vec::new();
-    let mut width = 784;
-    for l in 0..args.layers {
+    for (name, i, o, relu) in layers(args) {
         blocks.push(Block {
-            lin: Dense::new(
-                &args.weight_layout,
-                width,
-                args.hidden,
-                vb.pp(format!("l{l:02}")),
-            )?,
-            relu: true,
+            lin: Dense::new(&args.weight_layout, i, o, vb.pp(name))?,
+            relu,
         });
-        width = args.hidden;
     }
-    blocks.push(Block {
-        lin: Dense::new(&args.weight_layout, width, 10, vb.pp("out"))?,
-        relu: false,
-    });
     Ok(blocks)
+}
+
+/// Stage 3's units: one per layer, each building its block from the gathered parameters.
+fn units(args: &TrainArgs) -> Vec<Unit> {
+    layers(args)
+        .into_iter()
+        .map(|(name, i, o, relu)| {
+            let layout = args.weight_layout.clone();
+            let prefix = name.clone();
+            Unit::new([prefix], move |vb, x| {
+                let lin = Dense::new(&layout, i, o, vb.pp(&name))?;
+                Block { lin, relu }.forward(x)
+            })
+        })
+        .collect()
 }
 
 /// Run the benchmark as one worker; rank 0 prints.
@@ -115,12 +134,15 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             on_dev
         }
     };
+    let stage = ZeroStage::from_level(args.zero)?;
+    if stage == ZeroStage::Three {
+        return run_fsdp(args, &pg, varmap);
+    }
     let blocks = build(args, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
     let opts = DdpOptions {
         bucket_cap_mb: args.bucket_cap_mb,
         ..Default::default()
     };
-    let stage = ZeroStage::from_level(args.zero)?;
     if args.staged && stage != ZeroStage::Ddp {
         return Err("--staged is not supported with --zero 1/2 yet".into());
     }
@@ -135,14 +157,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         )
         .into());
     }
-    let adamw = args.optimizer == "adamw";
-    let make_opt = move |vars: Vec<(String, Var)>| -> ddp_candle::Result<Box<dyn DynOptimizer>> {
-        Ok(if adamw {
-            Box::new(AdamW::new_named(vars, ParamsAdamW::default())?)
-        } else {
-            Box::new(Sgd::new_named(vars, ParamsSgd::with_lr(0.01))?)
-        })
-    };
+    let make_opt = optimizer(args);
     let mut ddp = Ddp::new(&varmap, &pg, opts)?;
     if let Some(hook) = args.hook.hook()? {
         ddp.register_comm_hook(hook)?;
@@ -229,6 +244,77 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         "bytes_per_step": bytes_per_step,
     });
     report(args, &pg, &label, &timing, diff, extra)
+}
+
+type MakeOpt = Box<dyn FnOnce(Vec<(String, Var)>) -> ddp_candle::Result<Box<dyn DynOptimizer>>>;
+
+/// `--optimizer`'s builder over the given variables.
+fn optimizer(args: &TrainArgs) -> MakeOpt {
+    let adamw = args.optimizer == "adamw";
+    Box::new(move |vars| {
+        Ok(if adamw {
+            Box::new(AdamW::new_named(vars, ParamsAdamW::default())?)
+        } else {
+            Box::new(Sgd::new_named(vars, ParamsSgd::with_lr(0.01))?)
+        })
+    })
+}
+
+/// `--zero 3`: the parameters sharded over the ranks, one unit per layer (`ddp_candle::Fsdp`).
+/// The full model exists only until the shards are cut from it.
+fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup, varmap: VarMap) -> Result<(), Error> {
+    if args.staged {
+        return Err("--staged does not apply to --zero 3: its backward is staged by unit".into());
+    }
+    if args.device != ddp_candle::device::DeviceKind::Cpu {
+        return Err("--zero 3 keeps its shards in host memory: run it with --device cpu".into());
+    }
+    if args.hook != ddp::hooks::HookSpec::None {
+        return Err(format!(
+            "--hook {} cannot be combined with --zero 3: ZeRO reduce-scatters the gradients itself",
+            args.hook
+        )
+        .into());
+    }
+    let rank = pg.rank();
+    let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
+    let mut fsdp = Fsdp::from_varmap(&varmap, units(args), pg, optimizer(args))?;
+    drop(varmap);
+    // The full model existed only to be cut into shards: give its memory back (the retained
+    // heap would otherwise keep it resident for good).
+    ddp_candle::alloc::release_freed_memory();
+    let x = Tensor::randn(0f32, 1.0, (args.batch, 784), &Device::Cpu)?
+        .affine(1.0, rank as f64 * 0.01)?;
+    let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
+    let y = Tensor::from_vec(labels, args.batch, &Device::Cpu)?;
+    let per_step = fsdp.bytes_per_step();
+    let mut step = || -> Result<StepCost, Error> {
+        let out = {
+            let _s = trace::span("forward_backward", "train");
+            fsdp.forward_backward(&x, |logits| candle_nn::loss::cross_entropy(logits, &y))?
+        };
+        let _s = trace::span("optimizer", "train");
+        fsdp.step()?;
+        Ok(StepCost {
+            wait_s: out.stats.comm_wait.as_secs_f64(),
+            bytes: per_step,
+        })
+    };
+    let timing = measure(args, pg, &mut step, || Ok(()))?;
+    let diff = fsdp.replica_max_diff()?;
+    let label = format!(
+        "device cpu  units (one per layer)  weights {}  zero 3  {}",
+        args.weight_layout, args.optimizer
+    );
+    let extra = serde_json::json!({
+        "hook": args.hook.to_string(),
+        "zero": 3,
+        "optimizer": args.optimizer,
+        "params": params,
+        "bytes_per_step": per_step as f64,
+        "largest_unit_params": fsdp.largest_unit_numel(),
+    });
+    report(args, pg, &label, &timing, diff, extra)
 }
 
 /// What one training step cost: seconds backward spent blocked on communication, payload bytes

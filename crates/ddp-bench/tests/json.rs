@@ -89,6 +89,50 @@ fn train_prints_a_json_line_with_every_key() {
     assert_eq!(last["world_size"], 1);
 }
 
+/// `--zero 0..3` with AdamW at world 2: every stage reports its peak RSS and bytes per step
+/// (stages 1 and 2 as much as DDP, stage 3 between 1x and 1.5x), stage 3 also its largest unit;
+/// every run checks that the ranks' parameters end identical.
+#[test]
+fn train_with_zero_stages_reports_memory_and_bytes() {
+    let mut bytes = Vec::new();
+    for zero in ["0", "1", "2", "3"] {
+        let args = [
+            "train",
+            "--nproc",
+            "2",
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--optimizer",
+            "adamw",
+            "--zero",
+            zero,
+            "--json",
+        ];
+        let rows = json_lines(&args);
+        let last = rows.last().expect("a JSON line");
+        assert_keys(last, &["peak_rss_bytes", "bytes_per_step", "params"]);
+        assert_eq!(last["zero"].as_u64(), Some(zero.parse().unwrap()));
+        bytes.push(last["bytes_per_step"].as_f64().unwrap());
+        if zero == "3" {
+            // 784x32 + 32 (the largest layer).
+            assert_eq!(last["largest_unit_params"], 784 * 32 + 32);
+        }
+    }
+    assert_eq!(bytes[1], bytes[2]);
+    assert!(
+        bytes[3] > bytes[1] && bytes[3] <= 1.5 * bytes[1] * 1.01,
+        "{bytes:?}"
+    );
+}
+
 /// `--framework burn`, plain and with comm hooks: the hook runs (PowerSGD and local SGD send
 /// less than plain DDP; every run checks that the replicas end identical).
 #[test]

@@ -26,3 +26,19 @@ pub fn retain_freed_memory() -> bool {
         false
     }
 }
+
+/// Returns the heap memory freed so far to the kernel (glibc's `malloc_trim(0)`), e.g. once after
+/// a one-time peak such as building the full model before sharding it (`ddp_candle::Fsdp`),
+/// which [`retain_freed_memory`] would otherwise keep mapped for good. Returns whether memory was
+/// released (`false` off glibc, where it does nothing).
+pub fn release_freed_memory() -> bool {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        // SAFETY: malloc_trim only returns free heap pages to the kernel; no pointer is touched.
+        unsafe { libc::malloc_trim(0) == 1 }
+    }
+    #[cfg(not(all(target_os = "linux", target_env = "gnu")))]
+    {
+        false
+    }
+}

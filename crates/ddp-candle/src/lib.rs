@@ -60,15 +60,18 @@ pub mod checkpoint;
 pub mod cuda;
 mod data_parallel;
 pub mod device;
+pub mod fsdp;
 pub mod optim;
 pub mod params;
 pub mod prelude;
+mod shard;
 pub mod staged;
 pub mod tensors;
 pub mod zero;
 
 pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutput};
 pub use ddp_comm::ProcessGroup;
+pub use fsdp::{Fsdp, FsdpOutput, Unit};
 pub use params::CandleParams;
 pub use zero::ZeroDdp;
 

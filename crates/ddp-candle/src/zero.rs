@@ -1,4 +1,5 @@
-//! [`ZeroDdp`]: ZeRO stages 1 and 2 for candle models, on `ddp::sharding`.
+//! [`ZeroDdp`]: ZeRO stages 1 and 2 for candle models, on `ddp::sharding` (stage 3, which
+//! shards the parameters too, is [`Fsdp`](crate::Fsdp)).
 //!
 //! A [`Ddp`](crate::Ddp) whose buckets are reduce-scattered (`ddp::sharding::ReduceScatterHook`)
 //! instead of all-reduced; each rank keeps the parameter values and optimizer state of the
@@ -21,24 +22,23 @@
 //! ```
 
 use crate::optim::DynOptimizer;
+use crate::shard::Shard;
 use crate::{DistributedDataParallel, Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Tensor, Var};
 use ddp::adapter::ParamAccess;
-use ddp::checkpoint::{Checkpoint, CheckpointMeta, OptimizerStateDict, TensorData};
+use ddp::checkpoint::{Checkpoint, CheckpointMeta};
 use ddp::join::{Join, JoinStep};
 use ddp::reducer::{HostSlice, StepStats};
-use ddp::sharding::{self, ChunkState, ShardLayout, ShardState, ZeroStage};
-use ddp_comm::ReduceOp;
+use ddp::sharding::{self, ShardLayout, ShardState, ZeroStage};
 use std::path::{Path, PathBuf};
 
 /// Sharded data-parallel training (see the module doc).
 pub struct ZeroDdp {
     ddp: DistributedDataParallel,
     stage: ZeroStage,
-    layout: ShardLayout,
-    /// One per chunk of `layout` (`None` for an empty chunk).
-    shard: Vec<Option<Var>>,
+    /// This rank's chunks (no variables at stage 0).
+    shard: Shard,
     opt: Box<dyn DynOptimizer>,
     /// Stage 1/2: this rank's averaged gradient chunks after a synchronized backward.
     shard_grads: Option<Vec<Vec<f32>>>,
@@ -46,14 +46,11 @@ pub struct ZeroDdp {
     full_grads: Option<GradStore>,
 }
 
-fn chunk_name(bucket: usize) -> String {
-    format!("bucket{bucket}")
-}
-
 impl ZeroDdp {
     /// Wraps `ddp` (already constructed, so replicas start identical) at `stage`; `make_opt`
     /// builds the optimizer over this rank's shard variables (stage 1/2) or every parameter
-    /// (stage 0). A collective: every rank must call it with the same stage.
+    /// (stage 0). A collective: every rank must call it with the same stage. Stage 3 is refused
+    /// (it keeps no full replica): use [`Fsdp`](crate::Fsdp).
     pub fn new(
         mut ddp: DistributedDataParallel,
         stage: ZeroStage,
@@ -61,29 +58,29 @@ impl ZeroDdp {
     ) -> Result<Self> {
         let specs = ddp.reducer().specs().to_vec();
         let pg = ddp.process_group().clone();
+        if stage == ZeroStage::Three {
+            return Err(Error::Unsupported(
+                "ZeroDdp runs ZeRO stages 0-2 over a full replica; stage 3 (parameters sharded) \
+                 is ddp_candle::Fsdp, built from the named variables and the model's units"
+                    .into(),
+            ));
+        }
         let layout = ShardLayout::new(&specs, &ddp.reducer().buckets(), pg.size(), pg.rank())?;
-        let mut shard = Vec::new();
-        let opt = if stage == ZeroStage::Ddp {
-            make_opt(ddp.named_vars().to_vec())?
+        let (shard, opt) = if stage == ZeroStage::Ddp {
+            let shard = Shard {
+                layout,
+                vars: Vec::new(),
+            };
+            (shard, make_opt(ddp.named_vars().to_vec())?)
         } else {
             ddp.register_comm_hook(sharding::ReduceScatterHook)?;
             let values = sharding::shard_params(&layout, |p| read_f32(&ddp, p))?;
-            let mut named = Vec::new();
-            for (c, v) in layout.chunks().iter().zip(values) {
-                if c.is_empty() {
-                    shard.push(None);
-                    continue;
-                }
-                let var = Var::from_tensor(&Tensor::from_vec(v, c.len(), &Device::Cpu)?)?;
-                named.push((chunk_name(c.bucket), var.clone()));
-                shard.push(Some(var));
-            }
-            make_opt(named)?
+            let (shard, named) = Shard::new(layout, values)?;
+            (shard, make_opt(named)?)
         };
         Ok(ZeroDdp {
             ddp,
             stage,
-            layout,
             shard,
             opt,
             shard_grads: None,
@@ -107,12 +104,12 @@ impl ZeroDdp {
 
     /// Which elements this rank owns.
     pub fn layout(&self) -> &ShardLayout {
-        &self.layout
+        &self.shard.layout
     }
 
     /// This rank's shard variables, one per chunk (`None` for an empty one); empty at stage 0.
     pub fn shard_vars(&self) -> &[Option<Var>] {
-        &self.shard
+        &self.shard.vars
     }
 
     pub fn optimizer(&self) -> &(dyn DynOptimizer + 'static) {
@@ -126,7 +123,7 @@ impl ZeroDdp {
     /// Bytes this rank sends per synchronized step (ring model: all-reduce, or reduce-scatter
     /// plus all-gather; the same volume).
     pub fn bytes_per_step(&self) -> u64 {
-        sharding::bytes_per_step(&self.layout)
+        sharding::bytes_per_step(&self.shard.layout)
     }
 
     /// PyTorch's `no_sync` (see [`DistributedDataParallel::no_sync`]): backwards accumulate
@@ -179,7 +176,10 @@ impl ZeroDdp {
             self.shard_grads = None;
             return Ok(stats);
         }
-        self.shard_grads = Some(sharding::shard_grads(&self.layout, self.ddp.reducer())?);
+        self.shard_grads = Some(sharding::shard_grads(
+            &self.shard.layout,
+            self.ddp.reducer(),
+        )?);
         if self.stage == ZeroStage::Two {
             self.ddp.reducer_mut().release_buffers()?;
         }
@@ -244,72 +244,30 @@ impl ZeroDdp {
             .shard_grads
             .take()
             .ok_or_else(|| self.no_grads("step"))?;
-        let mut store = GradStore::default();
-        for (var, g) in self.shard.iter().zip(grads) {
-            if let Some(var) = var {
-                let n = g.len();
-                store.insert(var.as_tensor(), Tensor::from_vec(g, n, &Device::Cpu)?);
-            }
-        }
-        self.opt.step(&store)?;
+        self.shard.step(&mut *self.opt, grads)?;
         self.gather()
-    }
-
-    fn shard_values(&self) -> Result<Vec<Vec<f32>>> {
-        self.shard
-            .iter()
-            .map(|v| match v {
-                Some(v) => Ok(v.as_tensor().to_vec1::<f32>()?),
-                None => Ok(Vec::new()),
-            })
-            .collect()
     }
 
     /// Every rank's parameters from the owners' chunks.
     fn gather(&self) -> Result<()> {
-        let chunks = self.shard_values()?;
+        let chunks = self.shard.values()?;
         let params = self.ddp.params();
-        sharding::gather_params(self.ddp.process_group(), &self.layout, chunks, |p, v| {
-            params
-                .write_param(p, HostSlice::of(v))
-                .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))
-        })?;
+        sharding::gather_params(
+            self.ddp.process_group(),
+            &self.shard.layout,
+            chunks,
+            |p, v| {
+                params
+                    .write_param(p, HostSlice::of(v))
+                    .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))
+            },
+        )?;
         Ok(())
     }
 
     /// This rank's shard: parameter values and optimizer state of its chunks.
     pub fn shard_state(&self) -> Result<ShardState> {
-        let state = self.opt.state_dict()?;
-        let mut chunks = Vec::new();
-        for ((c, values), var) in self
-            .layout
-            .chunks()
-            .iter()
-            .zip(self.shard_values()?)
-            .zip(&self.shard)
-        {
-            let mut cs = ChunkState {
-                params: values,
-                ..Default::default()
-            };
-            if var.is_some() {
-                let prefix = format!("{}.", chunk_name(c.bucket));
-                for (k, t) in &state.tensors {
-                    if let Some(slot) = k.strip_prefix(&prefix) {
-                        cs.slots.insert(slot.to_string(), t.data.clone());
-                    }
-                }
-            }
-            chunks.push(cs);
-        }
-        Ok(ShardState {
-            optimizer: ddp::checkpoint::OptimizerRecord {
-                kind: state.kind,
-                step: state.step,
-                hyper: state.hyper,
-            },
-            chunks,
-        })
+        self.shard.state(&*self.opt)
     }
 
     fn require_sharded(&self, what: &str) -> Result<()> {
@@ -322,39 +280,21 @@ impl ZeroDdp {
     }
 
     /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::checkpoint`).
+    /// It loads at any world size and stage (1, 2 or 3).
     pub fn save(&self, dir: &Path, meta: &CheckpointMeta) -> Result<PathBuf> {
         self.require_sharded("save")?;
         let specs = self.ddp.reducer().specs();
-        let state = self.shard_state();
-        let pg = self.ddp.process_group();
-        // A failure to read the state on one rank must not leave the others waiting.
-        let state = match state {
-            Ok(s) => s,
-            Err(e) => {
-                let mut flag = [1u8];
-                let _ = pg.all_reduce(&mut flag, ReduceOp::Max);
-                return Err(e);
-            }
-        };
-        Ok(sharding::save_sharded(
-            pg,
-            dir,
-            &self.layout,
-            specs,
-            &state,
-            meta,
-        )?)
+        self.shard
+            .save(self.ddp.process_group(), &*self.opt, specs, dir, meta)
     }
 
-    /// Loads the current sharded set of `dir`, saved at any world size, re-cut for this one (a
-    /// collective). `Ok(None)` when there is none. On any error on any rank nothing is changed
-    /// on any rank.
+    /// Loads the current sharded set of `dir`, saved at any world size and stage (1, 2 or 3),
+    /// re-cut for this one (a collective). `Ok(None)` when there is none. On any error on any
+    /// rank nothing is changed on any rank.
     pub fn load(&mut self, dir: &Path) -> Result<Option<CheckpointMeta>> {
         self.require_sharded("load")?;
-        let loaded = sharding::load_sharded(dir, &self.layout, self.ddp.reducer().specs())
-            .map_err(Error::from);
-        let loaded = self.agree("loading the sharded checkpoint", loaded)?;
-        let Some((state, meta)) = loaded else {
+        let specs = self.ddp.reducer().specs();
+        let Some((state, meta)) = self.shard.load(self.ddp.process_group(), specs, dir)? else {
             return Ok(None);
         };
         self.apply(state)?;
@@ -365,66 +305,13 @@ impl ZeroDdp {
     /// parameters and optimizer state (a collective).
     pub fn import(&mut self, ckpt: &Checkpoint) -> Result<()> {
         self.require_sharded("import")?;
-        let state =
-            sharding::import(ckpt, &self.layout, self.ddp.reducer().specs()).map_err(Error::from);
-        let state = self.agree("importing the checkpoint", state)?;
+        let specs = self.ddp.reducer().specs();
+        let state = self.shard.import(self.ddp.process_group(), specs, ckpt)?;
         self.apply(state)
     }
 
-    fn agree<T>(&self, what: &str, r: Result<T>) -> Result<T> {
-        let pg = self.ddp.process_group();
-        let mut flags = vec![0u8; pg.size()];
-        flags[pg.rank()] = r.is_err() as u8;
-        pg.all_reduce(&mut flags, ReduceOp::Max)?;
-        match r {
-            Err(e) => Err(e),
-            Ok(_) if flags.iter().any(|&f| f != 0) => Err(Error::Unsupported(format!(
-                "{what} failed on rank(s) {:?}; nothing was changed",
-                (0..pg.size())
-                    .filter(|&r| flags[r] != 0)
-                    .collect::<Vec<_>>()
-            ))),
-            Ok(v) => Ok(v),
-        }
-    }
-
     fn apply(&mut self, state: ShardState) -> Result<()> {
-        if !state.optimizer.kind.is_empty() && state.optimizer.kind != self.opt.kind() {
-            return Err(Error::Ddp(ddp::Error::Mismatch(format!(
-                "checkpoint holds {} optimizer state but the optimizer is {}",
-                state.optimizer.kind,
-                self.opt.kind()
-            ))));
-        }
-        let mut dict = OptimizerStateDict::new(state.optimizer.kind.clone(), state.optimizer.step);
-        dict.hyper = state.optimizer.hyper.clone();
-        for ((c, cs), var) in self
-            .layout
-            .chunks()
-            .iter()
-            .zip(&state.chunks)
-            .zip(&self.shard)
-        {
-            if var.is_none() {
-                continue;
-            }
-            for (slot, v) in &cs.slots {
-                dict.tensors.insert(
-                    OptimizerStateDict::key(&chunk_name(c.bucket), slot),
-                    TensorData::new(vec![v.len()], v.clone())?,
-                );
-            }
-        }
-        self.opt.load_state_dict(&dict)?;
-        for (var, cs) in self.shard.iter().zip(&state.chunks) {
-            if let Some(var) = var {
-                var.set(&Tensor::from_vec(
-                    cs.params.clone(),
-                    cs.params.len(),
-                    &Device::Cpu,
-                )?)?;
-            }
-        }
+        self.shard.apply(&mut *self.opt, state)?;
         self.shard_grads = None;
         self.gather()
     }

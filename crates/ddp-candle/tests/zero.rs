@@ -1,15 +1,18 @@
-//! ZeRO stages 1 and 2 (`ddp_candle::ZeroDdp`) against plain DDP, and sharded checkpoints
-//! resumed at other world sizes. Ranks are threads with real process groups.
+//! ZeRO stages 1 and 2 (`ddp_candle::ZeroDdp`) and 3 (`ddp_candle::Fsdp`) against plain DDP,
+//! and sharded checkpoints resumed at other world sizes and stages. Ranks are threads with real process groups.
 
 mod common;
 
+use candle_core::Module;
 use candle_core::Tensor;
 use candle_nn::ParamsAdamW;
+use candle_nn::VarBuilder;
 use common::*;
 use ddp::checkpoint::CheckpointMeta;
+use ddp::reducer::StepStats;
 use ddp::sharding::{self, ZeroStage};
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
+use ddp_candle::{Ddp, DdpOptions, Fsdp, Unit, ZeroDdp};
 use std::path::Path;
 
 /// Samples per step over all ranks (divisible by every world size used: 1, 2, 3, 4).
@@ -48,52 +51,255 @@ fn make_opt(
 }
 
 /// This rank's share of global step `k`'s batch.
-fn loss_at(m: &Mlp, k: usize, rank: usize, world: usize) -> Tensor {
+fn batch_at(k: usize, rank: usize, world: usize) -> (Tensor, Tensor) {
     let (x, y) = dataset(64 * GLOBAL);
     let per = GLOBAL / world;
     let start = (k * GLOBAL) % (60 * GLOBAL) + rank * per;
-    let (xs, ys) = batch(&x, &y, start..start + per);
+    batch(&x, &y, start..start + per)
+}
+
+/// This rank's loss of global step `k` through the full model.
+fn loss_at(m: &Mlp, k: usize, rank: usize, world: usize) -> Tensor {
+    let (xs, ys) = batch_at(k, rank, world);
     candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap()
 }
 
-/// Trains `steps` steps from global step `from` at `stage`; returns every rank's parameters.
+/// The units of the test MLP for stage 3: one per layer (`Sizes::Tiny`) or the whole model as
+/// one unit (`Sizes::Default`).
+fn layer(
+    name: &'static str,
+    i: usize,
+    o: usize,
+    act: fn(&Tensor) -> candle_core::Result<Tensor>,
+) -> impl Fn(VarBuilder<'_>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + Clone + 'static
+{
+    move |vb, x| act(&candle_nn::linear(i, o, vb.pp(name))?.forward(x)?)
+}
+
+fn mlp_units(hidden: usize, sizes: Sizes) -> Vec<Unit> {
+    let l1 = layer("l1", IN, hidden, |t| t.relu());
+    let l2 = layer("l2", hidden, hidden, |t| t.tanh());
+    let l3 = layer("l3", hidden, OUT, |t| Ok(t.clone()));
+    match sizes {
+        Sizes::Tiny => vec![
+            Unit::new(["l1"], l1),
+            Unit::new(["l2"], l2),
+            Unit::new(["l3"], l3),
+        ],
+        Sizes::Default => vec![Unit::new(["l1", "l2", "l3"], move |vb, x| {
+            l3(vb.clone(), &l2(vb.clone(), &l1(vb, x)?)?)
+        })],
+        // `l3` cut in two: its bias (5 elements) is a unit smaller than 4 ranks, so one rank
+        // owns nothing of it. The same ops as `Linear::forward`.
+        Sizes::Uneven => vec![
+            Unit::new(["l1"], l1),
+            Unit::new(["l2"], l2),
+            Unit::new(["l3.weight"], move |vb, x: &Tensor| {
+                x.matmul(&vb.get((OUT, hidden), "l3.weight")?.t()?)
+            }),
+            Unit::new(["l3.bias"], |vb, x: &Tensor| {
+                x.broadcast_add(&vb.get(OUT, "l3.bias")?)
+            }),
+        ],
+    }
+}
+
+/// Bucket sizes (stages 0-2) and unit sizes (stage 3): tiny (~1 KiB buckets, a unit per layer)
+/// or default (25 MiB buckets, the whole model one unit).
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Sizes {
+    Tiny,
+    Default,
+    /// Stage 3 only: a unit per layer, the last layer's weight and bias apart.
+    Uneven,
+}
+
+impl Sizes {
+    fn ddp(self) -> DdpOptions {
+        match self {
+            Sizes::Tiny | Sizes::Uneven => tiny_buckets(),
+            Sizes::Default => DdpOptions::default(),
+        }
+    }
+}
+
+/// A rank's trainer at any stage: `ZeroDdp` (stages 0-2, over the full model) or `Fsdp` (stage
+/// 3, over units), driven through one interface by the tests.
+enum Trainer {
+    Zero(Box<ZeroDdp>, Mlp),
+    Fsdp(Box<Fsdp>),
+}
+
+impl Trainer {
+    fn new(
+        pg: &ddp_comm::ProcessGroup,
+        stage: ZeroStage,
+        opt: Opt,
+        sizes: Sizes,
+        seed: u64,
+        hidden: usize,
+    ) -> Trainer {
+        let (vm, m) = model(seed, hidden);
+        if stage == ZeroStage::Three {
+            let units = mlp_units(hidden, sizes);
+            let f = Fsdp::from_varmap(&vm, units, pg, make_opt(opt)).unwrap();
+            return Trainer::Fsdp(Box::new(f));
+        }
+        let ddp = Ddp::new(&vm, pg, sizes.ddp()).unwrap();
+        Trainer::Zero(
+            Box::new(ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap()),
+            m,
+        )
+    }
+
+    /// Forward and backward of global step `k`'s batch, the loss scaled by `scale`.
+    fn backward_scaled(&mut self, k: usize, rank: usize, world: usize, scale: f64) -> StepStats {
+        match self {
+            Trainer::Zero(z, m) => z
+                .backward(&(loss_at(m, k, rank, world) * scale).unwrap())
+                .unwrap(),
+            Trainer::Fsdp(f) => {
+                let (xs, ys) = batch_at(k, rank, world);
+                let loss = |o: &Tensor| candle_nn::loss::cross_entropy(o, &ys)? * scale;
+                f.forward_backward(&xs, loss).unwrap().stats
+            }
+        }
+    }
+
+    fn backward(&mut self, k: usize, rank: usize, world: usize) -> StepStats {
+        self.backward_scaled(k, rank, world, 1.0)
+    }
+
+    /// Under `Join`: global step `k`'s batch if this rank has one.
+    fn backward_join(
+        &mut self,
+        k: Option<usize>,
+        rank: usize,
+        world: usize,
+        join: &ddp::Join,
+        step: &ddp::JoinStep,
+    ) {
+        match self {
+            Trainer::Zero(z, m) => {
+                let loss = k.map(|k| loss_at(m, k, rank, world));
+                z.backward_join(loss.as_ref(), join, step).unwrap();
+            }
+            Trainer::Fsdp(f) => {
+                let b = k.map(|k| batch_at(k, rank, world));
+                let batch = b
+                    .as_ref()
+                    .map(|(xs, ys)| (xs, move |o: &Tensor| candle_nn::loss::cross_entropy(o, ys)));
+                f.forward_backward_join(batch, join, step).unwrap();
+            }
+        }
+    }
+
+    fn set_sync(&mut self, sync: bool) {
+        match self {
+            Trainer::Zero(z, _) => z.set_require_backward_grad_sync(sync),
+            Trainer::Fsdp(f) => f.set_require_backward_grad_sync(sync),
+        }
+    }
+
+    fn clip(&mut self, max_norm: f64) -> f64 {
+        match self {
+            Trainer::Zero(z, _) => z.clip_grad_norm(max_norm).unwrap(),
+            Trainer::Fsdp(f) => f.clip_grad_norm(max_norm).unwrap(),
+        }
+    }
+
+    fn step(&mut self) {
+        match self {
+            Trainer::Zero(z, _) => z.step().unwrap(),
+            Trainer::Fsdp(f) => f.step().unwrap(),
+        }
+    }
+
+    fn save(&self, dir: &Path, meta: &CheckpointMeta) -> ddp_candle::Result<std::path::PathBuf> {
+        match self {
+            Trainer::Zero(z, _) => z.save(dir, meta),
+            Trainer::Fsdp(f) => f.save(dir, meta),
+        }
+    }
+
+    fn load(&mut self, dir: &Path) -> ddp_candle::Result<Option<CheckpointMeta>> {
+        match self {
+            Trainer::Zero(z, _) => z.load(dir),
+            Trainer::Fsdp(f) => f.load(dir),
+        }
+    }
+
+    fn import(&mut self, ckpt: &ddp::Checkpoint) {
+        match self {
+            Trainer::Zero(z, _) => z.import(ckpt).unwrap(),
+            Trainer::Fsdp(f) => f.import(ckpt).unwrap(),
+        }
+    }
+
+    fn shard_vars(&self) -> &[Option<candle_core::Var>] {
+        match self {
+            Trainer::Zero(z, _) => z.shard_vars(),
+            Trainer::Fsdp(f) => f.shard_vars(),
+        }
+    }
+
+    /// Every parameter in full, sorted by name (stage 3 gathers them: a collective).
+    fn params(&self) -> Vec<(String, Vec<f32>)> {
+        match self {
+            Trainer::Zero(z, _) => params(z.ddp()),
+            Trainer::Fsdp(f) => f
+                .full_params()
+                .unwrap()
+                .into_iter()
+                .map(|(n, t)| (n, t.flatten_all().unwrap().to_vec1().unwrap()))
+                .collect(),
+        }
+    }
+
+    /// Asserts that the ranks' parameters are bit-identical (a collective).
+    fn assert_replicas(&self, what: &str) {
+        let report = match self {
+            Trainer::Zero(z, _) => z.ddp().verify_replicas().unwrap(),
+            Trainer::Fsdp(f) => f.verify_replicas().unwrap(),
+        };
+        assert_eq!(report.max_abs_diff, 0.0, "replicas differ: {what}");
+    }
+}
+
+const SHARDED: [ZeroStage; 3] = [ZeroStage::One, ZeroStage::Two, ZeroStage::Three];
+
+/// Trains `steps` steps at `stage`; returns every rank's parameters.
 fn train(
     world: usize,
     stage: ZeroStage,
     opt: Opt,
-    opts: DdpOptions,
+    sizes: Sizes,
     steps: usize,
     clip: Option<f64>,
 ) -> Vec<Vec<(String, Vec<f32>)>> {
-    run_ranks(world, |rank, pg| {
-        let (vm, m) = model(7, HID);
-        let ddp = Ddp::new(&vm, &pg, opts).unwrap();
-        let mut z = ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap();
+    run_zero(world, stage, opt, sizes, |z, rank, pg| {
         for k in 0..steps {
-            z.backward(&loss_at(&m, k, rank, world)).unwrap();
+            z.backward(k, rank, pg.size());
             if let Some(c) = clip {
-                z.clip_grad_norm(c).unwrap();
+                z.clip(c);
             }
-            z.step().unwrap();
+            z.step();
         }
-        let report = z.ddp().verify_replicas().unwrap();
-        assert_eq!(report.max_abs_diff, 0.0, "replicas differ at {stage:?}");
-        params(z.ddp())
     })
 }
 
 #[test]
-fn stages_1_and_2_equal_ddp_for_sgd_momentum_and_adamw_at_world_2_3_4() {
+fn every_stage_equals_ddp_for_sgd_momentum_and_adamw_at_world_2_3_4() {
     for world in [2, 3, 4] {
-        for (bname, opts) in [("tiny", tiny_buckets()), ("default", DdpOptions::default())] {
+        for sizes in [Sizes::Tiny, Sizes::Default] {
             for opt in [Opt::SgdMomentum, Opt::AdamW] {
-                let want = train(world, ZeroStage::Ddp, opt, opts, 5, None);
-                for stage in [ZeroStage::One, ZeroStage::Two] {
-                    let got = train(world, stage, opt, opts, 5, None);
+                let want = train(world, ZeroStage::Ddp, opt, sizes, 5, None);
+                for stage in SHARDED {
+                    let got = train(world, stage, opt, sizes, 5, None);
                     for r in 0..world {
                         assert_eq!(got[r], got[0], "ranks are bit-identical");
                     }
-                    let what = format!("world {world}, {bname} buckets, {opt:?}, {stage:?}");
+                    let what = format!("world {world}, {sizes:?} sizes, {opt:?}, {stage:?}");
                     assert_close(&got[0], &want[0], 1e-6, &what);
                 }
             }
@@ -101,35 +307,34 @@ fn stages_1_and_2_equal_ddp_for_sgd_momentum_and_adamw_at_world_2_3_4() {
     }
 }
 
-/// One training run at `world` ranks and `stage`, each rank running `body` on its wrapper;
-/// checks that the replicas end bit-identical and returns every rank's parameters.
+/// One training run at `world` ranks and `stage` (tiny buckets or units unless `sizes` says),
+/// each rank running `body` on its trainer; checks that the replicas end bit-identical and
+/// returns every rank's parameters.
 fn run_zero(
     world: usize,
     stage: ZeroStage,
     opt: Opt,
-    body: impl Fn(&mut ZeroDdp, &Mlp, usize, &ddp_comm::ProcessGroup) + Sync,
+    sizes: Sizes,
+    body: impl Fn(&mut Trainer, usize, &ddp_comm::ProcessGroup) + Sync,
 ) -> Vec<Vec<(String, Vec<f32>)>> {
     run_ranks(world, |rank, pg| {
-        let (vm, m) = model(7, HID);
-        let ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
-        let mut z = ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap();
-        body(&mut z, &m, rank, &pg);
-        let report = z.ddp().verify_replicas().unwrap();
-        assert_eq!(report.max_abs_diff, 0.0, "replicas differ at {stage:?}");
-        params(z.ddp())
+        let mut z = Trainer::new(&pg, stage, opt, sizes, 7, HID);
+        body(&mut z, rank, &pg);
+        z.assert_replicas(&format!("{stage:?}"));
+        z.params()
     })
 }
 
-/// Stages 1 and 2 against stage 0 (plain DDP) running the same `body`, at worlds 2 and 3.
+/// Stages 1, 2 and 3 against stage 0 (plain DDP) running the same `body`, at worlds 2 and 3.
 fn zero_matches_ddp(
     what: &str,
     opt: Opt,
-    body: impl Fn(&mut ZeroDdp, &Mlp, usize, &ddp_comm::ProcessGroup) + Sync + Copy,
+    body: impl Fn(&mut Trainer, usize, &ddp_comm::ProcessGroup) + Sync + Copy,
 ) {
     for world in [2, 3] {
-        let want = run_zero(world, ZeroStage::Ddp, opt, body);
-        for stage in [ZeroStage::One, ZeroStage::Two] {
-            let got = run_zero(world, stage, opt, body);
+        let want = run_zero(world, ZeroStage::Ddp, opt, Sizes::Tiny, body);
+        for stage in SHARDED {
+            let got = run_zero(world, stage, opt, Sizes::Tiny, body);
             for r in 0..world {
                 assert_eq!(got[r], got[0], "{what}: ranks are bit-identical");
             }
@@ -139,26 +344,27 @@ fn zero_matches_ddp(
     }
 }
 
-/// `no_sync` under ZeRO: K - 1 micro-batches accumulated locally (nothing sent), then one
-/// synchronized backward and the step, as under plain DDP.
 #[test]
 fn no_sync_accumulation_under_zero_equals_ddp() {
     const K: usize = 3;
-    zero_matches_ddp("no_sync", Opt::AdamW, |z, m, rank, pg| {
+    zero_matches_ddp("no_sync", Opt::AdamW, |z, rank, pg| {
         let world = pg.size();
-        let micro = |k: usize| (loss_at(m, k, rank, world) / K as f64).unwrap();
+        let scale = 1.0 / K as f64;
         for step in 0..3 {
-            z.set_require_backward_grad_sync(false);
+            z.set_sync(false);
             for k in 0..K - 1 {
-                let stats = z.backward(&micro(step * K + k)).unwrap();
+                let stats = z.backward_scaled(step * K + k, rank, world, scale);
                 assert!(
                     !stats.synced && stats.bytes == 0,
-                    "no_sync must not communicate"
+                    "no_sync must not communicate gradients"
                 );
             }
-            z.set_require_backward_grad_sync(true);
-            assert!(z.backward(&micro(step * K + K - 1)).unwrap().synced);
-            z.step().unwrap();
+            z.set_sync(true);
+            assert!(
+                z.backward_scaled(step * K + K - 1, rank, world, scale)
+                    .synced
+            );
+            z.step();
         }
     });
 }
@@ -168,14 +374,13 @@ fn no_sync_accumulation_under_zero_equals_ddp() {
 /// until the last rank is done, as under plain DDP.
 #[test]
 fn join_with_uneven_inputs_under_zero_equals_ddp() {
-    zero_matches_ddp("join", Opt::SgdMomentum, |z, m, rank, pg| {
+    zero_matches_ddp("join", Opt::SgdMomentum, |z, rank, pg| {
         let world = pg.size();
         let mut join = ddp::Join::new(pg);
         let mut k = 0;
         while let Some(step) = join.begin_step(k < 2 + 2 * rank).unwrap() {
-            let loss = step.has_data.then(|| loss_at(m, k, rank, world));
-            z.backward_join(loss.as_ref(), &join, &step).unwrap();
-            z.step().unwrap();
+            z.backward_join(step.has_data.then_some(k), rank, world, &join, &step);
+            z.step();
             k += 1;
         }
         assert_eq!(
@@ -189,28 +394,22 @@ fn join_with_uneven_inputs_under_zero_equals_ddp() {
 #[test]
 fn clipping_by_global_norm_matches_ddp_across_shards() {
     // A max norm far below the gradient norm: every step is clipped.
-    let want = train(
-        3,
-        ZeroStage::Ddp,
-        Opt::SgdMomentum,
-        tiny_buckets(),
-        4,
-        Some(0.05),
-    );
-    let unclipped = train(3, ZeroStage::Two, Opt::SgdMomentum, tiny_buckets(), 4, None);
-    let got = train(
-        3,
-        ZeroStage::Two,
-        Opt::SgdMomentum,
-        tiny_buckets(),
-        4,
-        Some(0.05),
-    );
-    assert_close(&got[0], &want[0], 1e-6, "clipped stage 2 vs clipped DDP");
-    assert!(
-        rel_diff(&got[0][0].1, &unclipped[0][0].1) > 1e-3,
-        "clipping changed nothing"
-    );
+    let (opt, tiny) = (Opt::SgdMomentum, Sizes::Tiny);
+    let want = train(3, ZeroStage::Ddp, opt, tiny, 4, Some(0.05));
+    for stage in [ZeroStage::Two, ZeroStage::Three] {
+        let unclipped = train(3, stage, opt, tiny, 4, None);
+        let got = train(3, stage, opt, tiny, 4, Some(0.05));
+        assert_close(
+            &got[0],
+            &want[0],
+            1e-6,
+            &format!("clipped {stage:?} vs DDP"),
+        );
+        assert!(
+            rel_diff(&got[0][0].1, &unclipped[0][0].1) > 1e-3,
+            "clipping changed nothing"
+        );
+    }
 }
 
 /// Trains `steps` sharded steps at `world` from `dir`'s checkpoint (or from scratch), then saves
@@ -224,17 +423,14 @@ fn sharded_run(
     steps: usize,
     save: Option<&Path>,
 ) -> Vec<(String, Vec<f32>)> {
-    let out = run_ranks(world, |rank, pg| {
-        let (vm, m) = model(7, HID);
-        let ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
-        let mut z = ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap();
+    let out = run_zero(world, stage, opt, Sizes::Tiny, |z, rank, _| {
         if let Some(d) = from {
             let meta = z.load(d).unwrap().expect("a save set");
             assert_eq!(meta.step as usize, first);
         }
         for k in first..first + steps {
-            z.backward(&loss_at(&m, k, rank, world)).unwrap();
-            z.step().unwrap();
+            z.backward(k, rank, world);
+            z.step();
         }
         if let Some(d) = save {
             let meta = CheckpointMeta {
@@ -244,8 +440,6 @@ fn sharded_run(
             };
             z.save(d, &meta).unwrap();
         }
-        assert_eq!(z.ddp().replica_max_diff().unwrap(), 0.0);
-        params(z.ddp())
     });
     out.into_iter().next().unwrap()
 }
@@ -274,6 +468,23 @@ fn ddp_from_consolidated(
     out.into_iter().next().unwrap()
 }
 
+/// Saves after 3 steps at `n` ranks and stage `saved`, resumes at `m` ranks and stage `loaded`:
+/// the re-cut set is the consolidated checkpoint exactly, and 3 more steps equal plain DDP
+/// resumed from the consolidated export.
+fn resume_case(n: usize, saved: ZeroStage, m: usize, loaded: ZeroStage, opt: Opt) {
+    let what = format!("{n}->{m} {saved:?}->{loaded:?} {opt:?}");
+    let dir = tempfile::tempdir().unwrap();
+    sharded_run(n, saved, opt, None, 0, 3, Some(dir.path()));
+    let resumed_now = sharded_run(m, loaded, opt, Some(dir.path()), 3, 0, None);
+    let ckpt = sharding::consolidate(dir.path()).unwrap().unwrap();
+    for (name, v) in &resumed_now {
+        assert_eq!(&ckpt.require(name).unwrap().data, v, "{what}: `{name}`");
+    }
+    let resumed = sharded_run(m, loaded, opt, Some(dir.path()), 3, 3, None);
+    let want = ddp_from_consolidated(m, opt, dir.path(), 3, 3);
+    assert_close(&resumed, &want, 1e-6, &what);
+}
+
 #[test]
 fn a_save_set_resumes_at_another_world_size_exactly() {
     for (n, m, stage, opt) in [
@@ -281,157 +492,301 @@ fn a_save_set_resumes_at_another_world_size_exactly() {
         (2, 3, ZeroStage::One, Opt::SgdMomentum),
         (3, 1, ZeroStage::Two, Opt::SgdMomentum),
         (3, 1, ZeroStage::One, Opt::AdamW),
+        (4, 2, ZeroStage::Three, Opt::AdamW),
+        (2, 3, ZeroStage::Three, Opt::SgdMomentum),
+        (3, 1, ZeroStage::Three, Opt::AdamW),
     ] {
-        let dir = tempfile::tempdir().unwrap();
-        sharded_run(n, stage, opt, None, 0, 3, Some(dir.path()));
-        // The set re-cut for m ranks, before any step, is the consolidated checkpoint exactly.
-        let resumed_now = sharded_run(m, stage, opt, Some(dir.path()), 3, 0, None);
-        let ckpt = sharding::consolidate(dir.path()).unwrap().unwrap();
-        for (name, v) in &resumed_now {
-            assert_eq!(&ckpt.require(name).unwrap().data, v, "{n}->{m}: `{name}`");
-        }
-        let resumed = sharded_run(m, stage, opt, Some(dir.path()), 3, 3, None);
-        let want = ddp_from_consolidated(m, opt, dir.path(), 3, 3);
-        assert_close(
-            &resumed,
-            &want,
-            1e-6,
-            &format!("{n}->{m} {stage:?} {opt:?}"),
-        );
+        resume_case(n, stage, m, stage, opt);
     }
+}
+
+/// Sets are in parameter space: a stage-3 set (chunks of units) resumes at stages 1 and 2
+/// (chunks of buckets) and back, at another world size.
+#[test]
+fn a_save_set_moves_between_stages_1_2_and_3() {
+    resume_case(2, ZeroStage::Three, 3, ZeroStage::One, Opt::AdamW);
+    resume_case(4, ZeroStage::Two, 2, ZeroStage::Three, Opt::SgdMomentum);
 }
 
 #[test]
 fn import_of_a_plain_checkpoint_equals_loading_the_set() {
-    let dir = tempfile::tempdir().unwrap();
-    sharded_run(2, ZeroStage::Two, Opt::AdamW, None, 0, 3, Some(dir.path()));
-    let ckpt = sharding::consolidate(dir.path()).unwrap().unwrap();
-    assert_eq!(ckpt.optimizer.as_ref().unwrap().kind, "adamw");
-    assert_eq!(ckpt.optimizer.as_ref().unwrap().step, 3);
-    let loaded = sharded_run(3, ZeroStage::Two, Opt::AdamW, Some(dir.path()), 3, 2, None);
-    let imported = run_ranks(3, |rank, pg| {
-        let (vm, m) = model(5, HID);
-        let ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
-        let mut z = ZeroDdp::new(ddp, ZeroStage::Two, make_opt(Opt::AdamW)).unwrap();
-        z.import(&ckpt).unwrap();
-        for k in 3..5 {
-            z.backward(&loss_at(&m, k, rank, 3)).unwrap();
-            z.step().unwrap();
-        }
-        params(z.ddp())
-    });
-    assert_eq!(
-        imported[0], loaded,
-        "import and load give the same run, bit for bit"
-    );
+    for stage in [ZeroStage::Two, ZeroStage::Three] {
+        let dir = tempfile::tempdir().unwrap();
+        sharded_run(2, stage, Opt::AdamW, None, 0, 3, Some(dir.path()));
+        let ckpt = sharding::consolidate(dir.path()).unwrap().unwrap();
+        assert_eq!(ckpt.optimizer.as_ref().unwrap().kind, "adamw");
+        assert_eq!(ckpt.optimizer.as_ref().unwrap().step, 3);
+        let loaded = sharded_run(3, stage, Opt::AdamW, Some(dir.path()), 3, 2, None);
+        let imported = run_ranks(3, |rank, pg| {
+            let mut z = Trainer::new(&pg, stage, Opt::AdamW, Sizes::Tiny, 5, HID);
+            z.import(&ckpt);
+            for k in 3..5 {
+                z.backward(k, rank, 3);
+                z.step();
+            }
+            z.params()
+        });
+        assert_eq!(
+            imported[0], loaded,
+            "{stage:?}: import and load give the same run, bit for bit"
+        );
+    }
 }
 
 fn set_dir(dir: &Path) -> std::path::PathBuf {
     sharding::latest_set(dir).unwrap().unwrap()
 }
 
-/// Loads `dir` at world 2 into a model of `hidden` units; returns each rank's error and whether
-/// its parameters were left untouched.
-fn failing_load(dir: &Path, hidden: usize) -> Vec<(String, bool)> {
+/// Loads `dir` at world 2 and `stage` into a model of `hidden` units; returns each rank's error
+/// and whether its parameters were left untouched.
+fn failing_load(dir: &Path, stage: ZeroStage, hidden: usize) -> Vec<(String, bool)> {
     run_ranks(2, |_, pg| {
-        let (vm, _) = model(3, hidden);
-        let ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
-        let mut z = ZeroDdp::new(ddp, ZeroStage::One, make_opt(Opt::AdamW)).unwrap();
-        let before = params(z.ddp());
+        let mut z = Trainer::new(&pg, stage, Opt::AdamW, Sizes::Tiny, 3, hidden);
+        let before = (z.params(), z.shard_state_values());
         let e = z.load(dir).unwrap_err().to_string();
-        (e, params(z.ddp()) == before)
+        (e, (z.params(), z.shard_state_values()) == before)
     })
+}
+
+impl Trainer {
+    fn shard_state_values(&self) -> Vec<Vec<f32>> {
+        self.shard_vars()
+            .iter()
+            .flatten()
+            .map(|v| v.as_tensor().to_vec1().unwrap())
+            .collect()
+    }
 }
 
 #[test]
 fn bad_sets_are_refused_by_name_and_change_nothing() {
-    let a = tempfile::tempdir().unwrap();
-    let b = tempfile::tempdir().unwrap();
-    sharded_run(2, ZeroStage::One, Opt::AdamW, None, 0, 1, Some(a.path()));
-    sharded_run(2, ZeroStage::One, Opt::AdamW, None, 0, 2, Some(b.path()));
+    for stage in [ZeroStage::One, ZeroStage::Three] {
+        let a = tempfile::tempdir().unwrap();
+        let b = tempfile::tempdir().unwrap();
+        sharded_run(2, stage, Opt::AdamW, None, 0, 1, Some(a.path()));
+        sharded_run(2, stage, Opt::AdamW, None, 0, 2, Some(b.path()));
 
-    // A checkpoint of another model (other hidden size): names the parameter.
-    for (e, untouched) in failing_load(a.path(), HID + 1) {
-        assert!(e.contains("another model") && e.contains("l1.bias"), "{e}");
-        assert!(untouched);
+        // A checkpoint of another model (other hidden size): names the parameter.
+        for (e, untouched) in failing_load(a.path(), stage, HID + 1) {
+            assert!(e.contains("another model") && e.contains("l1.bias"), "{e}");
+            assert!(untouched);
+        }
+        // A shard from another save set.
+        let (sa, sb) = (set_dir(a.path()), set_dir(b.path()));
+        let victim = sa.join("rank1").join("checkpoint.safetensors");
+        let saved = std::fs::read(&victim).unwrap();
+        std::fs::copy(sb.join("rank1").join("checkpoint.safetensors"), &victim).unwrap();
+        for (e, untouched) in failing_load(a.path(), stage, HID) {
+            assert!(e.contains("another save") && e.contains("rank1"), "{e}");
+            assert!(untouched);
+        }
+        // A missing shard.
+        std::fs::remove_file(&victim).unwrap();
+        for (e, untouched) in failing_load(a.path(), stage, HID) {
+            assert!(e.contains("shard of rank 1 (of 2) is missing"), "{e}");
+            assert!(untouched);
+        }
+        std::fs::write(&victim, saved).unwrap();
+        // Repaired, it loads.
+        sharded_run(2, stage, Opt::AdamW, Some(a.path()), 1, 0, None);
     }
-    // A shard from another save set.
-    let (sa, sb) = (set_dir(a.path()), set_dir(b.path()));
-    let victim = sa.join("rank1").join("checkpoint.safetensors");
-    let saved = std::fs::read(&victim).unwrap();
-    std::fs::copy(sb.join("rank1").join("checkpoint.safetensors"), &victim).unwrap();
-    for (e, untouched) in failing_load(a.path(), HID) {
-        assert!(e.contains("another save") && e.contains("rank1"), "{e}");
-        assert!(untouched);
-    }
-    // A missing shard.
-    std::fs::remove_file(&victim).unwrap();
-    for (e, untouched) in failing_load(a.path(), HID) {
-        assert!(e.contains("shard of rank 1 (of 2) is missing"), "{e}");
-        assert!(untouched);
-    }
-    std::fs::write(&victim, saved).unwrap();
-    // Repaired, it loads.
-    sharded_run(2, ZeroStage::One, Opt::AdamW, Some(a.path()), 1, 0, None);
 }
 
 #[test]
 fn a_failed_save_leaves_the_previous_set_current() {
-    let dir = tempfile::tempdir().unwrap();
-    let good = sharded_run(
-        2,
-        ZeroStage::Two,
-        Opt::SgdMomentum,
-        None,
-        0,
-        2,
-        Some(dir.path()),
-    );
-    let first = set_dir(dir.path());
-    let errors = run_ranks(2, |rank, pg| {
-        let (vm, m) = model(7, HID);
-        let ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
-        let mut z = ZeroDdp::new(ddp, ZeroStage::Two, make_opt(Opt::SgdMomentum)).unwrap();
-        z.load(dir.path()).unwrap();
-        z.backward(&loss_at(&m, 2, rank, 2)).unwrap();
-        z.step().unwrap();
-        if rank == 1 {
-            // Rank 1's shard holds a NaN: its checkpoint refuses it, mid-save.
-            let v = z.shard_vars().iter().flatten().next().unwrap();
-            v.set(&(v.as_tensor() * f64::NAN).unwrap()).unwrap();
-        }
-        let meta = CheckpointMeta {
-            step: 3,
-            world_size: 2,
-            ..Default::default()
-        };
-        z.save(dir.path(), &meta).unwrap_err().to_string()
-    });
-    assert!(
-        errors[1].contains("not finite") || errors[1].contains("NaN"),
-        "{}",
-        errors[1]
-    );
-    assert!(errors[0].contains("rank(s) [1]"), "{}", errors[0]);
-    assert_eq!(
-        set_dir(dir.path()),
-        first,
-        "zero_latest still names the previous set"
-    );
-    let resumed = sharded_run(
-        2,
-        ZeroStage::Two,
-        Opt::SgdMomentum,
-        Some(dir.path()),
-        2,
-        0,
-        None,
-    );
-    assert_eq!(resumed, good);
+    for stage in [ZeroStage::Two, ZeroStage::Three] {
+        let dir = tempfile::tempdir().unwrap();
+        let opt = Opt::SgdMomentum;
+        let good = sharded_run(2, stage, opt, None, 0, 2, Some(dir.path()));
+        let first = set_dir(dir.path());
+        let errors = run_ranks(2, |rank, pg| {
+            let mut z = Trainer::new(&pg, stage, opt, Sizes::Tiny, 7, HID);
+            z.load(dir.path()).unwrap();
+            z.backward(2, rank, 2);
+            z.step();
+            if rank == 1 {
+                // Rank 1's shard holds a NaN: its checkpoint refuses it, mid-save.
+                let v = z.shard_vars().iter().flatten().next().unwrap();
+                v.set(&(v.as_tensor() * f64::NAN).unwrap()).unwrap();
+            }
+            let meta = CheckpointMeta {
+                step: 3,
+                world_size: 2,
+                ..Default::default()
+            };
+            z.save(dir.path(), &meta).unwrap_err().to_string()
+        });
+        assert!(
+            errors[1].contains("not finite") || errors[1].contains("NaN"),
+            "{}",
+            errors[1]
+        );
+        assert!(errors[0].contains("rank(s) [1]"), "{}", errors[0]);
+        assert_eq!(
+            set_dir(dir.path()),
+            first,
+            "{stage:?}: zero_latest still names the previous set"
+        );
+        let resumed = sharded_run(2, stage, opt, Some(dir.path()), 2, 0, None);
+        assert_eq!(resumed, good);
+    }
 }
 
 #[test]
-fn stage_3_is_refused_by_name() {
-    let e = ZeroStage::from_level(3).unwrap_err().to_string();
-    assert!(e.contains("stage 3"), "{e}");
+fn stage_3_is_fsdp_and_zero_ddp_says_so() {
+    assert_eq!(ZeroStage::from_level(3).unwrap(), ZeroStage::Three);
+    assert_eq!(ZeroStage::Three.level(), 3);
+    let e = ZeroStage::from_level(4).unwrap_err().to_string();
+    assert!(e.contains("stage 4 does not exist"), "{e}");
+    let errors = run_ranks(2, |_, pg| {
+        let (vm, _) = model(7, HID);
+        let ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
+        ZeroDdp::new(ddp, ZeroStage::Three, make_opt(Opt::AdamW))
+            .err()
+            .unwrap()
+            .to_string()
+    });
+    for e in errors {
+        assert!(e.contains("stage 3") && e.contains("Fsdp"), "{e}");
+    }
+}
+
+/// The recompute in the backward runs the same ops on the same values as a plain
+/// `loss.backward()`: at world 1 (no reduction) stage 3 and DDP agree bit for bit.
+#[test]
+fn stage_3_is_bit_identical_to_plain_backward_at_world_1() {
+    for sizes in [Sizes::Tiny, Sizes::Default] {
+        for opt in [Opt::SgdMomentum, Opt::AdamW] {
+            let want = train(1, ZeroStage::Ddp, opt, sizes, 4, None);
+            let got = train(1, ZeroStage::Three, opt, sizes, 4, None);
+            assert_eq!(got[0], want[0], "{sizes:?} {opt:?}");
+        }
+    }
+}
+
+/// Stage 3 keeps only its chunk of each unit; its bytes per step are what the ring sends (two
+/// gathers of every unit but the last, one reduce-scatter), within 1.5x DDP's; inference
+/// gathers unit by unit and equals the full model's forward.
+#[test]
+fn stage_3_holds_its_shard_only_and_sends_at_most_one_and_a_half_ddp() {
+    let world = 3;
+    run_ranks(world, |rank, pg| {
+        let (vm, m) = model(7, HID);
+        let full_out = m.forward(&batch_at(0, rank, world).0).unwrap();
+        let total: usize = varmap_params(&vm).iter().map(|(_, v)| v.len()).sum();
+        let units = mlp_units(HID, Sizes::Tiny);
+        let mut f = Fsdp::from_varmap(&vm, units, &pg, make_opt(Opt::AdamW)).unwrap();
+        drop((vm, m));
+        let held: usize = f
+            .shard_vars()
+            .iter()
+            .flatten()
+            .map(|v| v.elem_count())
+            .sum();
+        assert_eq!(held, f.layout().owned_numel());
+        assert!(held <= total.div_ceil(world) + 3, "{held} of {total}");
+        let (xs, ys) = batch_at(0, rank, world);
+        let out = f.forward(&xs).unwrap();
+        assert_eq!(
+            out.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            full_out.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+        );
+        let stats = f
+            .forward_backward(&xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .unwrap()
+            .stats;
+        assert!(stats.synced && stats.bytes > 0);
+        let units: Vec<usize> = f
+            .layout()
+            .buckets()
+            .iter()
+            .map(|b| b.chunk_len(world))
+            .collect();
+        let per = |c: usize| ((world - 1) * c * 4) as u64;
+        let want: u64 = per(units[0]) * 3 + per(units[1]) * 3 + per(units[2]) * 2;
+        assert_eq!(f.bytes_per_step(), want);
+        let ddp_bytes = 2 * (world as u64 - 1) * total.div_ceil(world) as u64 * 4;
+        assert!(f.bytes_per_step() as f64 <= 1.5 * ddp_bytes as f64 * 1.01);
+        f.step().unwrap();
+        assert!(
+            f.step().is_err(),
+            "a second step without a backward is refused"
+        );
+    });
+}
+
+/// A unit layout that leaves a parameter out, or names one twice, is refused naming it.
+#[test]
+fn stage_3_refuses_units_that_do_not_cover_the_model() {
+    let errors = run_ranks(2, |_, pg| {
+        let (vm, _) = model(7, HID);
+        let mut units = mlp_units(HID, Sizes::Tiny);
+        units.pop();
+        let missing = Fsdp::from_varmap(&vm, units, &pg, make_opt(Opt::AdamW))
+            .err()
+            .unwrap()
+            .to_string();
+        let mut units = mlp_units(HID, Sizes::Tiny);
+        units.push(Unit::new(["l1.bias"], |_, x| Ok(x.clone())));
+        let twice = Fsdp::from_varmap(&vm, units, &pg, make_opt(Opt::AdamW))
+            .err()
+            .unwrap()
+            .to_string();
+        (missing, twice)
+    });
+    for (missing, twice) in errors {
+        assert!(missing.contains("`l3.bias` is in no unit"), "{missing}");
+        assert!(
+            twice.contains("`l1.bias` is in unit 0 and unit 3"),
+            "{twice}"
+        );
+    }
+}
+
+/// Join combined with `no_sync` is not built at stage 3: refused by name on every rank, before
+/// any collective of the step.
+#[test]
+fn stage_3_refuses_join_under_no_sync_by_name() {
+    let errors = run_ranks(2, |rank, pg| {
+        let (vm, _) = model(7, HID);
+        let units = mlp_units(HID, Sizes::Tiny);
+        let mut f = Fsdp::from_varmap(&vm, units, &pg, make_opt(Opt::AdamW)).unwrap();
+        let mut join = ddp::Join::new(&pg);
+        let step = join.begin_step(true).unwrap().unwrap();
+        f.set_require_backward_grad_sync(false);
+        let (xs, ys) = batch_at(0, rank, 2);
+        let loss = |o: &Tensor| candle_nn::loss::cross_entropy(o, &ys);
+        f.forward_backward_join(Some((&xs, loss)), &join, &step)
+            .unwrap_err()
+            .to_string()
+    });
+    for e in errors {
+        assert!(e.contains("Join with no_sync"), "{e}");
+    }
+}
+
+/// A unit smaller than the world (one rank owns an empty chunk of it) trains like DDP (and
+/// bit-identically at world 1).
+#[test]
+fn stage_3_with_a_unit_smaller_than_the_world_equals_ddp() {
+    for opt in [Opt::SgdMomentum, Opt::AdamW] {
+        let want = train(4, ZeroStage::Ddp, opt, Sizes::Tiny, 4, None);
+        let got = run_zero(4, ZeroStage::Three, opt, Sizes::Uneven, |z, rank, pg| {
+            if let Trainer::Fsdp(f) = z {
+                let empty = f.shard_vars().iter().filter(|v| v.is_none()).count();
+                assert_eq!(empty, usize::from(rank == 3), "rank {rank}");
+            }
+            for k in 0..4 {
+                z.backward(k, rank, pg.size());
+                z.step();
+            }
+        });
+        for r in 0..4 {
+            assert_eq!(got[r], got[0], "ranks are bit-identical");
+        }
+        assert_close(&got[0], &want[0], 1e-6, &format!("uneven units, {opt:?}"));
+    }
+    let want = train(1, ZeroStage::Ddp, Opt::AdamW, Sizes::Tiny, 3, None);
+    let got = train(1, ZeroStage::Three, Opt::AdamW, Sizes::Uneven, 3, None);
+    assert_eq!(got[0], want[0], "bit-identical at world 1");
 }

@@ -13,6 +13,7 @@ mod launcher;
 mod model;
 mod observe;
 mod train;
+mod trainer;
 
 use clap::{Parser, ValueEnum};
 use ddprun::validate::{int_in, non_negative, positive, MAX_SECS};
@@ -130,8 +131,9 @@ pub struct Args {
     /// the run with an error naming the step, the rank and the parameter).
     #[arg(long)]
     pub no_check_finite: bool,
-    /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over the ranks), 2 (+ gradients); with
-    /// --checkpoint-dir, stages 1 and 2 write sharded checkpoints (`ddp::sharding`).
+    /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over the ranks), 2 (+ gradients), 3 (+
+    /// parameters: `ddp_candle::Fsdp`, units fc1 and fc2); with --checkpoint-dir, stages 1-3
+    /// write sharded checkpoints (`ddp::sharding`), loadable at any world size and stage.
     #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 3))]
     pub zero: u8,
     /// Record every rank's timeline (forward, backward, buckets, collectives, optimizer, data,

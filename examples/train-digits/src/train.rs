@@ -6,6 +6,7 @@
 use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
 use crate::observe::{MetricsLog, Progress, StepMetrics};
+use crate::trainer::{self, Trainer};
 use crate::{Args, Backend, BackwardMode, OptimizerKind};
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
@@ -15,7 +16,7 @@ use ddp::sharding::ZeroStage;
 use ddp::trace::{self, Phase, StepProfiler};
 use ddp::DistributedSampler;
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions, ZeroDdp};
+use ddp_candle::{Ddp, DdpOptions, Fsdp, ZeroDdp};
 use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
 use std::error::Error;
@@ -117,18 +118,21 @@ fn save(
     pg: &ProcessGroup,
     args: &Args,
     plan: &RunPlan,
-    zero: &ZeroDdp,
+    trainer: &Trainer,
     averager: Option<&PeriodicModelAverager>,
     position: &Position,
 ) -> BoxResult<()> {
     let Some(dir) = &args.checkpoint_dir else {
         return Ok(());
     };
-    if zero.stage() != ZeroStage::Ddp {
-        // Sharded: every rank writes its own shard (loadable at any world size).
-        zero.save(dir, &position.meta(plan))?;
-        return Ok(());
-    }
+    let zero = match trainer.zero() {
+        Some(z) if z.stage() == ZeroStage::Ddp => z,
+        _ => {
+            // Sharded: every rank writes its own shard (loadable at any world size and stage).
+            trainer.save_sharded(dir, &position.meta(plan))?;
+            return Ok(());
+        }
+    };
     let (ddp, opt) = (zero.ddp(), zero.optimizer());
     // Comm hook state (PowerSGD's residuals and Q matrices, step counters): the residuals differ
     // between ranks, so rank 0 saves every rank's (a collective).
@@ -166,10 +170,19 @@ pub fn run(args: &Args) -> BoxResult<()> {
     // checkpoint and shares it, so the directory need not be shared; every rank checks it.
     let stage = ZeroStage::from_level(args.zero)?;
     if stage != ZeroStage::Ddp && args.backward == BackwardMode::Staged {
-        return Err("--backward staged is not supported with --zero 1/2 yet".into());
+        return Err(format!(
+            "--backward staged is not supported with --zero {} yet (stage 3 runs its own \
+             backward, unit by unit)",
+            args.zero
+        )
+        .into());
     }
     if stage != ZeroStage::Ddp && !device.is_cpu() {
-        return Err("--zero 1/2 keeps its shards in host memory: run it with --device cpu".into());
+        return Err(format!(
+            "--zero {} keeps its shards in host memory: run it with --device cpu",
+            args.zero
+        )
+        .into());
     }
     if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
         return Err(format!(
@@ -191,12 +204,21 @@ pub fn run(args: &Args) -> BoxResult<()> {
         check_finite: !args.no_check_finite,
         ..Default::default()
     };
-    let mut ddp = Ddp::new(&varmap, &pg, opts)?;
-    if let Some(hook) = args.hook.hook()? {
-        ddp.register_comm_hook(hook)?;
-    }
     let mut averager = args.hook.averager()?;
-    let mut ddp = ZeroDdp::new(ddp, stage, |vars| optimizer(args, lr, vars))?;
+    let mut ddp = if stage == ZeroStage::Three {
+        let units = trainer::units(FEATURES, args.hidden, CLASSES);
+        Trainer::Fsdp(Box::new(Fsdp::from_varmap(&varmap, units, &pg, |vars| {
+            optimizer(args, lr, vars)
+        })?))
+    } else {
+        let mut ddp = Ddp::new(&varmap, &pg, opts)?;
+        if let Some(hook) = args.hook.hook()? {
+            ddp.register_comm_hook(hook)?;
+        }
+        Trainer::Zero(Box::new(ZeroDdp::new(ddp, stage, |vars| {
+            optimizer(args, lr, vars)
+        })?))
+    };
     let mut pos = TrainingState::default();
     // Set when resuming at another world size (or in a re-sharded run): the global samples of
     // the epoch already consumed, where this world's sharding of the epoch starts.
@@ -204,7 +226,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let mut resharded_run = false;
     if let (Some(dir), true, true) = (&args.checkpoint_dir, args.resume, stage != ZeroStage::Ddp) {
         // Sharded: every rank reads the set (saved at any world size), cut for this world.
-        if let Some(meta) = ddp.load(dir)? {
+        if let Some(meta) = ddp.load_sharded(dir)? {
             pos = plan.check(&meta)?;
             if rank == 0 {
                 println!(
@@ -215,7 +237,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
             }
         }
     }
-    if let Some(r) = &resumed {
+    if let (Some(r), Some(ddp)) = (&resumed, ddp.zero_mut()) {
         ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())?;
         r.checkpoint.load_optimizer(ddp.optimizer_mut())?;
         let kind = ddp.reducer().comm_hook_state().kind;
@@ -262,7 +284,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
         println!("no checkpoint in {}: starting fresh", dir.display());
     }
-    ddp.ddp_mut().reducer_mut().set_step(pos.step); // non-finite errors name the run's step
+    if let Some(z) = ddp.zero_mut() {
+        z.ddp_mut().reducer_mut().set_step(pos.step); // non-finite errors name the run's step
+    }
     if rank == 0 {
         println!(
             "train-digits: world_size {world} on {}, {} train / {} test images, batch {} per rank \
@@ -279,11 +303,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 BackwardMode::Plain => "plain",
                 BackwardMode::Staged => "staged",
             },
-            ddp.reducer()
-                .specs()
-                .iter()
-                .map(|s| s.numel())
-                .sum::<usize>(),
+            ddp.param_count(),
         );
     }
 
@@ -339,8 +359,16 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 Ok((x, Tensor::from_vec(y, batch.len(), &device)?))
             })?;
             // The reducer records the backward (and its buckets) on the timeline itself.
-            let loss = match args.backward {
-                BackwardMode::Plain => {
+            let loss = match (&mut ddp, args.backward) {
+                (Trainer::Fsdp(f), _) => {
+                    // Forward and backward interleave unit by unit: one span for both.
+                    let out = prof.phase(Phase::Forward, || {
+                        f.forward_backward(&x, |logits| candle_nn::loss::cross_entropy(logits, &y))
+                    })?;
+                    prof.phase(Phase::Optimizer, || f.step())?;
+                    out.loss
+                }
+                (Trainer::Zero(ddp), BackwardMode::Plain) => {
                     let loss = prof.phase(Phase::Forward, || {
                         candle_nn::loss::cross_entropy(&model.forward(&x)?, &y)
                     })?;
@@ -348,7 +376,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     prof.phase(Phase::Optimizer, || ddp.step())?;
                     loss
                 }
-                BackwardMode::Staged => {
+                (Trainer::Zero(ddp), BackwardMode::Staged) => {
                     // Forward and backward interleave stage by stage: one span for both.
                     let out = prof.phase(Phase::Forward, || {
                         ddp.ddp_mut()
@@ -360,13 +388,10 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     out.loss
                 }
             };
-            let wait = ddp
-                .ddp()
-                .last_step_stats()
-                .map_or(Duration::ZERO, |s| s.comm_wait);
+            let wait = ddp.last_wait();
             prof.add_comm_wait(wait);
-            if let Some(a) = &mut averager {
-                a.average_parameters(&pg, ddp.params())?;
+            if let (Some(a), Some(z)) = (&mut averager, ddp.zero()) {
+                a.average_parameters(&pg, z.params())?;
             }
             pos.step += 1;
             pos.consumed += batch.len();
@@ -389,7 +414,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                         loss,
                         accuracy: None,
                         lr,
-                        bytes_sent: ddp.reducer().bytes_sent(),
+                        bytes_sent: ddp.bytes_sent(),
                     })?;
                 }
             }
@@ -409,6 +434,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
         pos.epoch += 1;
         pos.consumed = 0;
+        // Stage 3: the evaluation copy gathered from the shards, on every rank.
+        ddp.refresh(&varmap)?;
         if let Some(m) = &mut metrics {
             // The epoch's last line carries the held-out accuracy (rank 0 evaluates).
             let paused = Instant::now();
@@ -421,7 +448,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 loss: loss_sum / batches.max(1) as f64,
                 accuracy: Some(acc),
                 lr,
-                bytes_sent: ddp.reducer().bytes_sent(),
+                bytes_sent: ddp.bytes_sent(),
             })?;
             eval_time += paused.elapsed();
         }
@@ -478,16 +505,16 @@ pub fn run(args: &Args) -> BoxResult<()> {
     }
     // Local SGD: the replicas differ between averagings; average once more so that every rank
     // ends with the same model.
-    if let Some(a) = &mut averager {
-        a.average_now(&pg, ddp.params())?;
+    if let (Some(a), Some(z)) = (&mut averager, ddp.zero()) {
+        a.average_now(&pg, z.params())?;
     }
     let bytes_per_step = if stage != ZeroStage::Ddp {
         ddp.bytes_per_step() as f64
     } else {
-        let r = ddp.reducer();
-        let sent = r.bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent());
+        let sent = ddp.bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent());
         sent as f64 / steps_run.max(1) as f64
     };
+    ddp.refresh(&varmap)?;
 
     // Where the steps' time went (a collective), then the merged timeline.
     let report = prof.report(&pg)?;
@@ -518,7 +545,13 @@ pub fn run(args: &Args) -> BoxResult<()> {
     if rank == 0 {
         let (test_acc, test_loss) = evaluate(&model, &test.features, &test.labels)?;
         let (_, train_loss) = evaluate(&model, &train.features, &train.labels)?;
-        let (param_sum, param_l2) = ddp.param_sum_l2()?;
+        let vars: Vec<Var> = ddp_candle::CandleParams::from_varmap(&varmap)?
+            .vars()
+            .iter()
+            .map(|(_, v)| v.clone())
+            .collect();
+        let (param_sum, param_l2) =
+            ddp_candle::tensors::param_sum_l2(&vars.iter().collect::<Vec<_>>())?;
         let samples_per_s = if counts[1] > 0.0 {
             counts[0] / counts[1]
         } else {

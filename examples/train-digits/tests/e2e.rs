@@ -344,3 +344,62 @@ fn non_finite_gradients_stop_the_run_naming_step_rank_and_parameter() {
     let (v, _) = run_ok(&off);
     assert!(v["final_loss"].is_null(), "{v}");
 }
+
+/// `--zero 3` (parameters sharded, `ddp_candle::Fsdp`, units fc1 and fc2) trains like DDP with
+/// identical replicas, sends at most 1.5x its bytes, and an interrupted run resumed from its
+/// sharded set ends exactly like an uninterrupted one.
+#[test]
+fn zero_3_trains_like_ddp_and_resumes_exactly() {
+    let o = [
+        "--nproc",
+        "2",
+        "--optimizer",
+        "adamw",
+        "--momentum",
+        "0",
+        "--epochs",
+        "3",
+        "--json",
+    ];
+    let (ddp, _) = run_ok(&[&o[..], &["--zero", "0"]].concat());
+    let (full, _) = run_ok(&[&o[..], &["--zero", "3"]].concat());
+    assert_eq!(full["replicas_identical"], true);
+    assert_eq!(full["steps"], ddp["steps"]);
+    let (a, b) = (
+        full["param_l2"].as_f64().unwrap(),
+        ddp["param_l2"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() <= 1e-4 * b, "param_l2 {a} vs DDP's {b}");
+    let (a, b) = (
+        full["test_accuracy"].as_f64().unwrap(),
+        ddp["test_accuracy"].as_f64().unwrap(),
+    );
+    assert!((a - b).abs() <= 0.01, "test accuracy {a} vs DDP's {b}");
+    let (a, b) = (
+        full["bytes_per_step"].as_f64().unwrap(),
+        ddp["bytes_per_step"].as_f64().unwrap(),
+    );
+    assert!(a > b && a <= 1.5 * b * 1.01, "bytes/step {a} vs DDP's {b}");
+
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    let z3 = [&o[..], &["--zero", "3", "--checkpoint-dir", d]].concat();
+    let (part, _) = run_ok(&[&z3[..], &["--max-steps", "30"]].concat());
+    assert_eq!(part["steps"], 30);
+    assert!(dir.path().join("zero_latest").exists());
+    let (resumed, f) = run_ok(&[&z3[..], &["--resume"]].concat());
+    assert!(
+        f.stdout.contains("resuming from the sharded set") && f.stdout.contains("at step 30"),
+        "{}",
+        f.stdout
+    );
+    for k in [
+        "steps",
+        "param_sum",
+        "param_l2",
+        "final_loss",
+        "test_accuracy",
+    ] {
+        assert_eq!(resumed[k], full[k], "{k} differs after resume");
+    }
+}

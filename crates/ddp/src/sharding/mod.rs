@@ -1,5 +1,5 @@
-//! Sharded data parallelism (ZeRO stages 1 and 2): optimizer state and gradients partitioned
-//! over the ranks, with checkpoints that resume on any world size.
+//! Sharded data parallelism (ZeRO stages 1, 2 and 3): optimizer state, gradients and parameters
+//! partitioned over the ranks, with checkpoints that resume on any world size.
 //!
 //! DDP replicates everything: with fp32 AdamW every rank holds parameters (4Ψ bytes), gradients
 //! (4Ψ) and two moments (8Ψ). ZeRO (Rajbhandari et al. 2019) partitions them:
@@ -9,6 +9,7 @@
 //! | 0 (DDP) | nothing | 16Ψ | all-reduce (2Ψ·(N-1)/N sent) |
 //! | 1 | optimizer state | 8Ψ + 8Ψ/N | reduce-scatter + all-gather, the same volume |
 //! | 2 | + gradients | 4Ψ + 12Ψ/N | the same |
+//! | 3 | + parameters ([`units`]) | 16Ψ/N + the largest gathered unit(s) and their gradients + activations | all-gather twice + reduce-scatter: up to 1.5× |
 //!
 //! The flat parameter space is the reducer's buckets; rank `r` owns chunk `r` of each bucket
 //! ([`ShardLayout`]). One step:
@@ -22,11 +23,16 @@
 //!
 //! Stage 2 additionally frees the reducer's bucket buffers after each step
 //! (`Reducer::release_buffers`), keeping only the owned gradient chunks between steps.
-//! Checkpoints: module [`checkpoint`]. The candle adapter is `ddp_candle::ZeroDdp`.
+//! Stage 3 keeps no full parameters at all: the model is cut into units, each all-gathered just
+//! before its forward and again before its backward, then freed (module [`units`]; one unit is
+//! one bucket of a [`ShardLayout`], so checkpoints are shared by all stages). Checkpoints: module
+//! [`checkpoint`]. The candle adapters are `ddp_candle::ZeroDdp` (stages 0-2) and
+//! `ddp_candle::Fsdp` (stage 3).
 
 pub mod checkpoint;
 mod hook;
 pub mod layout;
+pub mod units;
 
 pub use checkpoint::{
     consolidate, import, latest_set, load_sharded, save_sharded, ChunkState, ShardState,
@@ -35,6 +41,7 @@ pub use hook::{
     bytes_per_step, clip_grad_norm, gather_params, shard_grads, shard_params, ReduceScatterHook,
 };
 pub use layout::{BucketSlot, Chunk, Piece, ShardBucket, ShardLayout};
+pub use units::{stage3_bytes_per_step, unit_layout, UnitComm};
 
 use crate::error::{Error, Result};
 
@@ -48,20 +55,20 @@ pub enum ZeroStage {
     One,
     /// Optimizer state and gradients sharded.
     Two,
+    /// Optimizer state, gradients and parameters sharded (FSDP-style, module [`units`]).
+    Three,
 }
 
 impl ZeroStage {
-    /// `0`, `1` or `2` (what `--zero` takes); stage 3 is named as not built.
+    /// `0`, `1`, `2` or `3` (what `--zero` takes).
     pub fn from_level(level: u8) -> Result<ZeroStage> {
         match level {
             0 => Ok(ZeroStage::Ddp),
             1 => Ok(ZeroStage::One),
             2 => Ok(ZeroStage::Two),
-            3 => Err(Error::InvalidArgument(
-                "ZeRO stage 3 (parameter sharding) is not implemented yet; use 0, 1 or 2".into(),
-            )),
+            3 => Ok(ZeroStage::Three),
             n => Err(Error::InvalidArgument(format!(
-                "ZeRO stage {n} does not exist (0, 1, 2)"
+                "ZeRO stage {n} does not exist (0, 1, 2, 3)"
             ))),
         }
     }
@@ -71,6 +78,7 @@ impl ZeroStage {
             ZeroStage::Ddp => 0,
             ZeroStage::One => 1,
             ZeroStage::Two => 2,
+            ZeroStage::Three => 3,
         }
     }
 }

@@ -1,0 +1,214 @@
+//! What every sharded stage (1, 2 and 3) holds on a rank: the values of its chunks of a
+//! `ShardLayout` as 1-D `Var`s (named `bucket<b>` for the optimizer), stepped by an ordinary
+//! element-wise optimizer, and converted to and from `ddp::sharding`'s checkpoints. Shared by
+//! [`ZeroDdp`](crate::ZeroDdp) (chunks of the reducer's buckets) and [`Fsdp`](crate::Fsdp)
+//! (chunks of the units).
+
+use crate::optim::DynOptimizer;
+use crate::{Error, Result};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor, Var};
+use ddp::checkpoint::{
+    Checkpoint, CheckpointMeta, OptimizerRecord, OptimizerStateDict, TensorData,
+};
+use ddp::reducer::ParamSpec;
+use ddp::sharding::{self, ChunkState, ShardLayout, ShardState};
+use ddp_comm::{ProcessGroup, ReduceOp};
+use std::path::{Path, PathBuf};
+
+pub(crate) fn chunk_name(bucket: usize) -> String {
+    format!("bucket{bucket}")
+}
+
+/// This rank's chunks (see the module doc).
+pub(crate) struct Shard {
+    pub layout: ShardLayout,
+    /// One per chunk of `layout` (`None` for an empty chunk).
+    pub vars: Vec<Option<Var>>,
+}
+
+impl Shard {
+    /// The shard holding `values` (one per chunk of `layout`), and its named variables for the
+    /// optimizer.
+    pub fn new(layout: ShardLayout, values: Vec<Vec<f32>>) -> Result<(Shard, Vec<(String, Var)>)> {
+        let mut vars = Vec::new();
+        let mut named = Vec::new();
+        for (c, v) in layout.chunks().iter().zip(values) {
+            if c.is_empty() {
+                vars.push(None);
+                continue;
+            }
+            let var = Var::from_vec(v, c.len(), &Device::Cpu)?;
+            named.push((chunk_name(c.bucket), var.clone()));
+            vars.push(Some(var));
+        }
+        Ok((Shard { layout, vars }, named))
+    }
+
+    /// The values of chunk `i` (empty for an empty chunk).
+    pub fn chunk(&self, i: usize) -> Result<Vec<f32>> {
+        match &self.vars[i] {
+            Some(v) => Ok(v.as_tensor().to_vec1::<f32>()?),
+            None => Ok(Vec::new()),
+        }
+    }
+
+    /// The values of every chunk.
+    pub fn values(&self) -> Result<Vec<Vec<f32>>> {
+        (0..self.vars.len()).map(|i| self.chunk(i)).collect()
+    }
+
+    /// One optimizer step of the chunks with their averaged gradients (one per chunk).
+    pub fn step(&self, opt: &mut dyn DynOptimizer, grads: Vec<Vec<f32>>) -> Result<()> {
+        let mut store = GradStore::default();
+        for (var, g) in self.vars.iter().zip(grads) {
+            if let Some(var) = var {
+                let n = g.len();
+                store.insert(var.as_tensor(), Tensor::from_vec(g, n, &Device::Cpu)?);
+            }
+        }
+        opt.dyn_step(&store)?;
+        Ok(())
+    }
+
+    /// Parameter values and optimizer state of the chunks.
+    pub fn state(&self, opt: &dyn DynOptimizer) -> Result<ShardState> {
+        let state = opt.state_dict()?;
+        let mut chunks = Vec::new();
+        for ((c, values), var) in self
+            .layout
+            .chunks()
+            .iter()
+            .zip(self.values()?)
+            .zip(&self.vars)
+        {
+            let mut cs = ChunkState {
+                params: values,
+                ..Default::default()
+            };
+            if var.is_some() {
+                let prefix = format!("{}.", chunk_name(c.bucket));
+                for (k, t) in &state.tensors {
+                    if let Some(slot) = k.strip_prefix(&prefix) {
+                        cs.slots.insert(slot.to_string(), t.data.clone());
+                    }
+                }
+            }
+            chunks.push(cs);
+        }
+        Ok(ShardState {
+            optimizer: OptimizerRecord {
+                kind: state.kind,
+                step: state.step,
+                hyper: state.hyper,
+            },
+            chunks,
+        })
+    }
+
+    /// Sets the chunks and the optimizer state from `state` (this rank's cut of a checkpoint).
+    pub fn apply(&self, opt: &mut dyn DynOptimizer, state: ShardState) -> Result<()> {
+        if !state.optimizer.kind.is_empty() && state.optimizer.kind != opt.kind() {
+            return Err(Error::Ddp(ddp::Error::Mismatch(format!(
+                "checkpoint holds {} optimizer state but the optimizer is {}",
+                state.optimizer.kind,
+                opt.kind()
+            ))));
+        }
+        let mut dict = OptimizerStateDict::new(state.optimizer.kind.clone(), state.optimizer.step);
+        dict.hyper = state.optimizer.hyper.clone();
+        for ((c, cs), var) in self
+            .layout
+            .chunks()
+            .iter()
+            .zip(&state.chunks)
+            .zip(&self.vars)
+        {
+            if var.is_none() {
+                continue;
+            }
+            for (slot, v) in &cs.slots {
+                dict.tensors.insert(
+                    OptimizerStateDict::key(&chunk_name(c.bucket), slot),
+                    TensorData::new(vec![v.len()], v.clone())?,
+                );
+            }
+        }
+        opt.load_state_dict(&dict)?;
+        for (var, cs) in self.vars.iter().zip(state.chunks) {
+            if let Some(var) = var {
+                let n = cs.params.len();
+                var.set(&Tensor::from_vec(cs.params, n, &Device::Cpu)?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::checkpoint`).
+    pub fn save(
+        &self,
+        pg: &ProcessGroup,
+        opt: &dyn DynOptimizer,
+        specs: &[ParamSpec],
+        dir: &Path,
+        meta: &CheckpointMeta,
+    ) -> Result<PathBuf> {
+        // A failure to read the state on one rank must not leave the others waiting.
+        let state = match self.state(opt) {
+            Ok(s) => s,
+            Err(e) => {
+                let mut flag = [1u8];
+                let _ = pg.all_reduce(&mut flag, ReduceOp::Max);
+                return Err(e);
+            }
+        };
+        Ok(sharding::save_sharded(
+            pg,
+            dir,
+            &self.layout,
+            specs,
+            &state,
+            meta,
+        )?)
+    }
+
+    /// This rank's cut of the current sharded set of `dir` (any world size, any stage), agreed
+    /// over the ranks: an error on one is an error on all. Reads only.
+    pub fn load(
+        &self,
+        pg: &ProcessGroup,
+        specs: &[ParamSpec],
+        dir: &Path,
+    ) -> Result<Option<(ShardState, CheckpointMeta)>> {
+        let loaded = sharding::load_sharded(dir, &self.layout, specs).map_err(Error::from);
+        agree(pg, "loading the sharded checkpoint", loaded)
+    }
+
+    /// This rank's cut of a plain checkpoint, agreed over the ranks.
+    pub fn import(
+        &self,
+        pg: &ProcessGroup,
+        specs: &[ParamSpec],
+        ckpt: &Checkpoint,
+    ) -> Result<ShardState> {
+        let state = sharding::import(ckpt, &self.layout, specs).map_err(Error::from);
+        agree(pg, "importing the checkpoint", state)
+    }
+}
+
+/// `r` on this rank, failed on every rank if it failed on any (naming those ranks).
+pub(crate) fn agree<T>(pg: &ProcessGroup, what: &str, r: Result<T>) -> Result<T> {
+    let mut flags = vec![0u8; pg.size()];
+    flags[pg.rank()] = r.is_err() as u8;
+    pg.all_reduce(&mut flags, ReduceOp::Max)?;
+    match r {
+        Err(e) => Err(e),
+        Ok(_) if flags.iter().any(|&f| f != 0) => Err(Error::Unsupported(format!(
+            "{what} failed on rank(s) {:?}; nothing was changed",
+            (0..pg.size())
+                .filter(|&r| flags[r] != 0)
+                .collect::<Vec<_>>()
+        ))),
+        Ok(v) => Ok(v),
+    }
+}

@@ -2,6 +2,8 @@
 //! real checkpoint files, real `SIGKILL`. Every process is waited on with a deadline and killed
 //! if it overruns, so a hang fails the test instead of blocking it.
 
+mod common;
+
 use std::io::{BufReader, Read};
 use std::path::Path;
 use std::process::{Child, Command, Stdio};
@@ -155,15 +157,7 @@ fn interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one() {
             "{}",
             f.stdout
         );
-        for k in [
-            "steps",
-            "param_sum",
-            "param_l2",
-            "final_loss",
-            "test_accuracy",
-        ] {
-            assert_eq!(resumed[k], full[k], "{optimizer}: {k} differs after resume");
-        }
+        common::assert_same_run(&resumed, &full, &format!("{optimizer} after resume"));
         // A checkpoint of other hyper-parameters is refused with a clear error.
         let f = wait_bounded(
             launch(&[&o[..], &["--lr", "0.5", "--resume", "--checkpoint-dir", d]].concat()),
@@ -193,15 +187,7 @@ fn resume_is_exact_with_stateful_comm_hooks() {
         let (part, _) = run_ok(&[&o[..], &["--max-steps", "30", "--checkpoint-dir", d]].concat());
         assert_eq!(part["steps"], 30);
         let (resumed, _) = run_ok(&[&o[..], &["--resume", "--checkpoint-dir", d]].concat());
-        for k in [
-            "steps",
-            "param_sum",
-            "param_l2",
-            "final_loss",
-            "test_accuracy",
-        ] {
-            assert_eq!(resumed[k], full[k], "{hook}: {k} differs after resume");
-        }
+        common::assert_same_run(&resumed, &full, &format!("{hook} after resume"));
         let other = [
             &o[..1],
             &["bf16", "--hidden", "256", "--epochs", "2"],
@@ -393,13 +379,5 @@ fn zero_3_trains_like_ddp_and_resumes_exactly() {
         "{}",
         f.stdout
     );
-    for k in [
-        "steps",
-        "param_sum",
-        "param_l2",
-        "final_loss",
-        "test_accuracy",
-    ] {
-        assert_eq!(resumed[k], full[k], "{k} differs after resume");
-    }
+    common::assert_same_run(&resumed, &full, "after resume");
 }

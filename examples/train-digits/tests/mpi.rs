@@ -4,6 +4,8 @@
 
 #![cfg(feature = "mpi")]
 
+mod common;
+
 use std::process::{Command, Output, Stdio};
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-digits");
@@ -53,13 +55,5 @@ fn mpirun_train_digits_backend_mpi_matches_tcp_bit_for_bit() {
     assert_eq!(m["world_size"], 2, "{m}");
     assert_eq!(m["replicas_identical"], true, "{m}");
     assert_eq!(m["max_param_diff"], 0.0, "{m}");
-    for k in [
-        "steps",
-        "param_sum",
-        "param_l2",
-        "final_loss",
-        "test_accuracy",
-    ] {
-        assert_eq!(m[k], t[k], "{k}: mpi {m} vs tcp {t}");
-    }
+    common::assert_same_run(&m, &t, "mpirun against tcp");
 }

@@ -61,6 +61,7 @@ pub mod cuda;
 mod data_parallel;
 pub mod device;
 pub mod fsdp;
+pub mod nn;
 pub mod optim;
 pub mod params;
 pub mod prelude;

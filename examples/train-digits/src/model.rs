@@ -1,10 +1,12 @@
-//! The classifier: an MLP `64 → hidden → 10` (ReLU), its parameters in a candle `VarMap`, built
+//! The classifier: an MLP `64 → hidden → 10` (ReLU; `ddp_candle::nn::Linear` layers, PyTorch's
+//! layout with a cheaper CPU backward), its parameters in a candle `VarMap`, built
 //! as two stages (`fc1 + relu`, `fc2`) so the staged backward can overlap communication.
 //! Initialization is PyTorch's `nn.Linear` default (uniform in `±1/sqrt(fan_in)`) drawn from a
 //! seeded generator, so runs are reproducible (DDP then copies rank 0's values everywhere anyway).
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
-use candle_nn::{Linear, VarMap};
+use candle_nn::VarMap;
+use ddp_candle::nn::Linear;
 use rand::{Rng, SeedableRng};
 
 pub struct Mlp {

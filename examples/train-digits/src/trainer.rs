@@ -20,12 +20,12 @@ pub enum Trainer {
 pub fn units(inputs: usize, hidden: usize, classes: usize) -> Vec<Unit> {
     vec![
         Unit::new(["fc1"], move |vb, x: &Tensor| {
-            candle_nn::linear(inputs, hidden, vb.pp("fc1"))?
+            ddp_candle::nn::linear(inputs, hidden, vb.pp("fc1"))?
                 .forward(x)?
                 .relu()
         }),
         Unit::new(["fc2"], move |vb, x: &Tensor| {
-            candle_nn::linear(hidden, classes, vb.pp("fc2"))?.forward(x)
+            ddp_candle::nn::linear(hidden, classes, vb.pp("fc2"))?.forward(x)
         }),
     ]
 }

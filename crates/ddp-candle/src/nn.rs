@@ -1,0 +1,277 @@
+//! Layers whose CPU backward costs less than candle's own.
+//!
+//! [`Linear`] is `candle_nn::Linear` (PyTorch's `nn.Linear`: weight `[out, in]`, `y = x Wᵀ + b`,
+//! the same parameters, names and forward values bit for bit) with one difference: its weight
+//! gradient is computed directly in the weight's `[out, in]` layout (`gᵀ x`, one matmul).
+//! candle differentiates `x.matmul(&w.t())` through the transpose: it computes `xᵀ g` as
+//! `[in, out]` and then adds that, transposed, element by element (a strided walk) into a fresh
+//! zero tensor of the weight's shape. On `train-digits --hidden 4096` (batch 32, CPU) that walk
+//! was the largest single item of the step; see the README's "Comm hooks on a shaped link"
+//! section for the measured effect.
+//!
+//! On other devices (CUDA, Metal) [`Linear`] runs `candle_nn::Linear`'s ops unchanged.
+//!
+//! ```ignore
+//! let fc1 = ddp_candle::nn::linear(64, 4096, vb.pp("fc1"))?; // like candle_nn::linear
+//! let y = fc1.forward(&x)?;
+//! ```
+
+use candle_core::backend::BackendStorage;
+use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor};
+use candle_nn::VarBuilder;
+
+/// `candle_nn::Linear` with a weight gradient computed in the weight's own layout (module doc).
+#[derive(Clone, Debug)]
+pub struct Linear {
+    weight: Tensor,
+    bias: Option<Tensor>,
+}
+
+impl Linear {
+    /// A layer over `weight` (`[out, in]`) and an optional `bias` (`[out]`), as
+    /// `candle_nn::Linear::new`.
+    pub fn new(weight: Tensor, bias: Option<Tensor>) -> Linear {
+        Linear { weight, bias }
+    }
+
+    pub fn weight(&self) -> &Tensor {
+        &self.weight
+    }
+
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.bias.as_ref()
+    }
+}
+
+impl From<candle_nn::Linear> for Linear {
+    fn from(l: candle_nn::Linear) -> Linear {
+        Linear::new(l.weight().clone(), l.bias().cloned())
+    }
+}
+
+/// `candle_nn::linear`: the same variables (`weight`, `bias` under `vb`), the same
+/// initialization.
+pub fn linear(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    candle_nn::linear(in_dim, out_dim, vb).map(Linear::from)
+}
+
+/// `candle_nn::linear_no_bias`.
+pub fn linear_no_bias(in_dim: usize, out_dim: usize, vb: VarBuilder) -> Result<Linear> {
+    candle_nn::linear_no_bias(in_dim, out_dim, vb).map(Linear::from)
+}
+
+impl Module for Linear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        if !x.device().is_cpu() || x.rank() < 2 || self.weight.rank() != 2 {
+            return candle_nn::Linear::new(self.weight.clone(), self.bias.clone()).forward(x);
+        }
+        // Leading dimensions flattened into rows: [.., in] -> [rows, in] -> [rows, out] -> [.., out].
+        let dims = x.dims().to_vec();
+        let rows: usize = dims[..dims.len() - 1].iter().product();
+        let x2 = x.reshape((rows, dims[dims.len() - 1]))?;
+        let y = match &self.bias {
+            Some(b) => x2.apply_op3(&self.weight, b, LinearOp)?,
+            None => x2.apply_op2(&self.weight, LinearOp)?,
+        };
+        let mut out = dims;
+        *out.last_mut().expect("rank >= 2") = self.weight.dim(0)?;
+        y.reshape(out)
+    }
+}
+
+/// `x Wᵀ (+ b)` for `x: [n, k]`, `W: [m, k]`, `b: [m]` (the op with two arguments has no bias).
+struct LinearOp;
+
+/// `x Wᵀ`, by the call candle makes for `x.matmul(&w.t())` (so bit for bit its forward).
+fn matmul_wt(x: &CpuStorage, lx: &Layout, w: &CpuStorage, lw: &Layout) -> Result<CpuStorage> {
+    let (n, k) = lx.shape().dims2()?;
+    let (m, kw) = lw.shape().dims2()?;
+    if k != kw {
+        candle_core::bail!(
+            "linear: input has {k} features but the weight is [{m}, {kw}] (expects {kw})"
+        );
+    }
+    x.matmul(w, (1, n, m, k), lx, &lw.transpose(0, 1)?)
+}
+
+/// The input's and the weight's gradients: `g W` and `gᵀ x` (none for what needs none).
+fn grads_xw(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+    let gx = x.track_op().then(|| g.matmul(w)).transpose()?;
+    let gw = w.track_op().then(|| g.t()?.matmul(x)).transpose()?;
+    Ok((gx, gw))
+}
+
+impl CustomOp2 for LinearOp {
+    fn name(&self) -> &'static str {
+        "ddp-candle-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = matmul_wt(x, lx, w, lw)?;
+        Ok((y, Shape::from((lx.dims()[0], lw.dims()[0]))))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        grads_xw(x, w, g)
+    }
+}
+
+impl CustomOp3 for LinearOp {
+    fn name(&self) -> &'static str {
+        "ddp-candle-linear"
+    }
+
+    fn cpu_fwd(
+        &self,
+        x: &CpuStorage,
+        lx: &Layout,
+        w: &CpuStorage,
+        lw: &Layout,
+        b: &CpuStorage,
+        lb: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let y = matmul_wt(x, lx, w, lw)?;
+        let shape = Shape::from((lx.dims()[0], lw.dims()[0]));
+        if lb.dims() != [shape.dims()[1]] {
+            candle_core::bail!(
+                "linear: the bias has shape {:?} but the weight has {} rows",
+                lb.dims(),
+                shape.dims()[1]
+            );
+        }
+        // candle's own broadcast add (what `broadcast_add` runs): bit for bit its forward.
+        let y = y.binary_impl::<candle_core::op::Add>(
+            b,
+            &Layout::contiguous(&shape),
+            &lb.broadcast_as(shape.clone())?,
+        )?;
+        Ok((y, shape))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        b: &Tensor,
+        _y: &Tensor,
+        g: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let (gx, gw) = grads_xw(x, w, g)?;
+        let gb = if b.track_op() {
+            let (n, m) = g.dims2()?;
+            let ones = Tensor::ones((1, n), g.dtype(), g.device())?;
+            Some(ones.matmul(g)?.reshape(m)?)
+        } else {
+            None
+        };
+        Ok((gx, gw, gb))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var};
+
+    fn rand(shape: &[usize], seed: u64) -> Tensor {
+        let n: usize = shape.iter().product();
+        let mut s = seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1;
+        let v: Vec<f32> = (0..n)
+            .map(|_| {
+                s ^= s << 13;
+                s ^= s >> 7;
+                s ^= s << 17;
+                (s % 2001) as f32 / 1000.0 - 1.0
+            })
+            .collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> f32 {
+        let d = (a - b).unwrap().abs().unwrap().flatten_all().unwrap();
+        let d = d.max(0).unwrap().to_scalar::<f32>().unwrap();
+        let s = b.abs().unwrap().flatten_all().unwrap().max(0).unwrap();
+        d / s.to_scalar::<f32>().unwrap().max(1e-30)
+    }
+
+    /// Forward bit for bit and every gradient (input, weight, bias) within f32 rounding of
+    /// candle_nn::Linear's, for 2-D and 3-D inputs, with and without bias, through a
+    /// nonlinear loss so that the incoming gradient is not uniform.
+    #[test]
+    fn equals_candle_nn_linear_values_and_gradients() {
+        for (shape, bias) in [
+            (vec![5usize, 7], true),
+            (vec![1, 3], false),
+            (vec![2, 3, 4], true),
+            (vec![32, 64], true),
+        ] {
+            let (k, m) = (shape[shape.len() - 1], 9);
+            let x = Var::from_tensor(&rand(&shape, 1)).unwrap();
+            let w = Var::from_tensor(&rand(&[m, k], 2)).unwrap();
+            let b = Var::from_tensor(&rand(&[m], 3)).unwrap();
+            let b = bias.then(|| b.as_tensor().clone());
+            let ours = Linear::new(w.as_tensor().clone(), b.clone());
+            let theirs = candle_nn::Linear::new(w.as_tensor().clone(), b.clone());
+            let y1 = ours.forward(x.as_tensor()).unwrap();
+            let y2 = theirs.forward(x.as_tensor()).unwrap();
+            assert_eq!(y1.dims(), y2.dims());
+            let (v1, v2) = (
+                y1.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                y2.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            );
+            assert_eq!(v1, v2, "{shape:?}: forward differs");
+            let g1 = y1.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            let g2 = y2.sqr().unwrap().sum_all().unwrap().backward().unwrap();
+            let mut vars = vec![("x", x.as_tensor()), ("w", w.as_tensor())];
+            if let Some(b) = &b {
+                vars.push(("b", b));
+            }
+            for (name, t) in vars {
+                let (a, e) = (g1.get(t).unwrap(), g2.get(t).unwrap());
+                assert_eq!(a.dims(), e.dims(), "{shape:?}: {name}");
+                let r = max_rel(a, e);
+                assert!(r < 1e-6, "{shape:?}: gradient of {name} off by {r:e}");
+            }
+        }
+    }
+
+    /// An input that needs no gradient (data) gets none; the weight still does.
+    #[test]
+    fn data_input_gets_no_gradient() {
+        let x = rand(&[4, 3], 5);
+        let w = Var::from_tensor(&rand(&[2, 3], 6)).unwrap();
+        let l = Linear::new(w.as_tensor().clone(), None);
+        let g = l
+            .forward(&x)
+            .unwrap()
+            .sum_all()
+            .unwrap()
+            .backward()
+            .unwrap();
+        assert!(g.get(&x).is_none());
+        let gw = g.get(w.as_tensor()).unwrap();
+        // d(sum(x Wᵀ))/dW[j, :] = column sums of x.
+        let want = x.sum_keepdim(0).unwrap().broadcast_as((2, 3)).unwrap();
+        assert!(max_rel(gw, &want.to_dtype(DType::F32).unwrap()) < 1e-6);
+    }
+
+    #[test]
+    fn a_mismatched_input_is_an_error_naming_the_sizes() {
+        let x = rand(&[4, 5], 7);
+        let l = Linear::new(rand(&[2, 3], 8), None);
+        let e = l.forward(&x).unwrap_err().to_string();
+        assert!(e.contains("5 features") && e.contains("[2, 3]"), "{e}");
+    }
+}

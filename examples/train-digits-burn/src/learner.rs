@@ -64,10 +64,13 @@ fn last_checkpoint(dir: &Path) -> Option<usize> {
 }
 
 pub fn run(args: &Args) -> BoxResult<()> {
-    if args.hook != ddp::hooks::HookSpec::None || args.max_steps.is_some() {
+    if args.hook != ddp::hooks::HookSpec::None
+        || args.max_steps.is_some()
+        || args.target_accuracy.is_some()
+    {
         return Err(
-            "--learner runs Burn's epoch loop with plain DDP: --hook and --max-steps \
-                    are the plain loop's"
+            "--learner runs Burn's epoch loop with plain DDP: --hook, --max-steps and \
+             --target-accuracy are the plain loop's"
                 .into(),
         );
     }
@@ -182,6 +185,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
         steps_run: fit.steps,
         local_samples: (fit.epochs * samples_per_epoch) as u64,
         train_time,
+        time_to_target: None,
+        bytes_sent: ddp.reducer().bytes_sent(),
     };
     report(args, &pg, &ddp, &train, &test, &device, run)
 }

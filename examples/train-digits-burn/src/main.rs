@@ -91,6 +91,10 @@ pub struct Args {
     /// `localsgd[:PERIOD[:WARMUP]]`. Hook state is saved in checkpoints.
     #[arg(long, default_value = "none")]
     pub hook: ddp::hooks::HookSpec,
+    /// Stop once rank 0's held-out accuracy at the end of an epoch reaches this, as in
+    /// train-digits (reports `time_to_target_s`, training time excluding evaluations).
+    #[arg(long)]
+    pub target_accuracy: Option<f64>,
     /// Train through Burn's own loop (`burn-train`'s `SupervisedTraining` / `Learner`) with
     /// ddp-rs as its training strategy; with --checkpoint-dir Burn's checkpointer writes there.
     #[arg(long)]

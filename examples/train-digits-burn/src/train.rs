@@ -215,6 +215,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
     }
 
     let start = Instant::now();
+    let mut eval_time = Duration::ZERO;
+    let mut time_to_target: Option<Duration> = None;
     let mut local_samples = 0u64;
     let mut steps_run = 0u64;
     'epochs: while pos.epoch < args.epochs {
@@ -243,6 +245,20 @@ pub fn run(args: &Args) -> BoxResult<()> {
         pos.epoch += 1;
         pos.consumed = 0;
         save(&pg, args, &plan, &ddp, &opt, averager.as_ref(), &pos)?;
+        if let Some(target) = args.target_accuracy {
+            // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
+            let paused = Instant::now();
+            let mut reached = [0f64];
+            if rank == 0 && evaluate(ddp.module(), &test, &device).0 >= target {
+                reached[0] = 1.0;
+            }
+            pg.all_reduce(&mut reached, ReduceOp::Max)?;
+            eval_time += paused.elapsed();
+            if reached[0] > 0.0 {
+                time_to_target = Some(start.elapsed() - eval_time);
+                break 'epochs;
+            }
+        }
         if rank == 0
             && args.log_every > 0
             && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
@@ -259,8 +275,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
             );
         }
     }
-    let train_time = start.elapsed();
-    if pos.epoch < args.epochs {
+    let train_time = start.elapsed() - eval_time;
+    if pos.epoch < args.epochs && time_to_target.is_none() {
         save(&pg, args, &plan, &ddp, &opt, averager.as_ref(), &pos)?;
     }
 
@@ -268,11 +284,14 @@ pub fn run(args: &Args) -> BoxResult<()> {
     if let Some(a) = &mut averager {
         ddp.average_parameters_now(a)?;
     }
+    let bytes_sent = ddp.reducer().bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent());
     let run = RunCounts {
         steps: pos.step,
         steps_run,
         local_samples,
         train_time,
+        time_to_target,
+        bytes_sent,
     };
     report(args, &pg, &ddp, &train, &test, &device, run)
 }
@@ -285,7 +304,12 @@ pub struct RunCounts {
     pub steps_run: u64,
     /// Samples this rank trained on in this run.
     pub local_samples: u64,
+    /// Training time, evaluations for --target-accuracy excluded.
     pub train_time: Duration,
+    /// When the held-out accuracy reached --target-accuracy (evaluations excluded).
+    pub time_to_target: Option<Duration>,
+    /// Bytes this rank sent for gradients and model averaging in this run.
+    pub bytes_sent: u64,
 }
 
 /// Checks the replicas and prints the summary (rank 0), as train-digits does; a collective.
@@ -339,9 +363,13 @@ pub fn report(
             max_diff
         );
         if args.json {
-            let fields: [(&str, serde_json::Value); 10] = [
+            // train-digits' keys, in its order.
+            let time_to_target: serde_json::Value = run
+                .time_to_target
+                .map_or(serde_json::Value::Null, |t| t.as_secs_f64().into());
+            let bytes_per_step = run.bytes_sent as f64 / run.steps_run.max(1) as f64;
+            let fields: [(&str, serde_json::Value); 13] = [
                 ("world_size", world.into()),
-                ("hook", args.hook.to_string().into()),
                 ("steps", run.steps.into()),
                 ("test_accuracy", test_acc.into()),
                 ("final_loss", train_loss.into()),
@@ -350,6 +378,10 @@ pub fn report(
                 ("max_param_diff", max_diff.into()),
                 ("param_sum", param_sum.into()),
                 ("param_l2", param_l2.into()),
+                ("hook", args.hook.to_string().into()),
+                ("bytes_per_step", bytes_per_step.into()),
+                ("train_time_s", counts[1].into()),
+                ("time_to_target_s", time_to_target),
             ];
             let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
             println!("{{{}}}", body.join(","));

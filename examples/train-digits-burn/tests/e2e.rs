@@ -66,6 +66,63 @@ fn two_processes_learn_the_digits_with_identical_replicas() {
     assert!(j["test_accuracy"].as_f64().unwrap() >= 0.95, "{j}");
     // 1437 images over 2 ranks in batches of 32: 23 steps per epoch, 30 epochs.
     assert_eq!(j["steps"], 23 * 30, "{j}");
+    assert!(j["time_to_target_s"].is_null(), "no target given: {j}");
+}
+
+/// `--target-accuracy` stops at the end of the first epoch whose held-out accuracy reaches it,
+/// on every rank, and the final line carries train-digits' keys in train-digits' order.
+#[test]
+fn target_accuracy_stops_at_an_epoch_end_and_the_json_line_matches_train_digits() {
+    let (code, out, err) = finish(
+        start(&[
+            "--nproc",
+            "2",
+            "--json",
+            "--log-every",
+            "0",
+            "--target-accuracy",
+            "0.9",
+        ]),
+        Duration::from_secs(300),
+    );
+    assert_eq!(code, Some(0), "{out}\n{err}");
+    let last = out.lines().last().unwrap();
+    let j: serde_json::Value = serde_json::from_str(last).unwrap();
+    let keys = [
+        "world_size",
+        "steps",
+        "test_accuracy",
+        "final_loss",
+        "samples_per_s",
+        "replicas_identical",
+        "max_param_diff",
+        "param_sum",
+        "param_l2",
+        "hook",
+        "bytes_per_step",
+        "train_time_s",
+        "time_to_target_s",
+    ];
+    let mut at = 0;
+    for k in keys {
+        let pos = last[at..]
+            .find(&format!("\"{k}\":"))
+            .unwrap_or_else(|| panic!("{k} missing or out of train-digits' order: {last}"));
+        at += pos;
+    }
+    assert_eq!(j.as_object().unwrap().len(), keys.len(), "{last}");
+    let steps = j["steps"].as_u64().unwrap();
+    assert!(
+        steps < 23 * 30 && steps.is_multiple_of(23),
+        "stopped at an epoch end: {j}"
+    );
+    assert!(j["test_accuracy"].as_f64().unwrap() >= 0.9, "{j}");
+    assert_eq!(j["replicas_identical"], true, "{j}");
+    let t = j["time_to_target_s"].as_f64().unwrap();
+    assert!(t > 0.0 && t <= j["train_time_s"].as_f64().unwrap(), "{j}");
+    // Plain all-reduce at two ranks: each rank sends its whole gradient once per step.
+    let params = (64 * 128 + 128 + 128 * 10 + 10) as f64;
+    assert_eq!(j["bytes_per_step"].as_f64().unwrap(), params * 4.0, "{j}");
 }
 
 /// Runs 3 epochs with `extra` flags uninterrupted, then stopped at step 30 (mid-epoch 2) and

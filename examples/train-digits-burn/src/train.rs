@@ -214,6 +214,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
         );
     }
 
+    // The clock starts once every rank holds its replica (rank 0's broadcast received: on a
+    // slow link that takes a while after rank 0 has sent it), as the PyTorch peer's barrier.
+    pg.barrier()?;
     let start = Instant::now();
     let mut eval_time = Duration::ZERO;
     let mut time_to_target: Option<Duration> = None;

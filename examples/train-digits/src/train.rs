@@ -324,6 +324,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let stage1 = |x: &Tensor| model.stage1(x);
     let stage2 = |h: &Tensor| model.stage2(h);
     let stages: [&dyn Module; 2] = [&stage1, &stage2];
+    // The clock starts once every rank holds its replica (rank 0's broadcast received: on a
+    // slow link that takes a while after rank 0 has sent it), as the PyTorch peer's barrier.
+    pg.barrier()?;
     let start = Instant::now();
     let mut eval_time = Duration::ZERO;
     let mut time_to_target: Option<Duration> = None;

@@ -105,11 +105,12 @@ pub struct TrainArgs {
     /// saves for this model (measured: 104 vs 82 ms/step at world 2), hence plain by default.
     #[arg(long)]
     pub staged: bool,
-    /// Layout of the linear layers' weights: `out-in` is `candle_nn::Linear` (PyTorch's layout,
-    /// `x @ W^T`); `in-out` stores W^T (Flax's `Dense` kernel layout, `x @ W`). The model and its
-    /// arithmetic are the same; candle's backward of `W^T` adds a transposed (strided) gradient
-    /// into a zero tensor, which `in-out` avoids.
-    #[arg(long, default_value = "out-in", value_parser = ["out-in", "in-out"])]
+    /// Layout of the linear layers' weights: `out-in` is `ddp_candle::nn::Linear` (PyTorch's
+    /// layout, `x @ W^T`, its backward three matmuls); `candle-nn` the same layout through
+    /// `candle_nn::Linear`, whose backward of `W^T` adds a transposed (strided) gradient into a
+    /// zero tensor and sums the bias gradient with a strided reduction; `in-out` stores W^T
+    /// (Flax's `Dense` kernel layout, `x @ W`). The model and its arithmetic are the same.
+    #[arg(long, default_value = "out-in", value_parser = ["out-in", "candle-nn", "in-out"])]
     pub weight_layout: String,
     /// DDP bucket cap in MiB (PyTorch's `bucket_cap_mb`).
     #[arg(long, default_value_t = 25.0, value_parser = bucket_cap)]

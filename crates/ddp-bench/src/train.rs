@@ -18,18 +18,22 @@ use std::time::Instant;
 
 use crate::TrainArgs;
 
-/// A linear layer in either weight layout (`--weight-layout`).
+/// A linear layer in the weight layout and implementation of `--weight-layout`.
 enum Dense {
-    /// `candle_nn::Linear`: weight `[out, in]`, `x @ W^T + b`.
-    OutIn(Linear),
+    /// `ddp_candle::nn::Linear`: weight `[out, in]`, `x @ W^T + b`, backward as three matmuls.
+    OutIn(ddp_candle::nn::Linear),
+    /// `candle_nn::Linear`: the same, with candle's own backward.
+    CandleNn(Linear),
     /// Weight `[in, out]`, `x @ W + b`.
     InOut { w: Tensor, b: Tensor },
 }
 
 impl Dense {
     fn new(layout: &str, i: usize, o: usize, vb: VarBuilder) -> candle_core::Result<Dense> {
-        if layout == "out-in" {
-            return Ok(Dense::OutIn(linear(i, o, vb)?));
+        match layout {
+            "out-in" => return Ok(Dense::OutIn(ddp_candle::nn::linear(i, o, vb)?)),
+            "candle-nn" => return Ok(Dense::CandleNn(linear(i, o, vb)?)),
+            _ => {}
         }
         // candle_nn::linear's initialisation, transposed.
         let bound = 1. / (i as f64).sqrt();
@@ -54,6 +58,7 @@ impl Module for Block {
     fn forward(&self, x: &Tensor) -> candle_core::Result<Tensor> {
         let y = match &self.lin {
             Dense::OutIn(l) => l.forward(x)?,
+            Dense::CandleNn(l) => l.forward(x)?,
             Dense::InOut { w, b } => x.matmul(w)?.broadcast_add(b)?,
         };
         if self.relu {

@@ -2,6 +2,9 @@
 //! `ddprun::spawn`, real collectives, real checkpoint files, a real `SIGKILL`. Every process is
 //! waited on with a deadline and killed if it overruns, so a hang fails the test.
 
+#[path = "../../train-digits/tests/common/mod.rs"]
+mod common;
+
 use std::io::Read;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
@@ -88,29 +91,7 @@ fn target_accuracy_stops_at_an_epoch_end_and_the_json_line_matches_train_digits(
     assert_eq!(code, Some(0), "{out}\n{err}");
     let last = out.lines().last().unwrap();
     let j: serde_json::Value = serde_json::from_str(last).unwrap();
-    let keys = [
-        "world_size",
-        "steps",
-        "test_accuracy",
-        "final_loss",
-        "samples_per_s",
-        "replicas_identical",
-        "max_param_diff",
-        "param_sum",
-        "param_l2",
-        "hook",
-        "bytes_per_step",
-        "train_time_s",
-        "time_to_target_s",
-    ];
-    let mut at = 0;
-    for k in keys {
-        let pos = last[at..]
-            .find(&format!("\"{k}\":"))
-            .unwrap_or_else(|| panic!("{k} missing or out of train-digits' order: {last}"));
-        at += pos;
-    }
-    assert_eq!(j.as_object().unwrap().len(), keys.len(), "{last}");
+    common::assert_json_keys_in_order(last);
     let steps = j["steps"].as_u64().unwrap();
     assert!(
         steps < 23 * 30 && steps.is_multiple_of(23),

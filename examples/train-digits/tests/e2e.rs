@@ -84,31 +84,7 @@ fn run_ok(args: &[&str]) -> (serde_json::Value, Finished) {
 #[test]
 fn default_run_reaches_95_percent_with_identical_replicas() {
     let (v, f) = run_ok(&["--nproc", "2", "--json"]);
-    let keys: Vec<&str> = v.as_object().unwrap().keys().map(|k| k.as_str()).collect();
-    let mut want = [
-        "world_size",
-        "steps",
-        "test_accuracy",
-        "final_loss",
-        "samples_per_s",
-        "replicas_identical",
-        "max_param_diff",
-        "param_sum",
-        "param_l2",
-        "hook",
-        "bytes_per_step",
-        "train_time_s",
-        "time_to_target_s",
-    ];
-    want.sort();
-    assert_eq!(keys, want);
-    // The line itself lists them in the documented order.
-    assert!(f
-        .stdout
-        .lines()
-        .last()
-        .unwrap()
-        .starts_with("{\"world_size\":2,\"steps\":"));
+    common::assert_json_keys_in_order(f.stdout.lines().last().unwrap());
     assert_eq!(v["world_size"], 2);
     assert!(v["test_accuracy"].as_f64().unwrap() >= 0.95, "{v}");
     assert_eq!(v["replicas_identical"], true);

@@ -1,4 +1,7 @@
-//! What the train-digits test binaries share.
+//! What the train-digits test binaries share (train-digits-burn's tests include it too: its
+//! final line is train-digits').
+
+#![allow(dead_code)] // each test binary uses its own part
 
 /// The keys of the final JSON line that pin a training run down: two runs that agree on all of
 /// them (exactly) trained the same model.
@@ -15,5 +18,40 @@ pub const RESULT_KEYS: [&str; 5] = [
 pub fn assert_same_run(got: &serde_json::Value, want: &serde_json::Value, what: &str) {
     for k in RESULT_KEYS {
         assert_eq!(got[k], want[k], "{what}: {k} differs: {got} vs {want}");
+    }
+}
+
+/// The keys of the final `--json` line, in their documented order.
+pub const JSON_KEYS: [&str; 13] = [
+    "world_size",
+    "steps",
+    "test_accuracy",
+    "final_loss",
+    "samples_per_s",
+    "replicas_identical",
+    "max_param_diff",
+    "param_sum",
+    "param_l2",
+    "hook",
+    "bytes_per_step",
+    "train_time_s",
+    "time_to_target_s",
+];
+
+/// Asserts that `line` is a JSON object with exactly [`JSON_KEYS`], written in that order.
+pub fn assert_json_keys_in_order(line: &str) {
+    let v: serde_json::Value =
+        serde_json::from_str(line).unwrap_or_else(|e| panic!("not JSON ({e}): {line}"));
+    assert_eq!(
+        v.as_object().map(|o| o.len()),
+        Some(JSON_KEYS.len()),
+        "{line}"
+    );
+    let mut at = 0;
+    for k in JSON_KEYS {
+        let pos = line[at..]
+            .find(&format!("\"{k}\":"))
+            .unwrap_or_else(|| panic!("{k} missing or out of the documented order: {line}"));
+        at += pos;
     }
 }

@@ -26,12 +26,13 @@
 //! `f32` even for 16-bit buckets; `start_powersgd_iter` may be 0 or 1 (there is no bucket
 //! rebuilding to wait for).
 
-use super::{restore, to_f32, wire_dtype};
+use super::{narrow, restore, to_f32, wire_dtype};
 use crate::checkpoint::TensorData;
 use crate::error::{Error, Result};
 use crate::reducer::{BucketWork, CommHook, GradBucket, HookState, PendingBucket};
 use ddp_comm::process_group::Chain;
 use ddp_comm::{DType, ProcessGroup, ReduceOp, Work};
+use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
@@ -460,20 +461,21 @@ impl SecondHalf {
 
 /// All-reduce (sum) `v` in place, sent as `wire` (16-bit buckets in their own dtype).
 fn all_reduce_wire(chain: &mut Chain<'_>, v: &mut [f32], wire: DType) -> ddp_comm::Result<()> {
-    fn through<T: ddp_comm::Element>(
+    fn through<T: ddp_comm::Element + Default>(
         chain: &mut Chain<'_>,
         v: &mut [f32],
-        to: impl Fn(f32) -> T,
-        back: impl Fn(T) -> f32,
-    ) -> ddp_comm::Result<()> {
-        let mut w: Vec<T> = v.iter().map(|&x| to(x)).collect();
+    ) -> ddp_comm::Result<()>
+    where
+        [T]: HalfFloatSliceExt,
+    {
+        let mut w: Vec<T> = narrow(v);
         chain.all_reduce(&mut w, ReduceOp::Sum)?;
-        v.iter_mut().zip(w).for_each(|(x, y)| *x = back(y));
+        w.convert_to_f32_slice(v);
         Ok(())
     }
     match wire {
-        DType::F16 => through(chain, v, f16::from_f32, f16::to_f32),
-        DType::BF16 => through(chain, v, bf16::from_f32, bf16::to_f32),
+        DType::F16 => through::<f16>(chain, v),
+        DType::BF16 => through::<bf16>(chain, v),
         _ => chain.all_reduce(v, ReduceOp::Sum),
     }
 }

@@ -670,6 +670,7 @@ print(f'round {r}: rank {dist.get_rank()}/{dist.get_world_size()} arrived {n} su
 if r == 0:
     open('DIR/r0_' + os.environ['RANK'], 'w').write(f'{os.getpid()}\n')
     time.sleep(60)
+dist.destroy_process_group()
 "#
     .replace("DIR", &dir.path().display().to_string());
     let port = free_port();

@@ -1,7 +1,8 @@
 //! PyTorch workers under `ddprun`, as under torchrun: they are told
 //! `TORCHELASTIC_USE_AGENT_STORE=True` and use the launcher's store through PyTorch's own
 //! `TCPStore` client. Needs `python3` with `torch`; without it the test prints
-//! `SKIPPED ...` and passes (PyTorch is not a dependency of this project, CI does not install it).
+//! `SKIPPED ...` and passes (PyTorch is not a dependency of this project; `.ci/run` does not install
+//! it, but runs these tests where the machine has it).
 
 mod common;
 use common::*;
@@ -76,6 +77,7 @@ t = torch.ones(1)\n\
 dist.all_reduce(t)\n\
 dist.barrier()\n\
 print(f'attempt {attempt}: arrived {n}, sum {t.item():g}', flush=True)\n\
+dist.destroy_process_group()\n\
 sys.exit(3 if attempt == 0 and dist.get_rank() == 1 else 0)\n";
     let r = run(
         &[

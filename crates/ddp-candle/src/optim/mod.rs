@@ -6,7 +6,8 @@
 //!   maximize), one fused pass over parameter, gradient and momentum buffer per tensor. With no
 //!   momentum and no weight decay it is bit-identical to `candle_nn::SGD`, which allocates three
 //!   temporaries per tensor and has no momentum.
-//! - [`AdamW`]: candle's AdamW arithmetic, operation for operation, with a checkpointable state
+//! - [`AdamW`]: candle's AdamW arithmetic, operation for operation (in place for CPU parameters),
+//!   with a checkpointable state
 //!   (`candle_nn::AdamW` keeps its moments private).
 //!
 //! Both implement `ddp::checkpoint::OptimizerState` (`ckpt.save_optimizer(&opt)`,

@@ -7,7 +7,7 @@ use crate::tensors::{comm_dtype, tensor_from_host, with_host_slice};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::Var;
-use candle_core::{Device, Tensor};
+use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor};
 use candle_nn::VarMap;
 use ddp::adapter::ParamAccess;
 use ddp::reducer::{DeviceSlice, HostBuffer, HostSlice, ParamSpec};
@@ -152,7 +152,47 @@ impl ParamAccess for CandleParams {
 
     fn write_param(&self, index: usize, values: HostSlice<'_>) -> Result<()> {
         let var = &self.vars[index].1;
-        var.set(&tensor_from_host(values, var.shape(), var.device())?)?;
+        let same_dtype = matches!(
+            (var.dtype(), values),
+            (DType::F32, HostSlice::F32(_)) | (DType::F64, HostSlice::F64(_))
+        );
+        if var.device().is_cpu()
+            && var.is_contiguous()
+            && same_dtype
+            && values.len() == var.elem_count()
+            && !values.is_empty()
+        {
+            // Straight into the variable's storage: no temporary tensor (ZeRO writes every
+            // gathered parameter this way after each step).
+            var.as_tensor().inplace_op1(&CopyIn(values))?;
+        } else {
+            var.set(&tensor_from_host(values, var.shape(), var.device())?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Copies host values over a contiguous CPU tensor of the same dtype and size, in place.
+struct CopyIn<'a>(HostSlice<'a>);
+
+impl InplaceOp1 for CopyIn<'_> {
+    fn name(&self) -> &'static str {
+        "ddp-copy-in"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let Some((a, b)) = l.contiguous_offsets() else {
+            candle_core::bail!("ddp-copy-in: the tensor must be contiguous");
+        };
+        match (s, self.0) {
+            (CpuStorage::F32(d), HostSlice::F32(v)) if v.len() == b - a => {
+                d[a..b].copy_from_slice(v)
+            }
+            (CpuStorage::F64(d), HostSlice::F64(v)) if v.len() == b - a => {
+                d[a..b].copy_from_slice(v)
+            }
+            _ => candle_core::bail!("ddp-copy-in: dtype or length differs"),
+        }
         Ok(())
     }
 }

@@ -234,8 +234,8 @@ impl<M: Module> DistributedDataParallel<M> {
             .as_ref()
             .expect("the module is present between calls");
         self.params.refresh_ids(module)?;
-        let grads = grads(module);
-        adapter::mark_grads(&self.params, &mut self.reducer, &grads, |_| Ok(()))?;
+        let mut grads = grads(module);
+        adapter::mark_grads(&self.params, &mut self.reducer, &mut grads, |_, _| Ok(()))?;
         Ok(grads)
     }
 

@@ -9,7 +9,7 @@ use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp::adapter::{self, ParamAccess};
 use ddp::join::{Join, JoinStep};
-use ddp::reducer::{CommHook, Reducer, ReducerOptions, StepStats, TotalStats};
+use ddp::reducer::{CommHook, HostBuffer, Reducer, ReducerOptions, StepStats, TotalStats};
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
@@ -33,6 +33,13 @@ pub struct DdpOptions {
     /// `ddp::reducer::CpuBucket`, the device path run on host memory), `Some(false)` host buckets
     /// (GPU gradients then go through host copies).
     pub device_buckets: Option<bool>,
+    /// The averaged gradients `backward` returns are views of the gradient buckets, not copies
+    /// (PyTorch's `gradient_as_bucket_view`; default true): with host buckets and parameters on
+    /// the CPU, each bucket's flat buffer becomes one candle tensor and every gradient a view
+    /// into it, so a step holds parameters + gradients once (4Ψ bytes less for f32 parameters,
+    /// and no copy). The reducer allocates fresh buckets at the next backward; drop the returned
+    /// gradients before it to get their memory back. Ignored with device buckets.
+    pub gradient_as_bucket_view: bool,
 }
 
 impl Default for DdpOptions {
@@ -44,6 +51,7 @@ impl Default for DdpOptions {
             init_sync: true,
             check_finite: false,
             device_buckets: None,
+            gradient_as_bucket_view: true,
         }
     }
 }
@@ -66,6 +74,7 @@ pub struct DistributedDataParallel {
     /// Sorted by name: the registration order, the same on every rank.
     params: CandleParams,
     reducer: Reducer,
+    bucket_views: bool,
 }
 
 impl DistributedDataParallel {
@@ -102,6 +111,7 @@ impl DistributedDataParallel {
             pg: pg.clone(),
             params,
             reducer,
+            bucket_views: opts.gradient_as_bucket_view,
         };
         if opts.init_sync {
             ddp.broadcast_parameters(0)?;
@@ -188,11 +198,11 @@ impl DistributedDataParallel {
     /// not kept next to the averaged ones (4Ψ bytes less at the peak for f32 parameters).
     fn local_backward(&mut self, loss: &Tensor) -> Result<GradStore> {
         self.reducer.prepare_for_backward()?;
-        let grads = loss.backward()?;
+        let mut grads = loss.backward()?;
         let mut local = GradStore::default();
         let keep = !self.reducer.require_backward_grad_sync();
         let vars = self.params.vars();
-        adapter::mark_grads(&self.params, &mut self.reducer, &grads, |i| {
+        adapter::mark_grads(&self.params, &mut self.reducer, &mut grads, |i, grads| {
             let t = vars[i].1.as_tensor();
             if let (true, Some(g)) = (keep, grads.get(t)) {
                 local.insert(t, g.clone());
@@ -265,7 +275,7 @@ impl DistributedDataParallel {
         let params = &self.params;
         let reducer = &mut self.reducer;
         let (loss, output) = staged_forward_backward(stages, input, loss_fn, |stage, grads| {
-            adapter::mark_grads(params, reducer, grads, |i| {
+            adapter::mark_grads(params, reducer, grads, |i, grads| {
                 let (name, var) = &params.vars()[i];
                 if marked[i] {
                     return Err(Error::Unsupported(format!(
@@ -317,11 +327,50 @@ impl DistributedDataParallel {
     }
 
     /// After a `finish`: the averaged gradients, or `local` if the backward was not synced.
-    fn reduced_grads(&self, stats: StepStats, local: GradStore) -> Result<GradStore> {
+    fn reduced_grads(&mut self, stats: StepStats, local: GradStore) -> Result<GradStore> {
         if !stats.synced {
             return Ok(local);
         }
+        if self.bucket_views {
+            if let Some(grads) = self.bucket_views()? {
+                return Ok(grads);
+            }
+        }
         adapter::averaged_grads(&self.params, &self.reducer)
+    }
+
+    /// The averaged gradients as views of the reducer's buckets, which it hands over (see
+    /// [`DdpOptions::gradient_as_bucket_view`]); `None` when a bucket lives on a device or a
+    /// parameter is not on the CPU (the copying path then applies).
+    fn bucket_views(&mut self) -> Result<Option<GradStore>> {
+        let vars = self.params.vars();
+        let host = (0..vars.len()).all(|i| !self.reducer.is_device_bucket(i));
+        if !host || vars.iter().any(|(_, v)| !v.device().is_cpu()) {
+            return Ok(None);
+        }
+        let mut out = GradStore::default();
+        for (buffer, layout) in self.reducer.take_averaged_buffers()?.into_iter().flatten() {
+            let n = buffer.len();
+            let cpu = &candle_core::Device::Cpu;
+            let flat = match buffer {
+                HostBuffer::F32(v) => Tensor::from_vec(v, n, cpu)?,
+                HostBuffer::F64(v) => Tensor::from_vec(v, n, cpu)?,
+                HostBuffer::F16(v) => Tensor::from_vec(v, n, cpu)?,
+                HostBuffer::BF16(v) => Tensor::from_vec(v, n, cpu)?,
+                other => {
+                    return Err(Error::Unsupported(format!(
+                        "a {} gradient bucket for candle parameters",
+                        other.dtype()
+                    )))
+                }
+            };
+            for p in layout.iter() {
+                let var = vars[p.index].1.as_tensor();
+                let view = flat.narrow(0, p.offset, p.numel)?.reshape(var.shape())?;
+                out.insert(var, view);
+            }
+        }
+        Ok(Some(out))
     }
 
     /// Timing of the last backward (communication wait vs backward+communication).

@@ -108,6 +108,12 @@ impl ParamAccess for CandleParams {
         }
     }
 
+    /// The reducer holds the gradient now: candle's copy is dropped (4Ψ bytes less at the
+    /// backward's peak for f32 parameters than holding both whole).
+    fn release_grad(&self, grads: &mut GradStore, index: usize) {
+        grads.remove(self.vars[index].1.as_tensor());
+    }
+
     fn put_grad(&self, out: &mut GradStore, index: usize, grad: HostSlice<'_>) -> Result<()> {
         let var = &self.vars[index].1;
         out.insert(

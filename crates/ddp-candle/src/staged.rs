@@ -34,7 +34,7 @@ pub fn staged_forward_backward<L, F>(
 ) -> Result<(Tensor, Tensor)>
 where
     L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
-    F: FnMut(usize, &GradStore) -> Result<()>,
+    F: FnMut(usize, &mut GradStore) -> Result<()>,
 {
     let n = stages.len();
     if n == 0 {
@@ -62,7 +62,7 @@ where
     let loss = loss_fn(&output)?;
     let mut grads = loss.backward()?;
     let mut grad_in = take_input_grad(&mut grads, &inputs[n - 1]);
-    on_stage_grads(n - 1, &grads)?;
+    on_stage_grads(n - 1, &mut grads)?;
     drop(grads);
     for i in (0..n - 1).rev() {
         // The later stage does not depend on its input: no gradient reaches earlier stages.
@@ -70,7 +70,7 @@ where
         let surrogate = (&outputs[i] * g.detach())?.sum_all()?;
         let mut grads = surrogate.backward()?;
         grad_in = take_input_grad(&mut grads, &inputs[i]);
-        on_stage_grads(i, &grads)?;
+        on_stage_grads(i, &mut grads)?;
     }
     Ok((loss.detach(), output.detach()))
 }

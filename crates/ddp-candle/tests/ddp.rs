@@ -401,17 +401,21 @@ fn check_finite_names_the_step_rank_and_parameter_on_every_rank() {
 
 /// The reducer's device path (gradients flattened into device buckets and read back as device
 /// slices, `DdpOptions::device_buckets`) run through the CPU implementation of the bucket
-/// trait: plain, staged and no_sync backwards give the same parameters, bit for bit, as host
-/// buckets, at 1, 2 and 3 ranks, with the finite check on.
+/// trait, and host buckets with and without `gradient_as_bucket_view`: plain, staged and
+/// no_sync backwards give the same parameters, bit for bit, at 1, 2 and 3 ranks, with the
+/// finite check on. With bucket views the averaged gradients are views into the buckets (a
+/// gradient after the first of its bucket starts past the buffer's beginning), without them
+/// copies of their own.
 #[test]
 fn device_buckets_on_the_cpu_match_host_buckets_bit_for_bit() {
     for world in [1usize, 2, 3] {
-        let run = |device_buckets: bool| {
+        let run = |device_buckets: bool, views: bool| {
             let (x, y) = dataset(world * 12 * 3);
             run_ranks(world, |rank, pg| {
                 let (vm, m) = model(5 + rank as u64, HID);
                 let opts = DdpOptions {
                     device_buckets: Some(device_buckets),
+                    gradient_as_bucket_view: views,
                     check_finite: true,
                     ..tiny_buckets()
                 };
@@ -426,7 +430,16 @@ fn device_buckets_on_the_cpu_match_host_buckets_bit_for_bit() {
                 // Step 0 plain, step 1 staged, step 2 two no_sync micro-batches then a synced one.
                 let (xs, ys) = batch(&x, &y, at(0)..at(0) + 12);
                 let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
-                opt.step(&ddp.backward(&loss).unwrap()).unwrap();
+                let grads = ddp.backward(&loss).unwrap();
+                let offsets: Vec<usize> = ddp
+                    .all_vars()
+                    .iter()
+                    .map(|v| grads.get(v).unwrap().layout().start_offset())
+                    .collect();
+                let viewed = views && !device_buckets;
+                assert_eq!(offsets.iter().any(|&o| o > 0), viewed, "{offsets:?}");
+                opt.step(&grads).unwrap();
+                drop(grads);
                 let (xs, ys) = batch(&x, &y, at(1)..at(1) + 12);
                 let out = ddp
                     .forward_backward_staged(&stages, &xs, |o| {
@@ -448,10 +461,15 @@ fn device_buckets_on_the_cpu_match_host_buckets_bit_for_bit() {
                 params(&ddp)
             })
         };
-        let host = run(false);
-        let device = run(true);
+        let host = run(false, true);
         assert_eq!(
-            device, host,
+            run(false, false),
+            host,
+            "world {world}: gradients as bucket views differ from copies"
+        );
+        assert_eq!(
+            run(true, true),
+            host,
             "world {world}: device buckets differ from host buckets"
         );
     }

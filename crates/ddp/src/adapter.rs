@@ -91,6 +91,14 @@ pub trait ParamAccess {
         Ok(false)
     }
 
+    /// Called by [`mark_grads`] once the reducer holds parameter `index`'s gradient: an adapter
+    /// may drop its own from `grads`, so that a backward's gradients leave the framework's
+    /// container as they enter the buckets instead of both being held whole (candle does: 4Ψ
+    /// bytes less at the peak for f32 parameters). Default: keep it.
+    fn release_grad(&self, grads: &mut Self::Grads, index: usize) {
+        let _ = (grads, index);
+    }
+
     /// The values of parameter `index`, flat and row-major.
     fn read_param(&self, index: usize) -> Result<HostBuffer, Self::Error>;
 
@@ -104,19 +112,20 @@ pub fn param_specs<P: ParamAccess + ?Sized>(params: &P) -> Result<Vec<ParamSpec>
 }
 
 /// Hands every gradient present in `grads` to the reducer, last parameter first (backward
-/// order). `before(index)` runs before each one is handed over (to reject it, or to keep a local
-/// copy).
+/// order). `before(index, grads)` runs before each one is handed over (to reject it, or to keep
+/// a local copy); [`ParamAccess::release_grad`] after.
 pub fn mark_grads<P: ParamAccess + ?Sized>(
     params: &P,
     reducer: &mut Reducer,
-    grads: &P::Grads,
-    mut before: impl FnMut(usize) -> Result<(), P::Error>,
+    grads: &mut P::Grads,
+    mut before: impl FnMut(usize, &P::Grads) -> Result<(), P::Error>,
 ) -> Result<(), P::Error> {
     for i in (0..params.param_count()).rev() {
+        let held: &P::Grads = grads;
         if reducer.is_device_bucket(i) {
             let mut checked = Ok(());
-            let marked = params.with_device_grad(grads, i, |g| {
-                checked = before(i);
+            let marked = params.with_device_grad(held, i, |g| {
+                checked = before(i, held);
                 match &checked {
                     Ok(()) => reducer.mark_ready_device(i, g),
                     Err(_) => Ok(()),
@@ -125,12 +134,13 @@ pub fn mark_grads<P: ParamAccess + ?Sized>(
             if let Some(r) = marked {
                 checked?;
                 r?;
+                params.release_grad(grads, i);
                 continue;
             }
         }
         let mut checked = Ok(());
-        let marked = params.with_grad(grads, i, |g| {
-            checked = before(i);
+        let marked = params.with_grad(held, i, |g| {
+            checked = before(i, held);
             match &checked {
                 Ok(()) => reducer.mark_ready_flat(i, g),
                 Err(_) => Ok(()),
@@ -139,6 +149,7 @@ pub fn mark_grads<P: ParamAccess + ?Sized>(
         checked?;
         if let Some(r) = marked {
             r?;
+            params.release_grad(grads, i);
         }
     }
     Ok(())
@@ -269,6 +280,9 @@ mod tests {
             out.insert(i, g.get::<f32>().unwrap().to_vec());
             Ok(())
         }
+        fn release_grad(&self, grads: &mut Self::Grads, i: usize) {
+            grads.remove(&i);
+        }
         fn read_param(&self, i: usize) -> Result<HostBuffer> {
             Ok(HostBuffer::from(self.params[i].1.borrow().clone()))
         }
@@ -322,24 +336,30 @@ mod tests {
             let specs = param_specs(&toy).unwrap();
             let mut red = Reducer::new(&pg, specs, ReducerOptions::default()).unwrap();
             // Parameter b has a gradient on rank 0 only; a counts on every rank.
-            let mut grads = HashMap::new();
-            grads.insert(0, vec![r + 1.0; 3]);
-            if pg.rank() == 0 {
-                grads.insert(1, vec![6.0; 2]);
-            }
+            let local = || {
+                let mut grads = HashMap::new();
+                grads.insert(0, vec![r + 1.0; 3]);
+                if pg.rank() == 0 {
+                    grads.insert(1, vec![6.0; 2]);
+                }
+                grads
+            };
+            let mut grads = local();
             let mut order = Vec::new();
-            mark_grads(&toy, &mut red, &grads, |i| {
+            mark_grads(&toy, &mut red, &mut grads, |i, _| {
                 order.push(i);
                 Ok(())
             })
             .unwrap();
             assert_eq!(order, if pg.rank() == 0 { vec![1, 0] } else { vec![0] });
+            // Each gradient was released once the reducer held it.
+            assert!(grads.is_empty(), "{grads:?}");
             red.finish().unwrap();
             let avg = averaged_grads(&toy, &red).unwrap();
             assert_eq!(avg[&0], vec![2.0; 3]);
             assert_eq!(avg[&1], vec![2.0; 2]);
             // `before` can refuse a parameter: nothing of it reaches the reducer.
-            let e = mark_grads(&toy, &mut red, &grads, |i| match i {
+            let e = mark_grads(&toy, &mut red, &mut local(), |i, _| match i {
                 0 => Err(crate::Error::InvalidArgument("no a".into())),
                 _ => Ok(()),
             })

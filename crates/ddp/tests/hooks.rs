@@ -137,8 +137,8 @@ impl ParamAccess for Model {
 }
 
 /// Hands `grads` to the reducer (backward order), finishes, returns the averaged gradients.
-fn sync(red: &mut Reducer, model: &Model, grads: &Vec<Vec<f32>>) -> Vec<Vec<f32>> {
-    ddp::adapter::mark_grads(model, red, grads, |_| Ok(())).unwrap();
+fn sync(red: &mut Reducer, model: &Model, grads: &[Vec<f32>]) -> Vec<Vec<f32>> {
+    ddp::adapter::mark_grads(model, red, &mut grads.to_vec(), |_, _| Ok(())).unwrap();
     red.finish().unwrap();
     ddp::adapter::averaged_grads(model, red).unwrap()
 }
@@ -612,13 +612,13 @@ fn hooks_under_join_and_no_sync() {
             while let Some(step) = join.begin_step(b < batches(pg.rank())).unwrap() {
                 if step.has_data {
                     red.set_require_backward_grad_sync(false);
-                    let g = model.grads(pg.rank(), 100 + b);
-                    ddp::adapter::mark_grads(&model, &mut red, &g, |_| Ok(())).unwrap();
+                    let mut g = model.grads(pg.rank(), 100 + b);
+                    ddp::adapter::mark_grads(&model, &mut red, &mut g, |_, _| Ok(())).unwrap();
                     red.finish().unwrap();
                     red.set_require_backward_grad_sync(true);
                     red.set_divisor(step.divisor).unwrap();
-                    let g = model.grads(pg.rank(), b);
-                    ddp::adapter::mark_grads(&model, &mut red, &g, |_| Ok(())).unwrap();
+                    let mut g = model.grads(pg.rank(), b);
+                    ddp::adapter::mark_grads(&model, &mut red, &mut g, |_, _| Ok(())).unwrap();
                 }
                 red.set_divisor(step.divisor).unwrap();
                 join.sync_gradients(&mut red, &step).unwrap();

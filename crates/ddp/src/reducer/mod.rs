@@ -50,4 +50,4 @@ pub use hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState};
 pub use spec::{
     broadcast_coalesced, sync_seed, verify_param_specs, ParamSpec, BROADCAST_BUCKET_BYTES,
 };
-pub use state::{BucketInfo, Reducer, StepStats, TotalStats};
+pub use state::{BucketInfo, Reducer, StepStats, TakenBucket, TotalStats};

@@ -111,6 +111,10 @@ struct Slot {
     accumulated: bool,
 }
 
+/// A bucket's averaged gradients handed over by [`Reducer::take_averaged_buffers`]: the flat
+/// buffer and where each parameter sits in it.
+pub type TakenBucket = (HostBuffer, Arc<[BucketParam]>);
+
 /// Bucketed, pipelined gradient all-reduce for one replica (see the module doc).
 ///
 /// Per step: optionally [`prepare_for_backward`](Reducer::prepare_for_backward), then
@@ -787,6 +791,37 @@ impl Reducer {
         }
         self.results_valid = false;
         Ok(())
+    }
+
+    /// Hands the averaged gradients' host buffers over (PyTorch's `gradient_as_bucket_view`):
+    /// after a synchronized [`finish`](Self::finish), each host bucket's flat buffer moves out
+    /// with where every parameter sits in it, so that an adapter can give out views of it
+    /// instead of copies. The buckets are then released as by
+    /// [`release_buffers`](Self::release_buffers) (reallocated, zeroed, when the next backward
+    /// writes them) and the averaged gradients are no longer readable here. A device bucket
+    /// stays where it is (`None` in its place). Only right after a synchronized `finish`.
+    pub fn take_averaged_buffers(&mut self) -> Result<Vec<Option<TakenBucket>>> {
+        if !self.results_valid || self.current.is_some() || self.slots.iter().any(|s| s.accumulated)
+        {
+            return Err(Error::InvalidArgument(
+                "take_averaged_buffers: no synchronized gradients to hand over (call it once \
+                 after a synchronized finish(), with nothing accumulated under no_sync)"
+                    .into(),
+            ));
+        }
+        let taken = self
+            .buckets
+            .iter_mut()
+            .map(|b| match &mut b.state {
+                BucketState::Idle(BucketBuffer::Host(h)) => Some((
+                    std::mem::replace(h, HostBuffer::zeros(b.dtype, 0)),
+                    b.layout.clone(),
+                )),
+                _ => None,
+            })
+            .collect();
+        self.results_valid = false;
+        Ok(taken)
     }
 
     /// Calls `f` with the averaged gradient of parameter `index` as device memory, a view into

@@ -107,6 +107,48 @@ fn averages_across_ranks_whatever_the_marking_order() {
     assert_eq!(out[0], out[2]);
 }
 
+/// `take_averaged_buffers` hands over exactly what `grad` reads, once per synchronized step;
+/// the next backward reallocates the buckets (zeroed: a parameter left unmarked counts as zero)
+/// and averages correctly again.
+#[test]
+fn averaged_buffers_are_handed_over_once_and_the_buckets_come_back() {
+    const W: usize = 2;
+    run_ranks(W, T, |rank, pg| {
+        let mut red = Reducer::new(&pg, mixed_specs(), small()).unwrap();
+        let e = red.take_averaged_buffers().unwrap_err().to_string();
+        assert!(e.contains("no synchronized gradients"), "{e}");
+        for step in 0..3 {
+            // Step 1 leaves parameter 4 unmarked on every rank: zeros, not last step's values.
+            for i in (0..12).filter(|&i| step != 1 || i != 4) {
+                mark(&mut red, rank, i, step as f64 + 1.0).unwrap();
+            }
+            red.finish().unwrap();
+            let want: Vec<Vec<f64>> = (0..12).map(|i| read(&red, i)).collect();
+            let taken = red.take_averaged_buffers().unwrap();
+            assert_eq!(taken.len(), red.buckets().len());
+            let mut seen = 0;
+            for (buffer, layout) in taken.iter().map(|t| t.as_ref().unwrap()) {
+                for p in layout.iter() {
+                    let got: Vec<f64> = match buffer.range(p.offset, p.numel) {
+                        HostSlice::F32(v) => v.iter().map(|&x| x as f64).collect(),
+                        HostSlice::F64(v) => v.to_vec(),
+                        other => panic!("{:?}", other.dtype()),
+                    };
+                    assert_eq!(got, want[p.index], "step {step}, param {}", p.index);
+                    if step == 1 && p.index == 4 {
+                        assert!(got.iter().all(|&x| x == 0.0));
+                    }
+                    seen += 1;
+                }
+            }
+            assert_eq!(seen, 12);
+            // Handed over: neither readable here nor to be taken twice.
+            assert!(red.grad::<f32>(1).is_err());
+            assert!(red.take_averaged_buffers().is_err());
+        }
+    });
+}
+
 #[test]
 fn no_sync_accumulates_and_unused_parameters_count_as_zero() {
     run_ranks(2, T, |rank, pg| {

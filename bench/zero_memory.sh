@@ -6,7 +6,10 @@
 # activations kept (every unit's input, batch × width × 4 bytes per unit).
 #   bench/zero_memory.sh [NPROC] [RUNS]        STAGES="0 1 2 3" by default; BIN=path/to/ddp-bench
 #   uses that binary (e.g. target/debug/ddp-bench from `cargo test`, opt-level 3) instead of a
-#   release build
+#   release build. LEAN=1 measures what is live rather than what the allocator keeps: freed
+#   memory is not retained (`--no-retain-memory`, DDP_RETAIN_FREED_MEMORY=0) and every
+#   allocation of 1 MiB or more is its own mapping, returned when freed
+#   (MALLOC_MMAP_THRESHOLD_=1048576), at the cost of page faults on every step's buffers.
 set -euo pipefail
 NPROC=${1:-2}
 RUNS=${2:-3}
@@ -20,10 +23,15 @@ if [ -z "${BIN:-}" ]; then
   BIN=./target/release/ddp-bench
 fi
 out=$(mktemp)
+lean=()
+if [ "${LEAN:-0}" = 1 ]; then
+  export DDP_RETAIN_FREED_MEMORY=0 MALLOC_MMAP_THRESHOLD_=1048576
+  lean=(--no-retain-memory)
+fi
 for run in $(seq "$RUNS"); do
   for z in $STAGES; do
     "$BIN" train --nproc "$NPROC" --hidden "$HIDDEN" --layers "$LAYERS" \
-      --batch "$BATCH" --steps 4 --warmup 1 --optimizer adamw --zero "$z" --json |
+      --batch "$BATCH" --steps 4 --warmup 1 --optimizer adamw --zero "$z" --json "${lean[@]}" |
       tail -n 1 >>"$out"
   done
 done

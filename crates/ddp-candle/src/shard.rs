@@ -53,6 +53,26 @@ impl Shard {
         }
     }
 
+    /// Copies the values of chunk `i` into `dst` (its length; nothing for an empty chunk).
+    pub fn copy_chunk(&self, i: usize, dst: &mut [f32]) -> ddp::Result<()> {
+        let Some(var) = &self.vars[i] else {
+            return Ok(());
+        };
+        crate::tensors::with_flat::<f32, _>(var.as_tensor(), |s| {
+            if s.len() == dst.len() {
+                dst.copy_from_slice(s);
+                Ok(())
+            } else {
+                Err(ddp::Error::InvalidArgument(format!(
+                    "shard chunk {i} holds {} values, its block {}",
+                    s.len(),
+                    dst.len()
+                )))
+            }
+        })
+        .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))?
+    }
+
     /// The values of every chunk.
     pub fn values(&self) -> Result<Vec<Vec<f32>>> {
         (0..self.vars.len()).map(|i| self.chunk(i)).collect()

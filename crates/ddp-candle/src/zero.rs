@@ -29,7 +29,7 @@ use candle_core::{Tensor, Var};
 use ddp::adapter::ParamAccess;
 use ddp::checkpoint::{Checkpoint, CheckpointMeta};
 use ddp::join::{Join, JoinStep};
-use ddp::reducer::{HostSlice, StepStats};
+use ddp::reducer::{HostBuffer, HostSlice, StepStats, TakenBucket};
 use ddp::sharding::{self, ShardLayout, ShardState, ZeroStage};
 use std::path::{Path, PathBuf};
 
@@ -44,6 +44,9 @@ pub struct ZeroDdp {
     shard_grads: Option<Vec<Vec<f32>>>,
     /// Stage 0: the averaged gradients.
     full_grads: Option<GradStore>,
+    /// Stage 1/2: the reducer's bucket buffers after a synchronized backward, reused by the
+    /// step's parameter all-gather (then given back to the reducer at stage 1, freed at stage 2).
+    gather_bufs: Option<Vec<Option<TakenBucket>>>,
 }
 
 impl ZeroDdp {
@@ -85,6 +88,7 @@ impl ZeroDdp {
             opt,
             shard_grads: None,
             full_grads: None,
+            gather_bufs: None,
         })
     }
 
@@ -172,17 +176,19 @@ impl ZeroDdp {
     }
 
     fn after_reduce(&mut self, stats: StepStats) -> Result<StepStats> {
+        self.gather_bufs = None;
         if !stats.synced {
             self.shard_grads = None;
             return Ok(stats);
         }
+        let _s = ddp::trace::span("shard grads", "zero");
         self.shard_grads = Some(sharding::shard_grads(
             &self.shard.layout,
             self.ddp.reducer(),
         )?);
-        if self.stage == ZeroStage::Two {
-            self.ddp.reducer_mut().release_buffers()?;
-        }
+        // The buckets' buffers serve the step's all-gather; the reducer reallocates what is
+        // not given back (stage 2 keeps only its gradient shard between steps).
+        self.gather_bufs = Some(self.ddp.reducer_mut().take_averaged_buffers()?);
         Ok(stats)
     }
 
@@ -244,25 +250,55 @@ impl ZeroDdp {
             .shard_grads
             .take()
             .ok_or_else(|| self.no_grads("step"))?;
-        self.shard.step(&mut *self.opt, grads)?;
-        self.gather()
+        {
+            let _s = ddp::trace::span("shard step", "zero");
+            self.shard.step(&mut *self.opt, grads)?;
+        }
+        let _s = ddp::trace::span("gather params", "zero");
+        let taken = self.gather_bufs.take().unwrap_or_default();
+        let returned = self.gather(taken)?;
+        if self.stage == ZeroStage::One {
+            self.ddp.reducer_mut().restore_buffers(returned);
+        }
+        Ok(())
     }
 
-    /// Every rank's parameters from the owners' chunks.
-    fn gather(&self) -> Result<()> {
-        let chunks = self.shard.values()?;
+    /// Every rank's parameters from the owners' chunks, all-gathered in place in `bufs` (the
+    /// reducer's taken buckets, or none), which come back for reuse.
+    fn gather(&self, bufs: Vec<Option<TakenBucket>>) -> Result<Vec<Option<TakenBucket>>> {
+        let n = self.shard.layout.buckets().len();
+        let mut layouts = Vec::with_capacity(n);
+        let mut vecs = Vec::with_capacity(n);
+        let mut bufs = bufs.into_iter();
+        for _ in 0..n {
+            match bufs.next().flatten() {
+                Some((HostBuffer::F32(v), l)) => {
+                    vecs.push(v);
+                    layouts.push(Some(l));
+                }
+                _ => {
+                    vecs.push(Vec::new());
+                    layouts.push(None);
+                }
+            }
+        }
         let params = self.ddp.params();
-        sharding::gather_params(
+        let full = sharding::gather_params_into(
             self.ddp.process_group(),
             &self.shard.layout,
-            chunks,
+            vecs,
+            |i, dst| self.shard.copy_chunk(i, dst),
             |p, v| {
                 params
                     .write_param(p, HostSlice::of(v))
                     .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))
             },
         )?;
-        Ok(())
+        Ok(full
+            .into_iter()
+            .zip(layouts)
+            .map(|(v, l)| l.map(|l| (HostBuffer::F32(v), l)))
+            .collect())
     }
 
     /// This rank's shard: parameter values and optimizer state of its chunks.
@@ -313,7 +349,9 @@ impl ZeroDdp {
     fn apply(&mut self, state: ShardState) -> Result<()> {
         self.shard.apply(&mut *self.opt, state)?;
         self.shard_grads = None;
-        self.gather()
+        self.gather_bufs = None;
+        self.gather(Vec::new())?;
+        Ok(())
     }
 }
 

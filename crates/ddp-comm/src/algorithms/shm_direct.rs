@@ -120,6 +120,31 @@ pub fn reduce_scatter<T: Element>(
     Ok(true)
 }
 
+/// [`reduce_scatter`] in place: `buf` holds `p` segments of `n`; the result goes into this
+/// rank's own segment of `buf`. The claimer of a chunk is the only one that reads that chunk of
+/// any input, and it reads every input before it writes the result, so the output may alias
+/// the owner's input segment. Returns `false` as [`reduce_scatter`] does.
+pub fn reduce_scatter_in_place<T: Element>(
+    t: &mut ShmTransport,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<bool> {
+    if t.size() == 1 || !t.cross_memory_attach() {
+        return Ok(false);
+    }
+    let geo = t.fast_geometry();
+    if std::mem::size_of_val(buf) < geo.cma_min {
+        return Ok(false);
+    }
+    let n = buf.len() / t.size();
+    let data = buf.as_mut_ptr();
+    // SAFETY: `buf` holds `p * n` elements (checked by the caller) and is borrowed mutably by
+    // this call; the output is its segment `rank`, written only by the claimer of each chunk
+    // after that claimer read the chunk from every input (see above).
+    unsafe { cross_memory(t, data, buf.len(), data.add(t.rank() * n), op, geo, Some(n)) }?;
+    Ok(true)
+}
+
 /// Cross-memory attach: every rank publishes its input and output; ranks claim chunks one at a
 /// time (an atomic counter), and the claimer of a chunk reads every peer's input for it with
 /// `process_vm_readv`, reduces in rank order, and writes the result:
@@ -133,7 +158,8 @@ pub fn reduce_scatter<T: Element>(
 ///
 /// # Safety
 /// `input` holds `n_in` elements; `output` holds `n_in` (all-reduce, and may equal `input`) or
-/// `seg` elements; neither is used by anything else until this returns.
+/// `seg` elements (reduce-scatter, and may be the owner's segment of `input`); neither is used
+/// by anything else until this returns.
 unsafe fn cross_memory<T: Element>(
     t: &mut ShmTransport,
     input: *const T,

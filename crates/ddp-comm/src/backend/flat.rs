@@ -86,6 +86,13 @@ pub fn all_gather<T: Element>(t: &mut dyn Transport, input: &[T], output: &mut [
     ring::all_gather(t, output)
 }
 
+/// [`all_gather`] with this rank's input already in its block of `buf` (no copy in).
+pub fn all_gather_in_place<T: Element>(t: &mut dyn Transport, buf: &mut [T]) -> Result<()> {
+    let p = t.size();
+    check_len("all_gather_in_place buffer", buf.len(), buf.len() / p * p)?;
+    ring::all_gather(t, buf)
+}
+
 pub fn reduce_scatter<T: Element>(
     t: &mut dyn Transport,
     input: &[T],
@@ -108,6 +115,33 @@ pub fn reduce_scatter<T: Element>(
     output.copy_from_slice(&work[r * n..(r + 1) * n]);
     if op == ReduceOp::Avg {
         T::div_by(output, p);
+    }
+    Ok(())
+}
+
+/// [`reduce_scatter`] in place: block `rank` of `buf` gets the result (the ring reduces in
+/// place, so no copy of the input; 16-bit floats go through [`reduce_scatter`]'s widening).
+pub fn reduce_scatter_in_place<T: Element>(
+    t: &mut dyn Transport,
+    buf: &mut [T],
+    op: ReduceOp,
+) -> Result<()> {
+    let (r, p) = (t.rank(), t.size());
+    check_len(
+        "reduce_scatter_in_place buffer",
+        buf.len(),
+        buf.len() / p * p,
+    )?;
+    let n = buf.len() / p;
+    if T::widen(&[]).is_some() {
+        let mut out = vec![T::zeroed(); n];
+        reduce_scatter(t, buf, &mut out, op)?;
+        buf[r * n..(r + 1) * n].copy_from_slice(&out);
+        return Ok(());
+    }
+    ring::reduce_scatter(t, buf, op)?;
+    if op == ReduceOp::Avg {
+        T::div_by(&mut buf[r * n..(r + 1) * n], p);
     }
     Ok(())
 }

@@ -188,6 +188,36 @@ pub trait CollectiveBackend: Send {
         })
     }
 
+    /// All-gather in place (MPI's `MPI_IN_PLACE`): block `rank` of `buf` (`buf.len() / size`
+    /// elements each) is this rank's input; afterwards `buf` holds every rank's block in rank
+    /// order. The default copies the block out and runs [`CollectiveBackend::all_gather`].
+    fn all_gather_in_place(&mut self, buf: HostBuf<'_>) -> Result<()> {
+        with_element!(buf.dtype(), T => {
+            let buf = buf.typed::<T>();
+            let (r, p) = (self.transport().rank(), self.transport().size());
+            flat::check_len("all_gather_in_place buffer", buf.len(), buf.len() / p * p)?;
+            let n = buf.len() / p;
+            let mine = buf[r * n..(r + 1) * n].to_vec();
+            self.all_gather(HostSlice::new(&mine), HostBuf::new(buf))
+        })
+    }
+
+    /// Reduce-scatter in place: `buf` (`size` blocks) is this rank's input; afterwards block
+    /// `rank` holds the reduction of every rank's block `rank`, and the other blocks are
+    /// unspecified (input or scratch). The default reduces into a temporary and copies it in.
+    fn reduce_scatter_in_place(&mut self, buf: HostBuf<'_>, op: ReduceOp) -> Result<()> {
+        with_element!(buf.dtype(), T => {
+            let buf = buf.typed::<T>();
+            let (r, p) = (self.transport().rank(), self.transport().size());
+            flat::check_len("reduce_scatter_in_place buffer", buf.len(), buf.len() / p * p)?;
+            let n = buf.len() / p;
+            let mut out = vec![<T as bytemuck::Zeroable>::zeroed(); n];
+            self.reduce_scatter(HostSlice::new(buf), HostBuf::new(&mut out), op)?;
+            buf[r * n..(r + 1) * n].copy_from_slice(&out);
+            Ok(())
+        })
+    }
+
     /// Gather every rank's `input` into `output` on `root` (required there only).
     fn gather(
         &mut self,

@@ -59,4 +59,20 @@ impl CollectiveBackend for ShmBackend {
             flat::reduce_scatter(&mut self.shm, input, output, op)
         })
     }
+
+    fn reduce_scatter_in_place(&mut self, buf: HostBuf<'_>, op: ReduceOp) -> Result<()> {
+        with_element!(buf.dtype(), T => {
+            let buf = buf.typed::<T>();
+            let p = self.shm.size();
+            flat::check_len("reduce_scatter_in_place buffer", buf.len(), buf.len() / p * p)?;
+            if shm_direct::reduce_scatter_in_place(&mut self.shm, buf, op)? {
+                return Ok(());
+            }
+            flat::reduce_scatter_in_place(&mut self.shm, buf, op)
+        })
+    }
+
+    fn all_gather_in_place(&mut self, buf: HostBuf<'_>) -> Result<()> {
+        with_element!(buf.dtype(), T => flat::all_gather_in_place::<T>(&mut self.shm, buf.typed()))
+    }
 }

@@ -36,4 +36,14 @@ impl CollectiveBackend for TcpBackend {
         let algo = self.algorithm;
         with_element!(buf.dtype(), T => flat::all_reduce::<T>(&mut self.mesh, buf.typed(), op, algo))
     }
+
+    fn reduce_scatter_in_place(&mut self, buf: HostBuf<'_>, op: ReduceOp) -> Result<()> {
+        with_element!(buf.dtype(), T => {
+            flat::reduce_scatter_in_place::<T>(&mut self.mesh, buf.typed(), op)
+        })
+    }
+
+    fn all_gather_in_place(&mut self, buf: HostBuf<'_>) -> Result<()> {
+        with_element!(buf.dtype(), T => flat::all_gather_in_place::<T>(&mut self.mesh, buf.typed()))
+    }
 }

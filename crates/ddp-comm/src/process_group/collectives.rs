@@ -119,6 +119,70 @@ impl ProcessGroup {
         })
     }
 
+    // ----- in place (MPI_IN_PLACE) -------------------------------------------------------------
+
+    fn check_blocks(&self, what: &str, len: usize) -> Result<()> {
+        if !len.is_multiple_of(self.size()) {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: the buffer's {len} elements are not {} equal blocks (one per rank)",
+                self.size()
+            )));
+        }
+        Ok(())
+    }
+
+    /// All-gather in place (`MPI_IN_PLACE`; PyTorch's `all_gather_into_tensor` with the input a
+    /// view of the output): block `rank` of `buf` (`buf.len() / size` elements) is this rank's
+    /// input; afterwards `buf` holds every rank's block in rank order. Interoperates with
+    /// [`ProcessGroup::all_gather`] on other ranks. Saves the copy of the input.
+    pub fn all_gather_in_place<T: Element>(&self, buf: &mut [T]) -> Result<()> {
+        self.check_blocks("all_gather_in_place", buf.len())?;
+        let n = buf.len() / self.size();
+        let fp = self.fingerprint(OpKind::AllGather, T::DTYPE, None, n, None);
+        self.blocking(fp, move |b| b.all_gather_in_place(HostBuf::new(buf)))
+    }
+
+    /// Async [`ProcessGroup::all_gather_in_place`]; the work returns the buffer.
+    pub fn all_gather_in_place_async<T: Element>(&self, mut buf: Vec<T>) -> Work<Vec<T>> {
+        if let Err(e) = self.check_blocks("all_gather_in_place_async", buf.len()) {
+            return Work::ready("all_gather_in_place", Err(e));
+        }
+        let n = buf.len() / self.size();
+        let fp = self.fingerprint(OpKind::AllGather, T::DTYPE, None, n, None);
+        self.spawn(fp, move |b| {
+            b.all_gather_in_place(HostBuf::new(&mut buf)).map(|()| buf)
+        })
+    }
+
+    /// Reduce-scatter in place: `buf` (`size` equal blocks) is this rank's input; afterwards
+    /// block `rank` holds the reduction over ranks of their block `rank`, and the other blocks
+    /// are unspecified (input or partial results). Interoperates with
+    /// [`ProcessGroup::reduce_scatter`] on other ranks. Saves the output buffer and, on shared
+    /// memory and TCP, every copy of the input.
+    pub fn reduce_scatter_in_place<T: Element>(&self, buf: &mut [T], op: ReduceOp) -> Result<()> {
+        self.check_blocks("reduce_scatter_in_place", buf.len())?;
+        let fp = self.fingerprint(OpKind::ReduceScatter, T::DTYPE, Some(op), buf.len(), None);
+        self.blocking(fp, move |b| {
+            b.reduce_scatter_in_place(HostBuf::new(buf), op)
+        })
+    }
+
+    /// Async [`ProcessGroup::reduce_scatter_in_place`]; the work returns the buffer.
+    pub fn reduce_scatter_in_place_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        if let Err(e) = self.check_blocks("reduce_scatter_in_place_async", buf.len()) {
+            return Work::ready("reduce_scatter_in_place", Err(e));
+        }
+        let fp = self.fingerprint(OpKind::ReduceScatter, T::DTYPE, Some(op), buf.len(), None);
+        self.spawn(fp, move |b| {
+            b.reduce_scatter_in_place(HostBuf::new(&mut buf), op)
+                .map(|()| buf)
+        })
+    }
+
     // ----- gather / scatter / all_to_all ------------------------------------------------------
 
     /// Gather every rank's `input` into `output` on `root` (`output` is required there and

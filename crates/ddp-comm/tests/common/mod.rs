@@ -356,7 +356,8 @@ pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
     }
 }
 
-/// gather, scatter and all_to_all (host groups only) against the reference.
+/// gather, scatter, all_to_all and the in-place all_gather / reduce_scatter (host groups only)
+/// against the reference.
 fn check_host_only<T: Num>(
     pg: &ProcessGroup,
     case: u64,
@@ -387,12 +388,60 @@ fn check_host_only<T: Num>(
     let send: Vec<T> = input(case + 9, rank, blk * world, op);
     let mut recv = vec![T::from_i(0); blk * world];
     pg.all_to_all(&send, &mut recv).unwrap();
-    let want: Vec<T> = (0..world)
+    let want_a2a: Vec<T> = (0..world)
         .flat_map(|i| {
             input::<T>(case + 9, i, blk * world, op)[rank * blk..(rank + 1) * blk].to_vec()
         })
         .collect();
-    assert_same(&format!("all_to_all {dt} n={blk}"), &recv, &want);
+    assert_same(&format!("all_to_all {dt} n={blk}"), &recv, &want_a2a);
+    // in place: all_gather with this rank's block already in the output, reduce_scatter into
+    // this rank's block of the input (blocking for even cases, async for odd)
+    let asy = case % 2 == 1;
+    let mut buf = vec![T::from_i(0); blk * world];
+    buf[rank * blk..(rank + 1) * blk].copy_from_slice(mine);
+    let buf = if asy {
+        pg.all_gather_in_place_async(buf).wait().unwrap()
+    } else {
+        pg.all_gather_in_place(&mut buf).unwrap();
+        buf
+    };
+    assert_same(
+        &format!("all_gather_in_place {dt} n={blk} async={asy}"),
+        &buf,
+        want,
+    );
+    let ops: &[ReduceOp] = if blk * world > 100_000 {
+        &[ReduceOp::Sum]
+    } else {
+        &OPS
+    };
+    for &op in ops {
+        let mut buf: Vec<T> = input(case + 11, rank, blk * world, op);
+        let buf = if asy {
+            pg.reduce_scatter_in_place_async(buf, op).wait().unwrap()
+        } else {
+            pg.reduce_scatter_in_place(&mut buf, op).unwrap();
+            buf
+        };
+        let want = reference::<T>(case + 11, world, blk * world, op);
+        assert_same(
+            &format!("reduce_scatter_in_place {dt} {op} n={blk} world={world} async={asy}"),
+            &buf[rank * blk..(rank + 1) * blk],
+            &want[rank * blk..(rank + 1) * blk],
+        );
+    }
+    // a buffer that is not one block per rank is refused locally
+    if world > 1 {
+        let mut odd = vec![T::from_i(0); world + 1];
+        let err = pg.all_gather_in_place(&mut odd).unwrap_err().to_string();
+        assert!(err.contains("not") && err.contains("blocks"), "{err}");
+        let err = pg
+            .reduce_scatter_in_place_async(odd, ReduceOp::Sum)
+            .wait()
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("equal blocks"), "{err}");
+    }
 }
 
 pub fn sizes(seed: u64, large: bool) -> Vec<usize> {

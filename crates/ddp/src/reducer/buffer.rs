@@ -183,6 +183,11 @@ impl HostBuffer {
             .fill(bytemuck::Zeroable::zeroed()))
     }
 
+    /// Keeps the first `n` elements (the capacity stays).
+    pub fn truncate(&mut self, n: usize) {
+        each_host!(HostBuffer, self, |v| v.truncate(n))
+    }
+
     /// Divides every element by `n` (the end of an average).
     pub fn div_by(&mut self, n: usize) {
         each_host!(HostBuffer, self, |v| Element::div_by(&mut v[..], n))

@@ -762,6 +762,27 @@ impl Reducer {
         Ok(&v[slot.offset..slot.offset + slot.numel])
     }
 
+    /// The whole host buffer of bucket `bucket` after a synchronized `finish` (every parameter
+    /// at its [`BucketParam`] offset; a comm hook such as ZeRO's reduce-scatter may leave some
+    /// ranges unreduced), valid until the next backward starts.
+    pub fn bucket_grads<T: Element>(&self, bucket: usize) -> Result<&[T]> {
+        let Some(&index) = self.buckets.get(bucket).and_then(|b| b.params.first()) else {
+            return Err(Error::InvalidArgument(format!(
+                "bucket_grads: bucket {bucket} does not exist ({} buckets)",
+                self.buckets.len()
+            )));
+        };
+        let (buf, _) = self.results(index, "bucket_grads")?;
+        buf.as_host()
+            .and_then(|h| h.as_slice::<T>())
+            .ok_or_else(|| {
+                Error::InvalidArgument(format!(
+                    "bucket_grads: bucket {bucket} is not a host buffer of {}",
+                    T::DTYPE
+                ))
+            })
+    }
+
     /// Calls `f` with the averaged gradient of parameter `index` (after a synchronized `finish`):
     /// borrowed from a host bucket, copied from a device bucket.
     pub fn with_grad<R>(&self, index: usize, f: impl FnOnce(HostSlice<'_>) -> R) -> Result<R> {
@@ -822,6 +843,25 @@ impl Reducer {
             .collect();
         self.results_valid = false;
         Ok(taken)
+    }
+
+    /// Gives host buffers taken by [`take_averaged_buffers`](Self::take_averaged_buffers)
+    /// back (in the same order), so that the next backward writes into them instead of
+    /// allocating zeroed ones; their contents do not matter (every slot is overwritten or
+    /// zeroed by the next backward). A buffer whose bucket holds a buffer again, or whose dtype
+    /// or length (truncated to the bucket's) does not fit, is dropped. ZeRO stage 1 uses the
+    /// taken buckets for its parameter all-gather and returns them here.
+    pub fn restore_buffers(&mut self, taken: Vec<Option<TakenBucket>>) {
+        for (b, t) in self.buckets.iter_mut().zip(taken) {
+            let (Some((mut h, _)), BucketState::Idle(BucketBuffer::Host(cur))) = (t, &mut b.state)
+            else {
+                continue;
+            };
+            if cur.is_empty() && b.numel > 0 && h.dtype() == b.dtype && h.len() >= b.numel {
+                h.truncate(b.numel);
+                *cur = h;
+            }
+        }
     }
 
     /// Calls `f` with the averaged gradient of parameter `index` as device memory, a view into

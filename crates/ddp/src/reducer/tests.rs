@@ -115,6 +115,7 @@ fn averaged_buffers_are_handed_over_once_and_the_buckets_come_back() {
     const W: usize = 2;
     run_ranks(W, T, |rank, pg| {
         let mut red = Reducer::new(&pg, mixed_specs(), small()).unwrap();
+        let mut restored = Vec::new();
         let e = red.take_averaged_buffers().unwrap_err().to_string();
         assert!(e.contains("no synchronized gradients"), "{e}");
         for step in 0..3 {
@@ -124,11 +125,36 @@ fn averaged_buffers_are_handed_over_once_and_the_buckets_come_back() {
             }
             red.finish().unwrap();
             let want: Vec<Vec<f64>> = (0..12).map(|i| read(&red, i)).collect();
+            assert!(red.bucket_grads::<f32>(red.buckets().len()).is_err());
+            // Each bucket whole, as one slice (ZeRO reads its chunk so).
+            let wholes: Vec<Vec<f64>> = (0..red.buckets().len())
+                .map(|b| match red.bucket_grads::<f32>(b) {
+                    Ok(v) => v.iter().map(|&x| x as f64).collect(),
+                    Err(_) => red.bucket_grads::<f64>(b).unwrap().to_vec(),
+                })
+                .collect();
             let taken = red.take_averaged_buffers().unwrap();
             assert_eq!(taken.len(), red.buckets().len());
+            let addrs: Vec<usize> = taken
+                .iter()
+                .map(|t| match t.as_ref().unwrap().0.as_host_slice() {
+                    HostSlice::F32(v) => v.as_ptr() as usize,
+                    HostSlice::F64(v) => v.as_ptr() as usize,
+                    other => panic!("{:?}", other.dtype()),
+                })
+                .collect();
+            if step == 1 {
+                assert_eq!(addrs, restored, "step 1 reused the restored buffers");
+            }
             let mut seen = 0;
-            for (buffer, layout) in taken.iter().map(|t| t.as_ref().unwrap()) {
+            for (b, (buffer, layout)) in taken.iter().map(|t| t.as_ref().unwrap()).enumerate() {
                 for p in layout.iter() {
+                    assert_eq!(
+                        wholes[b][p.offset..p.offset + p.numel],
+                        want[p.index][..],
+                        "bucket_grads({b}), param {}",
+                        p.index
+                    );
                     let got: Vec<f64> = match buffer.range(p.offset, p.numel) {
                         HostSlice::F32(v) => v.iter().map(|&x| x as f64).collect(),
                         HostSlice::F64(v) => v.to_vec(),
@@ -144,7 +170,27 @@ fn averaged_buffers_are_handed_over_once_and_the_buckets_come_back() {
             assert_eq!(seen, 12);
             // Handed over: neither readable here nor to be taken twice.
             assert!(red.grad::<f32>(1).is_err());
+            assert!(red.bucket_grads::<f32>(0).is_err());
             assert!(red.take_averaged_buffers().is_err());
+            // Step 0's buffers come back full of garbage: the next backward must overwrite
+            // every slot (and zero the unmarked parameter 4) as with fresh ones.
+            if step == 0 {
+                restored = addrs;
+                let garbage = taken
+                    .into_iter()
+                    .map(|t| {
+                        t.map(|(mut h, l)| {
+                            match &mut h {
+                                HostBuffer::F32(v) => v.fill(f32::NAN),
+                                HostBuffer::F64(v) => v.fill(f64::NAN),
+                                _ => {}
+                            }
+                            (h, l)
+                        })
+                    })
+                    .collect();
+                red.restore_buffers(garbage);
+            }
         }
     });
 }

@@ -8,10 +8,13 @@ use crate::reducer::{BucketBuffer, BucketWork, CommHook, GradBucket, HostBuffer,
 use ddp_comm::{Element, ProcessGroup, ReduceOp};
 
 /// The ZeRO comm hook: a `reduce_scatter` of each bucket (padded to a multiple of the world
-/// size) instead of an all-reduce. The work yields a bucket-length buffer whose chunk owned by
-/// this rank (see [`ShardLayout`]) holds the average over ranks; the other elements are zero.
-/// Sends `(N-1)/N` of the bucket, half of a ring all-reduce; the parameter all-gather is the
-/// other half.
+/// size), in place ([`ProcessGroup::reduce_scatter_in_place_async`]), instead of an
+/// all-reduce. The work yields the bucket's own buffer whose chunk owned by this rank (see
+/// [`ShardLayout`]) holds the average over ranks; the other elements are left unspecified (this
+/// rank's unreduced gradient or partial sums): only the owned chunk is read
+/// ([`shard_grads`]). Sends `(N-1)/N` of the bucket, half of a ring all-reduce; the parameter
+/// all-gather is the other half. Nothing is allocated or copied per step on shared memory and
+/// TCP (the in-place collectives write into the bucket).
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct ReduceScatterHook;
 
@@ -56,36 +59,32 @@ where
     } else {
         ReduceOp::Sum
     };
-    BucketWork::from_work(pg.reduce_scatter_async(v, op), wrap::<T>).then(move |b| {
-        let lo = (rank * c).min(n);
-        let hi = ((rank + 1) * c).min(n);
-        let mut full = vec![T::zeroed(); n];
-        if let BucketBuffer::Host(h) = &b {
-            let chunk = h.as_slice::<T>().expect("the scatter keeps the dtype");
-            full[lo..hi].copy_from_slice(&chunk[..hi - lo]);
+    let (lo, hi) = ((rank * c).min(n), ((rank + 1) * c).min(n));
+    BucketWork::from_work(pg.reduce_scatter_in_place_async(v, op), wrap::<T>).then(move |mut b| {
+        if let BucketBuffer::Host(h) = &mut b {
+            if divisor != world {
+                let s = h.as_mut_slice::<T>().expect("the scatter keeps the dtype");
+                T::div_by(&mut s[lo..hi], divisor);
+            }
+            h.truncate(n);
         }
-        let mut out = wrap(full);
-        if divisor != world {
-            out.div_by(divisor);
-        }
-        Ok(out)
+        Ok(b)
     })
 }
 
 /// This rank's reduced gradient chunks, one per owned chunk of `layout` (after a synchronized
-/// `Reducer::finish` with [`ReduceScatterHook`]).
+/// `Reducer::finish` with [`ReduceScatterHook`]): each is one contiguous copy out of its
+/// bucket.
 pub fn shard_grads(layout: &ShardLayout, reducer: &Reducer) -> Result<Vec<Vec<f32>>> {
     layout
         .chunks()
         .iter()
         .map(|c| {
-            let mut out = vec![0f32; c.len()];
-            for p in layout.pieces(c) {
-                let g = reducer.grad::<f32>(p.param)?;
-                out[p.chunk_offset..p.chunk_offset + p.len]
-                    .copy_from_slice(&g[p.param_offset..p.param_offset + p.len]);
+            if c.is_empty() {
+                return Ok(Vec::new());
             }
-            Ok(out)
+            let g = reducer.bucket_grads::<f32>(c.bucket)?;
+            Ok(g[c.lo..c.hi].to_vec())
         })
         .collect()
 }
@@ -119,47 +118,96 @@ pub fn shard_params(
 }
 
 /// All-gathers every bucket from its owners' `chunks` (one per owned chunk, in bucket order) and
-/// calls `write(param, values)` once per parameter with its full flat values. One async
-/// all-gather per bucket, all in flight together. A collective.
+/// calls `write(param, values)` once per parameter with its full flat values. A collective; see
+/// [`gather_params_into`], which this runs with fresh buffers.
 pub fn gather_params(
     pg: &ProcessGroup,
     layout: &ShardLayout,
     chunks: Vec<Vec<f32>>,
-    mut write: impl FnMut(usize, &[f32]) -> Result<()>,
+    write: impl FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<()> {
-    let world = layout.world_size();
-    let mine = layout.chunks();
-    if chunks.len() != mine.len() {
+    if chunks.len() != layout.buckets().len() {
         return Err(Error::InvalidArgument(format!(
             "gather_params: {} chunks given, the layout has {} buckets",
             chunks.len(),
+            layout.buckets().len()
+        )));
+    }
+    let bufs = vec![Vec::new(); chunks.len()];
+    gather_params_into(
+        pg,
+        layout,
+        bufs,
+        |i, dst| {
+            dst.copy_from_slice(&chunks[i]);
+            Ok(())
+        },
+        write,
+    )?;
+    Ok(())
+}
+
+/// The parameter all-gather of a sharded step, in place in `bufs` (one per bucket of `layout`;
+/// any contents, reused when their capacity suffices: ZeRO passes the reducer's bucket buffers):
+/// `fill(i, dst)` writes this rank's values of chunk `i` straight into its block of bucket `i`'s
+/// buffer, every bucket is all-gathered in place (one async collective per bucket, all in
+/// flight together), and `write(param, values)` is called once per parameter with its full flat
+/// values as each bucket arrives. Returns the buffers (`chunk_len · world` elements each). A
+/// collective; `fill` runs for every bucket before the first collective starts, so a `fill`
+/// error leaves the group in step.
+pub fn gather_params_into(
+    pg: &ProcessGroup,
+    layout: &ShardLayout,
+    mut bufs: Vec<Vec<f32>>,
+    mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
+    mut write: impl FnMut(usize, &[f32]) -> Result<()>,
+) -> Result<Vec<Vec<f32>>> {
+    let world = layout.world_size();
+    let mine = layout.chunks();
+    if bufs.len() != mine.len() {
+        return Err(Error::InvalidArgument(format!(
+            "gather_params_into: {} buffers given, the layout has {} buckets",
+            bufs.len(),
             mine.len()
         )));
     }
-    let works: Vec<_> = chunks
+    for (i, (v, c)) in bufs.iter_mut().zip(&mine).enumerate() {
+        v.resize(layout.buckets()[c.bucket].chunk_len(world) * world, 0.0);
+        fill(i, &mut v[c.lo..c.hi])?;
+    }
+    let works: Vec<_> = bufs
         .into_iter()
-        .zip(&mine)
-        .map(|(mut v, c)| {
-            let b = &layout.buckets()[c.bucket];
-            v.resize(b.chunk_len(world), 0.0);
-            pg.all_gather_async(v)
-        })
+        .map(|v| pg.all_gather_in_place_async(v))
         .collect();
     let mut failed = None;
+    let mut out = Vec::with_capacity(works.len());
     for (work, c) in works.into_iter().zip(&mine) {
-        match work.wait() {
-            Ok(full) if failed.is_none() => {
-                for s in &layout.buckets()[c.bucket].slots {
-                    write(s.param, &full[s.offset..s.offset + s.numel])?;
+        let waited = {
+            let _s = crate::trace::span("wait gather", "zero");
+            work.wait()
+        };
+        match waited {
+            Ok(full) => {
+                if failed.is_none() {
+                    let _s = crate::trace::span("write params", "zero");
+                    for s in &layout.buckets()[c.bucket].slots {
+                        if let Err(e) = write(s.param, &full[s.offset..s.offset + s.numel]) {
+                            failed = Some(e);
+                            break;
+                        }
+                    }
                 }
+                out.push(full);
             }
-            Ok(_) => {}
-            Err(e) => failed = failed.or(Some(e)),
+            Err(e) => {
+                failed = failed.or(Some(Error::Comm(e)));
+                out.push(Vec::new());
+            }
         }
     }
     match failed {
-        Some(e) => Err(Error::Comm(e)),
-        None => Ok(()),
+        Some(e) => Err(e),
+        None => Ok(out),
     }
 }
 

@@ -38,7 +38,8 @@ pub use checkpoint::{
     consolidate, import, latest_set, load_sharded, save_sharded, ChunkState, ShardState,
 };
 pub use hook::{
-    bytes_per_step, clip_grad_norm, gather_params, shard_grads, shard_params, ReduceScatterHook,
+    bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_grads, shard_params,
+    ReduceScatterHook,
 };
 pub use layout::{BucketSlot, Chunk, Piece, ShardBucket, ShardLayout};
 pub use units::{stage3_bytes_per_step, unit_layout, UnitComm};

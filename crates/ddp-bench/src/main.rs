@@ -103,6 +103,8 @@ pub struct TrainArgs {
     /// instead of the plain one (loss.backward() then bucketed all-reduce). On candle's CPU
     /// backend the staged path's extra per-stage backward passes cost more than the overlap
     /// saves for this model (measured: 104 vs 82 ms/step at world 2), hence plain by default.
+    /// With `--zero 2` it is what keeps gradients at their shard (each stage's gradients are
+    /// reduce-scattered and freed before the next stage's backward).
     #[arg(long)]
     pub staged: bool,
     /// Layout of the linear layers' weights: `out-in` is `ddp_candle::nn::Linear` (PyTorch's

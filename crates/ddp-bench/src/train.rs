@@ -148,9 +148,6 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         bucket_cap_mb: args.bucket_cap_mb,
         ..Default::default()
     };
-    if args.staged && stage != ZeroStage::Ddp {
-        return Err("--staged is not supported with --zero 1/2 yet".into());
-    }
     if stage != ZeroStage::Ddp && !dev.is_cpu() {
         return Err("--zero 1/2 keeps its shards in host memory: run it with --device cpu".into());
     }
@@ -201,13 +198,12 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             zero.step()?;
             loss
         } else {
-            let o = zero
-                .ddp_mut()
-                .forward_backward_staged(&stages, &x, |logits| {
-                    candle_nn::loss::cross_entropy(logits, &y)
-                })?;
-            zero.optimizer_mut().step(&o.grads)?;
-            o.loss
+            let (_, loss, _) = zero.forward_backward_staged(&stages, &x, |logits| {
+                candle_nn::loss::cross_entropy(logits, &y)
+            })?;
+            let _s = trace::span("optimizer", "train");
+            zero.step()?;
+            loss
         };
         if let Some(a) = &mut averager {
             a.average_parameters(&pg, zero.ddp().params())?;

@@ -269,8 +269,45 @@ impl DistributedDataParallel {
     where
         L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     {
+        let (loss, output, local) = self.staged_local(stages, input, loss_fn)?;
+        let grads = self.finish(local)?;
+        Ok(StagedOutput {
+            loss,
+            output,
+            grads,
+        })
+    }
+
+    /// [`forward_backward_staged`](Self::forward_backward_staged) without collecting the
+    /// averaged gradients (for `ZeroDdp`): the step's statistics, the loss and the output.
+    pub(crate) fn reduce_forward_backward_staged<L>(
+        &mut self,
+        stages: &[&dyn Module],
+        input: &Tensor,
+        loss_fn: L,
+    ) -> Result<(StepStats, Tensor, Tensor)>
+    where
+        L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    {
+        let (loss, output, _) = self.staged_local(stages, input, loss_fn)?;
+        Ok((self.reducer.finish()?, loss, output))
+    }
+
+    /// The staged forward and backward, every stage's gradients handed to the reducer (and
+    /// released) as soon as that stage is done; returns the loss, the output and, under
+    /// `no_sync`, the local gradients (an empty store otherwise).
+    fn staged_local<L>(
+        &mut self,
+        stages: &[&dyn Module],
+        input: &Tensor,
+        loss_fn: L,
+    ) -> Result<(Tensor, Tensor, GradStore)>
+    where
+        L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    {
         self.reducer.prepare_for_backward()?;
         let mut local = GradStore::default();
+        let keep = !self.reducer.require_backward_grad_sync();
         let mut marked = vec![false; self.params.param_count()];
         let params = &self.params;
         let reducer = &mut self.reducer;
@@ -285,18 +322,13 @@ impl DistributedDataParallel {
                     )));
                 }
                 marked[i] = true;
-                if let Some(g) = grads.get(var.as_tensor()) {
+                if let (true, Some(g)) = (keep, grads.get(var.as_tensor())) {
                     local.insert(var.as_tensor(), g.clone());
                 }
                 Ok(())
             })
         })?;
-        let grads = self.finish(local)?;
-        Ok(StagedOutput {
-            loss,
-            output,
-            grads,
-        })
+        Ok((loss, output, local))
     }
 
     /// `loss.backward()` and the reduction through the registered hook, without collecting the

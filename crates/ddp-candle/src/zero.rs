@@ -76,7 +76,11 @@ impl ZeroDdp {
             };
             (shard, make_opt(ddp.named_vars().to_vec())?)
         } else {
-            ddp.register_comm_hook(sharding::ReduceScatterHook)?;
+            ddp.register_comm_hook(if stage == ZeroStage::One {
+                sharding::ReduceScatterHook::in_place()
+            } else {
+                sharding::ReduceScatterHook::shard_only()
+            })?;
             let values = sharding::shard_params(&layout, |p| read_f32(&ddp, p))?;
             let (shard, named) = Shard::new(layout, values)?;
             (shard, make_opt(named)?)
@@ -149,6 +153,33 @@ impl ZeroDdp {
         self.after_reduce(stats)
     }
 
+    /// The staged path ([`DistributedDataParallel::forward_backward_staged`]): forward through
+    /// `stages`, `loss_fn` on the last output, then backward one stage at a time, each stage's
+    /// gradients reduce-scattered (and freed) while earlier stages compute. At stage 2 this is
+    /// what keeps the gradients at their shard: a plain `loss.backward()` holds every full
+    /// gradient at once before any bucket is reduced. Returns the statistics, the loss and the
+    /// output (detached). Stage 0 runs DDP's staged path.
+    pub fn forward_backward_staged<L>(
+        &mut self,
+        stages: &[&dyn candle_core::Module],
+        input: &Tensor,
+        loss_fn: L,
+    ) -> Result<(StepStats, Tensor, Tensor)>
+    where
+        L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    {
+        if self.stage == ZeroStage::Ddp {
+            let out = self.ddp.forward_backward_staged(stages, input, loss_fn)?;
+            let stats = self.ddp.last_step_stats().unwrap_or_default();
+            self.full_grads = stats.synced.then_some(out.grads);
+            return Ok((stats, out.loss, out.output));
+        }
+        let (stats, loss, output) = self
+            .ddp
+            .reduce_forward_backward_staged(stages, input, loss_fn)?;
+        Ok((self.after_reduce(stats)?, loss, output))
+    }
+
     /// [`backward`](Self::backward) under [`Join`] (uneven inputs): `loss` is `None` once this
     /// rank has run out of data; gradients are averaged over the ranks that had data.
     pub fn backward_join(
@@ -182,13 +213,17 @@ impl ZeroDdp {
             return Ok(stats);
         }
         let _s = ddp::trace::span("shard grads", "zero");
-        self.shard_grads = Some(sharding::shard_grads(
-            &self.shard.layout,
-            self.ddp.reducer(),
-        )?);
-        // The buckets' buffers serve the step's all-gather; the reducer reallocates what is
-        // not given back (stage 2 keeps only its gradient shard between steps).
-        self.gather_bufs = Some(self.ddp.reducer_mut().take_averaged_buffers()?);
+        let reducer = self.ddp.reducer_mut();
+        if self.stage == ZeroStage::One {
+            // The averaged chunk is copied out; the buckets' buffers then carry the step's
+            // all-gather (and are freed after it, as stage 2's are: the next backward's
+            // gradients would otherwise sit next to them).
+            self.shard_grads = Some(sharding::shard_grads(&self.shard.layout, reducer)?);
+            self.gather_bufs = Some(reducer.take_averaged_buffers()?);
+        } else {
+            // The buckets came back as this rank's chunks: kept as they are.
+            self.shard_grads = Some(sharding::take_shard_grads(&self.shard.layout, reducer)?);
+        }
         Ok(stats)
     }
 
@@ -256,37 +291,27 @@ impl ZeroDdp {
         }
         let _s = ddp::trace::span("gather params", "zero");
         let taken = self.gather_bufs.take().unwrap_or_default();
-        let returned = self.gather(taken)?;
-        if self.stage == ZeroStage::One {
-            self.ddp.reducer_mut().restore_buffers(returned);
-        }
-        Ok(())
+        self.gather(taken)
     }
 
     /// Every rank's parameters from the owners' chunks, all-gathered in place in `bufs` (the
-    /// reducer's taken buckets, or none), which come back for reuse.
-    fn gather(&self, bufs: Vec<Option<TakenBucket>>) -> Result<Vec<Option<TakenBucket>>> {
+    /// reducer's taken buckets at stage 1; fresh buffers otherwise, two buckets at a time).
+    fn gather(&self, bufs: Vec<Option<TakenBucket>>) -> Result<()> {
+        let window = if bufs.is_empty() { 2 } else { 0 };
         let n = self.shard.layout.buckets().len();
-        let mut layouts = Vec::with_capacity(n);
-        let mut vecs = Vec::with_capacity(n);
         let mut bufs = bufs.into_iter();
-        for _ in 0..n {
-            match bufs.next().flatten() {
-                Some((HostBuffer::F32(v), l)) => {
-                    vecs.push(v);
-                    layouts.push(Some(l));
-                }
-                _ => {
-                    vecs.push(Vec::new());
-                    layouts.push(None);
-                }
-            }
-        }
+        let vecs = (0..n)
+            .map(|_| match bufs.next().flatten() {
+                Some((HostBuffer::F32(v), _)) => v,
+                _ => Vec::new(),
+            })
+            .collect();
         let params = self.ddp.params();
-        let full = sharding::gather_params_into(
+        sharding::gather_params_into(
             self.ddp.process_group(),
             &self.shard.layout,
             vecs,
+            window,
             |i, dst| self.shard.copy_chunk(i, dst),
             |p, v| {
                 params
@@ -294,11 +319,7 @@ impl ZeroDdp {
                     .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))
             },
         )?;
-        Ok(full
-            .into_iter()
-            .zip(layouts)
-            .map(|(v, l)| l.map(|l| (HostBuffer::F32(v), l)))
-            .collect())
+        Ok(())
     }
 
     /// This rank's shard: parameter values and optimizer state of its chunks.
@@ -350,8 +371,7 @@ impl ZeroDdp {
         self.shard.apply(&mut *self.opt, state)?;
         self.shard_grads = None;
         self.gather_bufs = None;
-        self.gather(Vec::new())?;
-        Ok(())
+        self.gather(Vec::new())
     }
 }
 

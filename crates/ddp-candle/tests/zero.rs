@@ -166,6 +166,25 @@ impl Trainer {
         }
     }
 
+    /// [`backward`](Self::backward) through `ZeroDdp`'s staged path (one stage per layer);
+    /// stage 3 is staged by its units already.
+    fn backward_staged(&mut self, k: usize, rank: usize, world: usize) -> StepStats {
+        let Trainer::Zero(z, m) = self else {
+            return self.backward(k, rank, world);
+        };
+        let (xs, ys) = batch_at(k, rank, world);
+        let s1 = |t: &Tensor| m.stage1(t);
+        let s2 = |t: &Tensor| m.stage2(t);
+        let s3 = |t: &Tensor| m.stage3(t);
+        let stages: [&dyn Module; 3] = [&s1, &s2, &s3];
+        let (stats, loss, _) = z
+            .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .unwrap();
+        let plain = loss_at(m, k, rank, world).to_scalar::<f32>().unwrap();
+        assert_eq!(loss.to_scalar::<f32>().unwrap(), plain, "the staged loss");
+        stats
+    }
+
     fn backward(&mut self, k: usize, rank: usize, world: usize) -> StepStats {
         self.backward_scaled(k, rank, world, 1.0)
     }
@@ -305,6 +324,19 @@ fn every_stage_equals_ddp_for_sgd_momentum_and_adamw_at_world_2_3_4() {
             }
         }
     }
+}
+
+#[test]
+fn the_staged_backward_under_zero_equals_plain_ddp() {
+    // Stage 2 needs it to keep only gradient shards; every stage takes it (stage 0 is DDP's
+    // staged path, bit-identical to its plain one: tests/ddp.rs). Tiny buckets: a stage's
+    // gradients fill several, reduce-scattered while earlier stages compute.
+    zero_matches_ddp("staged", Opt::AdamW, |z, rank, pg| {
+        for k in 0..4 {
+            z.backward_staged(k, rank, pg.size());
+            z.step();
+        }
+    });
 }
 
 /// One training run at `world` ranks and `stage` (tiny buckets or units unless `sizes` says),

@@ -171,6 +171,16 @@ pub trait CommHook: Send {
         None
     }
 
+    /// Whether the work's buffer may hold only a part of the bucket (ZeRO stage 2's
+    /// reduce-scatter keeps this rank's chunk alone, so that the full bucket is freed as soon as
+    /// it is reduced). Such a bucket's averaged gradients are read whole, with
+    /// [`Reducer::bucket_grads`](super::Reducer::bucket_grads) or
+    /// [`Reducer::take_averaged_buffers`](super::Reducer::take_averaged_buffers), not per
+    /// parameter. Default: the whole bucket.
+    fn returns_shard(&self) -> bool {
+        false
+    }
+
     /// The hook's state for a checkpoint (default: a stateless hook, kind `"custom"`).
     fn state_dict(&self) -> HookState {
         HookState::new("custom")

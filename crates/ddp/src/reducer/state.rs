@@ -602,8 +602,10 @@ impl Reducer {
                 unreachable!("every bucket was launched");
             };
             let t = Instant::now();
+            let shard = self.hook.returns_shard();
             let result = work.wait().and_then(|buf| {
-                if buf.dtype() == b.dtype && buf.len() == b.numel {
+                if buf.dtype() == b.dtype && (buf.len() == b.numel || shard && buf.len() < b.numel)
+                {
                     Ok(buf)
                 } else {
                     Err(ddp_comm::Error::InvalidArgument(format!(
@@ -734,9 +736,17 @@ impl Reducer {
             )));
         }
         let slot = self.slots[index];
-        let BucketState::Idle(buf) = &self.buckets[slot.bucket].state else {
+        let b = &self.buckets[slot.bucket];
+        let BucketState::Idle(buf) = &b.state else {
             unreachable!("results are valid only when every bucket is idle");
         };
+        if buf.len() != b.numel {
+            return Err(Error::InvalidArgument(format!(
+                "{what}: bucket {} holds only this rank's shard of its averaged gradients (a \
+                 sharding comm hook); read it whole with bucket_grads",
+                slot.bucket
+            )));
+        }
         Ok((buf, slot))
     }
 
@@ -764,15 +774,25 @@ impl Reducer {
 
     /// The whole host buffer of bucket `bucket` after a synchronized `finish` (every parameter
     /// at its [`BucketParam`] offset; a comm hook such as ZeRO's reduce-scatter may leave some
-    /// ranges unreduced), valid until the next backward starts.
+    /// ranges unreduced, or return this rank's chunk alone: [`CommHook::returns_shard`]), valid
+    /// until the next backward starts.
     pub fn bucket_grads<T: Element>(&self, bucket: usize) -> Result<&[T]> {
-        let Some(&index) = self.buckets.get(bucket).and_then(|b| b.params.first()) else {
+        if bucket >= self.buckets.len() {
             return Err(Error::InvalidArgument(format!(
                 "bucket_grads: bucket {bucket} does not exist ({} buckets)",
                 self.buckets.len()
             )));
+        }
+        if !self.results_valid {
+            return Err(Error::InvalidArgument(
+                "bucket_grads: no synchronized gradients available (call finish() after a \
+                 synced backward)"
+                    .into(),
+            ));
+        }
+        let BucketState::Idle(buf) = &self.buckets[bucket].state else {
+            unreachable!("results are valid only when every bucket is idle");
         };
-        let (buf, _) = self.results(index, "bucket_grads")?;
         buf.as_host()
             .and_then(|h| h.as_slice::<T>())
             .ok_or_else(|| {
@@ -843,25 +863,6 @@ impl Reducer {
             .collect();
         self.results_valid = false;
         Ok(taken)
-    }
-
-    /// Gives host buffers taken by [`take_averaged_buffers`](Self::take_averaged_buffers)
-    /// back (in the same order), so that the next backward writes into them instead of
-    /// allocating zeroed ones; their contents do not matter (every slot is overwritten or
-    /// zeroed by the next backward). A buffer whose bucket holds a buffer again, or whose dtype
-    /// or length (truncated to the bucket's) does not fit, is dropped. ZeRO stage 1 uses the
-    /// taken buckets for its parameter all-gather and returns them here.
-    pub fn restore_buffers(&mut self, taken: Vec<Option<TakenBucket>>) {
-        for (b, t) in self.buckets.iter_mut().zip(taken) {
-            let (Some((mut h, _)), BucketState::Idle(BucketBuffer::Host(cur))) = (t, &mut b.state)
-            else {
-                continue;
-            };
-            if cur.is_empty() && b.numel > 0 && h.dtype() == b.dtype && h.len() >= b.numel {
-                h.truncate(b.numel);
-                *cur = h;
-            }
-        }
     }
 
     /// Calls `f` with the averaged gradient of parameter `index` as device memory, a view into

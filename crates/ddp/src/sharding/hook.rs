@@ -8,23 +8,44 @@ use crate::reducer::{BucketBuffer, BucketWork, CommHook, GradBucket, HostBuffer,
 use ddp_comm::{Element, ProcessGroup, ReduceOp};
 
 /// The ZeRO comm hook: a `reduce_scatter` of each bucket (padded to a multiple of the world
-/// size), in place ([`ProcessGroup::reduce_scatter_in_place_async`]), instead of an
-/// all-reduce. The work yields the bucket's own buffer whose chunk owned by this rank (see
-/// [`ShardLayout`]) holds the average over ranks; the other elements are left unspecified (this
-/// rank's unreduced gradient or partial sums): only the owned chunk is read
-/// ([`shard_grads`]). Sends `(N-1)/N` of the bucket, half of a ring all-reduce; the parameter
-/// all-gather is the other half. Nothing is allocated or copied per step on shared memory and
-/// TCP (the in-place collectives write into the bucket).
-#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
-pub struct ReduceScatterHook;
+/// size) instead of an all-reduce. Sends `(N-1)/N` of the bucket, half of a ring all-reduce;
+/// the parameter all-gather is the other half. Two forms:
+/// - [`ReduceScatterHook::in_place`] (stage 1): in place
+///   ([`ProcessGroup::reduce_scatter_in_place_async`]); the work yields the bucket's own buffer,
+///   whose chunk owned by this rank (see [`ShardLayout`]) holds the average over ranks, the
+///   other elements unspecified (this rank's unreduced gradient or partial sums). Nothing is
+///   allocated or copied per step on shared memory and TCP, and the buffer can carry the
+///   parameter all-gather afterwards ([`gather_params_into`]).
+/// - [`ReduceScatterHook::shard_only`] (stage 2): the work yields this rank's chunk alone
+///   ([`CommHook::returns_shard`]); the full bucket is freed on the communication thread as
+///   soon as its reduce-scatter is done, so that only gradient shards outlive the backward.
+///
+/// Either way only the owned chunk is read ([`shard_grads`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReduceScatterHook {
+    shard_only: bool,
+}
+
+impl ReduceScatterHook {
+    /// Each bucket comes back whole, its owned chunk averaged (see the type doc).
+    pub fn in_place() -> Self {
+        ReduceScatterHook { shard_only: false }
+    }
+
+    /// Each bucket comes back as its owned chunk alone (see the type doc).
+    pub fn shard_only() -> Self {
+        ReduceScatterHook { shard_only: true }
+    }
+}
 
 impl CommHook for ReduceScatterHook {
     fn run(&mut self, pg: &ProcessGroup, bucket: GradBucket) -> BucketWork {
         let divisor = bucket.divisor();
         let index = bucket.index();
+        let shard_only = self.shard_only;
         match bucket.into_buffer() {
-            BucketBuffer::Host(HostBuffer::F32(v)) => scatter(pg, v, divisor),
-            BucketBuffer::Host(HostBuffer::F64(v)) => scatter(pg, v, divisor),
+            BucketBuffer::Host(HostBuffer::F32(v)) => scatter(pg, v, divisor, shard_only),
+            BucketBuffer::Host(HostBuffer::F64(v)) => scatter(pg, v, divisor, shard_only),
             other => BucketWork::ready(Err(ddp_comm::Error::InvalidArgument(format!(
                 "ZeRO reduce-scatter hook: bucket {index} is a {} {} buffer; only f32/f64 host \
                  buckets are sharded",
@@ -37,6 +58,10 @@ impl CommHook for ReduceScatterHook {
             )))),
         }
     }
+
+    fn returns_shard(&self) -> bool {
+        self.shard_only
+    }
 }
 
 fn wrap<T>(v: Vec<T>) -> BucketBuffer
@@ -46,7 +71,12 @@ where
     BucketBuffer::Host(HostBuffer::from(v))
 }
 
-fn scatter<T: Element>(pg: &ProcessGroup, mut v: Vec<T>, divisor: usize) -> BucketWork
+fn scatter<T: Element>(
+    pg: &ProcessGroup,
+    mut v: Vec<T>,
+    divisor: usize,
+    shard_only: bool,
+) -> BucketWork
 where
     HostBuffer: From<Vec<T>>,
 {
@@ -60,13 +90,24 @@ where
         ReduceOp::Sum
     };
     let (lo, hi) = ((rank * c).min(n), ((rank + 1) * c).min(n));
-    BucketWork::from_work(pg.reduce_scatter_in_place_async(v, op), wrap::<T>).then(move |mut b| {
+    let work = if shard_only {
+        pg.reduce_scatter_async(v, op)
+    } else {
+        pg.reduce_scatter_in_place_async(v, op)
+    };
+    BucketWork::from_work(work, wrap::<T>).then(move |mut b| {
         if let BucketBuffer::Host(h) = &mut b {
+            // The owned elements: the whole (padded) chunk, or the chunk within the bucket.
+            let (lo, hi, keep) = if shard_only {
+                (0, hi - lo, hi - lo)
+            } else {
+                (lo, hi, n)
+            };
             if divisor != world {
                 let s = h.as_mut_slice::<T>().expect("the scatter keeps the dtype");
                 T::div_by(&mut s[lo..hi], divisor);
             }
-            h.truncate(n);
+            h.truncate(keep);
         }
         Ok(b)
     })
@@ -74,7 +115,7 @@ where
 
 /// This rank's reduced gradient chunks, one per owned chunk of `layout` (after a synchronized
 /// `Reducer::finish` with [`ReduceScatterHook`]): each is one contiguous copy out of its
-/// bucket.
+/// bucket (or of the bucket's shard, with [`ReduceScatterHook::shard_only`]).
 pub fn shard_grads(layout: &ShardLayout, reducer: &Reducer) -> Result<Vec<Vec<f32>>> {
     layout
         .chunks()
@@ -84,7 +125,36 @@ pub fn shard_grads(layout: &ShardLayout, reducer: &Reducer) -> Result<Vec<Vec<f3
                 return Ok(Vec::new());
             }
             let g = reducer.bucket_grads::<f32>(c.bucket)?;
+            if g.len() == c.len() {
+                return Ok(g.to_vec());
+            }
             Ok(g[c.lo..c.hi].to_vec())
+        })
+        .collect()
+}
+
+/// [`shard_grads`] without copies, for [`ReduceScatterHook::shard_only`]: takes the reducer's
+/// buffers (each bucket's averaged chunk) over.
+pub fn take_shard_grads(layout: &ShardLayout, reducer: &mut Reducer) -> Result<Vec<Vec<f32>>> {
+    let taken = reducer.take_averaged_buffers()?;
+    layout
+        .chunks()
+        .iter()
+        .zip(taken)
+        .map(|(c, t)| match t {
+            Some((HostBuffer::F32(v), _)) if v.len() == c.len() => Ok(v),
+            Some((h, _)) => Err(Error::InvalidArgument(format!(
+                "take_shard_grads: bucket {} holds {} {} elements, its chunk {} f32 (register \
+                 ReduceScatterHook::shard_only)",
+                c.bucket,
+                h.len(),
+                h.dtype(),
+                c.len()
+            ))),
+            None => Err(Error::InvalidArgument(format!(
+                "take_shard_grads: bucket {} is not a host bucket",
+                c.bucket
+            ))),
         })
         .collect()
 }
@@ -138,6 +208,7 @@ pub fn gather_params(
         pg,
         layout,
         bufs,
+        0,
         |i, dst| {
             dst.copy_from_slice(&chunks[i]);
             Ok(())
@@ -148,17 +219,20 @@ pub fn gather_params(
 }
 
 /// The parameter all-gather of a sharded step, in place in `bufs` (one per bucket of `layout`;
-/// any contents, reused when their capacity suffices: ZeRO passes the reducer's bucket buffers):
-/// `fill(i, dst)` writes this rank's values of chunk `i` straight into its block of bucket `i`'s
-/// buffer, every bucket is all-gathered in place (one async collective per bucket, all in
-/// flight together), and `write(param, values)` is called once per parameter with its full flat
-/// values as each bucket arrives. Returns the buffers (`chunk_len · world` elements each). A
-/// collective; `fill` runs for every bucket before the first collective starts, so a `fill`
-/// error leaves the group in step.
+/// any contents, reused when their capacity suffices: ZeRO stage 1 passes the reducer's bucket
+/// buffers, stage 2 empty ones): `fill(i, dst)` writes this rank's values of chunk `i` straight
+/// into its block of bucket `i`'s buffer, the bucket is all-gathered in place (async), and
+/// `write(param, values)` is called once per parameter with its full flat values as each
+/// bucket arrives, in bucket order. At most `window` buckets are in flight (`0`: all at once;
+/// a window bounds the full-size buffers alive together, for fresh ones). Returns the buffers
+/// (`chunk_len · world` elements each). A collective: every bucket's all-gather is run even
+/// after an error here (`fill` or `write`), so that the group stays in step; the first error is
+/// returned.
 pub fn gather_params_into(
     pg: &ProcessGroup,
     layout: &ShardLayout,
-    mut bufs: Vec<Vec<f32>>,
+    bufs: Vec<Vec<f32>>,
+    window: usize,
     mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
     mut write: impl FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<Vec<Vec<f32>>> {
@@ -171,17 +245,10 @@ pub fn gather_params_into(
             mine.len()
         )));
     }
-    for (i, (v, c)) in bufs.iter_mut().zip(&mine).enumerate() {
-        v.resize(layout.buckets()[c.bucket].chunk_len(world) * world, 0.0);
-        fill(i, &mut v[c.lo..c.hi])?;
-    }
-    let works: Vec<_> = bufs
-        .into_iter()
-        .map(|v| pg.all_gather_in_place_async(v))
-        .collect();
-    let mut failed = None;
-    let mut out = Vec::with_capacity(works.len());
-    for (work, c) in works.into_iter().zip(&mine) {
+    let mut failed: Option<Error> = None;
+    let mut out: Vec<Vec<f32>> = vec![Vec::new(); mine.len()];
+    let mut pending = std::collections::VecDeque::new();
+    let mut complete = |i: usize, work: ddp_comm::Work<Vec<f32>>, failed: &mut Option<Error>| {
         let waited = {
             let _s = crate::trace::span("wait gather", "zero");
             work.wait()
@@ -190,20 +257,35 @@ pub fn gather_params_into(
             Ok(full) => {
                 if failed.is_none() {
                     let _s = crate::trace::span("write params", "zero");
-                    for s in &layout.buckets()[c.bucket].slots {
+                    for s in &layout.buckets()[mine[i].bucket].slots {
                         if let Err(e) = write(s.param, &full[s.offset..s.offset + s.numel]) {
-                            failed = Some(e);
+                            *failed = Some(e);
                             break;
                         }
                     }
                 }
-                out.push(full);
+                out[i] = full;
             }
             Err(e) => {
-                failed = failed.or(Some(Error::Comm(e)));
-                out.push(Vec::new());
+                failed.get_or_insert(Error::Comm(e));
             }
         }
+    };
+    for (i, (mut v, c)) in bufs.into_iter().zip(&mine).enumerate() {
+        v.resize(layout.buckets()[c.bucket].chunk_len(world) * world, 0.0);
+        if failed.is_none() {
+            if let Err(e) = fill(i, &mut v[c.lo..c.hi]) {
+                failed = Some(e);
+            }
+        }
+        pending.push_back((i, pg.all_gather_in_place_async(v)));
+        if window > 0 && pending.len() > window {
+            let (j, work) = pending.pop_front().expect("more than the window");
+            complete(j, work, &mut failed);
+        }
+    }
+    while let Some((j, work)) = pending.pop_front() {
+        complete(j, work, &mut failed);
     }
     match failed {
         Some(e) => Err(e),

@@ -39,7 +39,7 @@ pub use checkpoint::{
 };
 pub use hook::{
     bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_grads, shard_params,
-    ReduceScatterHook,
+    take_shard_grads, ReduceScatterHook,
 };
 pub use layout::{BucketSlot, Chunk, Piece, ShardBucket, ShardLayout};
 pub use units::{stage3_bytes_per_step, unit_layout, UnitComm};

@@ -235,7 +235,15 @@ impl<M: Module> DistributedDataParallel<M> {
             .expect("the module is present between calls");
         self.params.refresh_ids(module)?;
         let mut grads = grads(module);
-        adapter::mark_grads(&self.params, &mut self.reducer, &mut grads, |_, _| Ok(()))?;
+        // A synchronized step returns the averaged gradients, not these: hand them over owned.
+        let take = self.reducer.require_backward_grad_sync();
+        if take {
+            self.params.take_grads(&mut grads)?;
+        }
+        let marked =
+            adapter::mark_grads(&self.params, &mut self.reducer, &mut grads, |_, _| Ok(()));
+        self.params.clear_taken();
+        marked?;
         Ok(grads)
     }
 

@@ -42,6 +42,10 @@ pub struct BurnParams {
     /// Values of the parameters as last read by [`BurnParams::capture`], or as written by
     /// `write_param`; [`BurnParams::apply`] writes them into a module.
     staged: RefCell<Vec<Option<HostBuffer>>>,
+    /// Gradients taken out of a `GradientsParams` by [`BurnParams::take_grads`] for one
+    /// synchronized hand-over to the reducer (owned, so burn-flex gives their data without a
+    /// copy); `with_grad` reads them first.
+    taken: RefCell<Vec<Option<TensorData>>>,
 }
 
 /// Runs `$body` with `const $d: usize` set to `$rank` (Burn's tensors carry their rank in the
@@ -240,7 +244,31 @@ impl BurnParams {
             comm_dtype(&e.path, e.dtype)?;
         }
         let staged = RefCell::new(vec![None; entries.len()]);
-        Ok(BurnParams { entries, staged })
+        let taken = RefCell::new(vec![None; entries.len()]);
+        Ok(BurnParams {
+            entries,
+            staged,
+            taken,
+        })
+    }
+
+    /// Moves every parameter's gradient out of `grads` into this adapter's hand-over slots,
+    /// until [`clear_taken`](Self::clear_taken): a gradient that `GradientsParams` still shares
+    /// is copied by `into_data`, an owned one is not (burn-flex; measured 0.9 ms per 4 MB
+    /// weight). For a synchronized step only, whose local gradients are not returned.
+    pub(crate) fn take_grads(&self, grads: &mut GradientsParams) -> Result<()> {
+        let mut taken = self.taken.borrow_mut();
+        for (e, slot) in self.entries.iter().zip(taken.iter_mut()) {
+            *slot = with_rank!(e.shape.len(), e.path, |D| Ok(grads
+                .remove::<D>(e.id)
+                .map(|g| g.into_data())))?;
+        }
+        Ok(())
+    }
+
+    /// Empties the hand-over slots filled by [`take_grads`](Self::take_grads).
+    pub(crate) fn clear_taken(&self) {
+        self.taken.borrow_mut().iter_mut().for_each(|t| *t = None);
     }
 
     /// The parameter paths, in order.
@@ -344,6 +372,9 @@ impl ParamAccess for BurnParams {
         f: impl FnOnce(HostSlice<'_>) -> R,
     ) -> Result<Option<R>> {
         let e = &self.entries[index];
+        if let Some(d) = &self.taken.borrow()[index] {
+            return with_host_slice(&e.path, d, f).map(Some);
+        }
         let data = with_rank!(e.shape.len(), e.path, |D| Ok(grads
             .get::<D>(e.id)
             .map(|g| g.into_data())))?;

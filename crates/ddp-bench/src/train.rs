@@ -11,8 +11,8 @@ use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
 use ddp::sharding::ZeroStage;
 use ddp::trace;
-use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions, Fsdp, Unit, ZeroDdp};
+use ddp_candle::optim::ParamsSgd;
+use ddp_candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, Unit, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use std::time::Instant;
 
@@ -159,13 +159,12 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         )
         .into());
     }
-    let make_opt = optimizer(args);
     let mut ddp = Ddp::new(&varmap, &pg, opts)?;
     if let Some(hook) = args.hook.hook()? {
         ddp.register_comm_hook(hook)?;
     }
     let mut averager = args.hook.averager()?;
-    let mut zero = ZeroDdp::new(ddp, stage, make_opt)?;
+    let mut zero = ZeroDdp::with_optimizer(ddp, stage, optimizer(args))?;
     let params: usize = zero
         .ddp()
         .named_vars()
@@ -247,18 +246,13 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     report(args, &pg, &label, &timing, diff, extra)
 }
 
-type MakeOpt = Box<dyn FnOnce(Vec<(String, Var)>) -> ddp_candle::Result<Box<dyn DynOptimizer>>>;
-
-/// `--optimizer`'s builder over the given variables.
-fn optimizer(args: &TrainArgs) -> MakeOpt {
-    let adamw = args.optimizer == "adamw";
-    Box::new(move |vars| {
-        Ok(if adamw {
-            Box::new(AdamW::new_named(vars, ParamsAdamW::default())?)
-        } else {
-            Box::new(Sgd::new_named(vars, ParamsSgd::with_lr(0.01))?)
-        })
-    })
+/// `--optimizer`: SGD (lr 0.01) or AdamW (candle's defaults).
+fn optimizer(args: &TrainArgs) -> ShardOptimizer {
+    if args.optimizer == "adamw" {
+        ShardOptimizer::AdamW(ParamsAdamW::default())
+    } else {
+        ShardOptimizer::Sgd(ParamsSgd::with_lr(0.01))
+    }
 }
 
 /// `--zero 3`: the parameters sharded over the ranks, one unit per layer (`ddp_candle::Fsdp`).
@@ -279,7 +273,8 @@ fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup, varmap: VarMap) -> Re
     }
     let rank = pg.rank();
     let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
-    let mut fsdp = Fsdp::from_varmap(&varmap, units(args), pg, optimizer(args))?;
+    let opt = optimizer(args);
+    let mut fsdp = Fsdp::from_varmap(&varmap, units(args), pg, |vars| opt.build(vars))?;
     drop(varmap);
     // The full model existed only to be cut into shards: give its memory back (the retained
     // heap would otherwise keep it resident for good).

@@ -60,7 +60,7 @@ use ddp::adapter::{self, ParamAccess};
 use ddp::checkpoint::{Checkpoint, CheckpointMeta};
 use ddp::join::{Join, JoinStep};
 use ddp::reducer::{verify_param_specs, ParamSpec, StepStats, TotalStats};
-use ddp::sharding::{self, ShardLayout, ShardState, UnitComm};
+use ddp::sharding::{self, ShardGrads, ShardLayout, ShardState, UnitComm};
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use std::collections::HashMap;
@@ -121,7 +121,7 @@ pub struct Fsdp {
     shard: Shard,
     opt: Box<dyn DynOptimizer>,
     /// This rank's averaged gradient chunks after a synchronized backward.
-    grads: Option<Vec<Vec<f32>>>,
+    grads: Option<ShardGrads>,
     /// Under `no_sync`: each unit's local gradient, accumulated in full.
     accum: Option<Vec<Vec<f32>>>,
     sync: bool,
@@ -437,7 +437,7 @@ impl Fsdp {
         let t = Instant::now();
         let stats = if self.sync {
             let chunks = comm.finish()?;
-            self.grads = Some(chunks);
+            self.grads = Some(ShardGrads::from_chunks(chunks));
             self.accum = None;
             StepStats {
                 synced: true,

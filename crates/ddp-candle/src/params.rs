@@ -179,7 +179,7 @@ impl ParamAccess for CandleParams {
 }
 
 /// Copies host values over a contiguous CPU tensor of the same dtype and size, in place.
-struct CopyIn<'a>(HostSlice<'a>);
+pub(crate) struct CopyIn<'a>(pub HostSlice<'a>);
 
 impl InplaceOp1 for CopyIn<'_> {
     fn name(&self) -> &'static str {

@@ -4,15 +4,15 @@
 //! [`ZeroDdp`](crate::ZeroDdp) (chunks of the reducer's buckets) and [`Fsdp`](crate::Fsdp)
 //! (chunks of the units).
 
-use crate::optim::DynOptimizer;
+use crate::optim::{DynOptimizer, Piece};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{Device, Tensor, Var};
+use candle_core::{Device, Tensor, TensorId, Var};
 use ddp::checkpoint::{
     Checkpoint, CheckpointMeta, OptimizerRecord, OptimizerStateDict, TensorData,
 };
-use ddp::reducer::ParamSpec;
-use ddp::sharding::{self, ChunkState, ShardLayout, ShardState};
+use ddp::reducer::{HostSlice, ParamSpec};
+use ddp::sharding::{self, ChunkState, ShardGrads, ShardLayout, ShardState};
 use ddp_comm::{ProcessGroup, ReduceOp};
 use std::path::{Path, PathBuf};
 
@@ -23,8 +23,12 @@ pub(crate) fn chunk_name(bucket: usize) -> String {
 /// This rank's chunks (see the module doc).
 pub(crate) struct Shard {
     pub layout: ShardLayout,
-    /// One per chunk of `layout` (`None` for an empty chunk).
+    /// One per chunk of `layout` (`None` for an empty chunk, or one written through).
     pub vars: Vec<Option<Var>>,
+    /// Per chunk, once [`Shard::write_through`]: the id its gradient is keyed by and the pieces
+    /// of the model's parameters that hold its values (no variable of its own then). Empty
+    /// otherwise.
+    through: Vec<Option<(TensorId, Vec<Piece>)>>,
 }
 
 impl Shard {
@@ -42,11 +46,80 @@ impl Shard {
             named.push((chunk_name(c.bucket), var.clone()));
             vars.push(Some(var));
         }
-        Ok((Shard { layout, vars }, named))
+        Ok((
+            Shard {
+                layout,
+                vars,
+                through: Vec::new(),
+            },
+            named,
+        ))
+    }
+
+    /// A shard holding nothing (stage 0: plain DDP).
+    pub fn empty(layout: ShardLayout) -> Shard {
+        Shard {
+            layout,
+            vars: Vec::new(),
+            through: Vec::new(),
+        }
+    }
+
+    /// ZeRO stages 1/2 with the full model at hand: every chunk's values from now on live in
+    /// the model's parameters `params` (in the layout's parameter order), which the optimizer
+    /// updates in place through `retarget(chunk_name, pieces)`; the chunk variables are dropped
+    /// (4Ψ/N bytes less per rank). The parameters must hold the chunks' values (they do after
+    /// construction and after every all-gather).
+    pub fn write_through(
+        &mut self,
+        params: &[(String, Var)],
+        mut retarget: impl FnMut(&str, Vec<Piece>) -> Result<()>,
+    ) -> Result<()> {
+        let mut through = Vec::with_capacity(self.vars.len());
+        let flat: Vec<Tensor> = params
+            .iter()
+            .map(|(_, v)| v.as_tensor().flatten_all())
+            .collect::<candle_core::Result<_>>()?;
+        for (c, var) in self.layout.chunks().iter().zip(&self.vars) {
+            let Some(var) = var else {
+                through.push(None);
+                continue;
+            };
+            let pieces = self
+                .layout
+                .pieces(c)
+                .into_iter()
+                .map(|p| {
+                    Ok(Piece {
+                        view: flat[p.param].narrow(0, p.param_offset, p.len)?,
+                        offset: p.chunk_offset,
+                    })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            retarget(&chunk_name(c.bucket), pieces.clone())?;
+            through.push(Some((var.id(), pieces)));
+        }
+        self.through = through;
+        self.vars.iter_mut().for_each(|v| *v = None);
+        Ok(())
+    }
+
+    fn through(&self, i: usize) -> Option<&(TensorId, Vec<Piece>)> {
+        self.through.get(i).and_then(Option::as_ref)
+    }
+
+    /// Whether chunk `i` holds elements (a variable or pieces).
+    fn present(&self, i: usize) -> bool {
+        self.vars[i].is_some() || self.through(i).is_some()
     }
 
     /// The values of chunk `i` (empty for an empty chunk).
     pub fn chunk(&self, i: usize) -> Result<Vec<f32>> {
+        if let Some((_, pieces)) = self.through(i) {
+            let mut out = vec![0f32; self.layout.chunks()[i].len()];
+            self.copy_pieces(pieces, &mut out)?;
+            return Ok(out);
+        }
         match &self.vars[i] {
             Some(v) => Ok(v.as_tensor().to_vec1::<f32>()?),
             None => Ok(Vec::new()),
@@ -55,6 +128,11 @@ impl Shard {
 
     /// Copies the values of chunk `i` into `dst` (its length; nothing for an empty chunk).
     pub fn copy_chunk(&self, i: usize, dst: &mut [f32]) -> ddp::Result<()> {
+        if let Some((_, pieces)) = self.through(i) {
+            return self
+                .copy_pieces(pieces, dst)
+                .map_err(|e| ddp::Error::InvalidArgument(e.to_string()));
+        }
         let Some(var) = &self.vars[i] else {
             return Ok(());
         };
@@ -73,19 +151,33 @@ impl Shard {
         .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))?
     }
 
+    fn copy_pieces(&self, pieces: &[Piece], dst: &mut [f32]) -> Result<()> {
+        for p in pieces {
+            crate::tensors::with_flat::<f32, _>(&p.view, |s| {
+                dst[p.offset..p.offset + s.len()].copy_from_slice(s)
+            })?;
+        }
+        Ok(())
+    }
+
     /// The values of every chunk.
     pub fn values(&self) -> Result<Vec<Vec<f32>>> {
         (0..self.vars.len()).map(|i| self.chunk(i)).collect()
     }
 
-    /// One optimizer step of the chunks with their averaged gradients (one per chunk).
-    pub fn step(&self, opt: &mut dyn DynOptimizer, grads: Vec<Vec<f32>>) -> Result<()> {
+    /// One optimizer step of the chunks with their averaged gradients (one per chunk; each
+    /// gradient is a view of its buffer, not a copy).
+    pub fn step(&self, opt: &mut dyn DynOptimizer, grads: ShardGrads) -> Result<()> {
         let mut store = GradStore::default();
-        for (var, g) in self.vars.iter().zip(grads) {
-            if let Some(var) = var {
-                let n = g.len();
-                store.insert(var.as_tensor(), Tensor::from_vec(g, n, &Device::Cpu)?);
-            }
+        for (i, (g, range)) in grads.into_parts().into_iter().enumerate() {
+            let key = match (&self.vars[i], self.through(i)) {
+                (Some(var), _) => var.id(),
+                (None, Some((key, _))) => *key,
+                (None, None) => continue,
+            };
+            let n = g.len();
+            let t = Tensor::from_vec(g, n, &Device::Cpu)?.narrow(0, range.start, range.len())?;
+            store.insert_id(key, t);
         }
         opt.dyn_step(&store)?;
         Ok(())
@@ -95,18 +187,12 @@ impl Shard {
     pub fn state(&self, opt: &dyn DynOptimizer) -> Result<ShardState> {
         let state = opt.state_dict()?;
         let mut chunks = Vec::new();
-        for ((c, values), var) in self
-            .layout
-            .chunks()
-            .iter()
-            .zip(self.values()?)
-            .zip(&self.vars)
-        {
+        for (i, (c, values)) in self.layout.chunks().iter().zip(self.values()?).enumerate() {
             let mut cs = ChunkState {
                 params: values,
                 ..Default::default()
             };
-            if var.is_some() {
+            if self.present(i) {
                 let prefix = format!("{}.", chunk_name(c.bucket));
                 for (k, t) in &state.tensors {
                     if let Some(slot) = k.strip_prefix(&prefix) {
@@ -137,14 +223,8 @@ impl Shard {
         }
         let mut dict = OptimizerStateDict::new(state.optimizer.kind.clone(), state.optimizer.step);
         dict.hyper = state.optimizer.hyper.clone();
-        for ((c, cs), var) in self
-            .layout
-            .chunks()
-            .iter()
-            .zip(&state.chunks)
-            .zip(&self.vars)
-        {
-            if var.is_none() {
+        for (i, (c, cs)) in self.layout.chunks().iter().zip(&state.chunks).enumerate() {
+            if !self.present(i) {
                 continue;
             }
             for (slot, v) in &cs.slots {
@@ -155,8 +235,14 @@ impl Shard {
             }
         }
         opt.load_state_dict(&dict)?;
-        for (var, cs) in self.vars.iter().zip(state.chunks) {
-            if let Some(var) = var {
+        for (i, cs) in state.chunks.into_iter().enumerate() {
+            if let Some((_, pieces)) = self.through(i) {
+                for p in pieces {
+                    let n = p.view.elem_count();
+                    let src = HostSlice::of(&cs.params[p.offset..p.offset + n]);
+                    p.view.inplace_op1(&crate::params::CopyIn(src))?;
+                }
+            } else if let Some(var) = &self.vars[i] {
                 let n = cs.params.len();
                 var.set(&Tensor::from_vec(cs.params, n, &Device::Cpu)?)?;
             }

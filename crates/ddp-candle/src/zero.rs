@@ -21,17 +21,65 @@
 //! zero.save(dir, &meta)?;                      // a shard per rank; resumes on any world size
 //! ```
 
-use crate::optim::DynOptimizer;
+use crate::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
 use crate::shard::Shard;
 use crate::{DistributedDataParallel, Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
+use candle_nn::ParamsAdamW;
 use ddp::adapter::ParamAccess;
 use ddp::checkpoint::{Checkpoint, CheckpointMeta};
 use ddp::join::{Join, JoinStep};
-use ddp::reducer::{HostBuffer, HostSlice, StepStats, TakenBucket};
-use ddp::sharding::{self, ShardLayout, ShardState, ZeroStage};
+use ddp::reducer::{HostSlice, StepStats};
+use ddp::sharding::{self, ShardGrads, ShardLayout, ShardState, ZeroStage};
 use std::path::{Path, PathBuf};
+
+/// One of this crate's optimizers for [`ZeroDdp::with_optimizer`], which it builds over its
+/// shard and lets update the model's parameters in place.
+#[derive(Debug, Clone)]
+pub enum ShardOptimizer {
+    /// [`Sgd`] (PyTorch's SGD: momentum, weight decay, Nesterov).
+    Sgd(ParamsSgd),
+    /// [`AdamW`] (candle's arithmetic).
+    AdamW(ParamsAdamW),
+}
+
+impl ShardOptimizer {
+    /// The optimizer over `vars`, boxed (for [`ZeroDdp::new`], [`Fsdp`](crate::Fsdp) or plain
+    /// DDP: the same optimizer chosen once).
+    pub fn build(self, vars: Vec<(String, Var)>) -> Result<Box<dyn DynOptimizer>> {
+        Ok(match self {
+            ShardOptimizer::Sgd(p) => Box::new(Sgd::new_named(vars, p)?),
+            ShardOptimizer::AdamW(p) => Box::new(AdamW::new_named(vars, p)?),
+        })
+    }
+}
+
+/// The optimizer a [`ZeroDdp`] steps: any [`DynOptimizer`] over the shard's own variables, or
+/// one of this crate's, which can write through to the parameters.
+enum ZeroOpt {
+    Dyn(Box<dyn DynOptimizer>),
+    Sgd(Sgd),
+    AdamW(AdamW),
+}
+
+impl ZeroOpt {
+    fn get(&self) -> &(dyn DynOptimizer + 'static) {
+        match self {
+            ZeroOpt::Dyn(o) => &**o,
+            ZeroOpt::Sgd(o) => o,
+            ZeroOpt::AdamW(o) => o,
+        }
+    }
+
+    fn get_mut(&mut self) -> &mut (dyn DynOptimizer + 'static) {
+        match self {
+            ZeroOpt::Dyn(o) => &mut **o,
+            ZeroOpt::Sgd(o) => o,
+            ZeroOpt::AdamW(o) => o,
+        }
+    }
+}
 
 /// Sharded data-parallel training (see the module doc).
 pub struct ZeroDdp {
@@ -39,14 +87,11 @@ pub struct ZeroDdp {
     stage: ZeroStage,
     /// This rank's chunks (no variables at stage 0).
     shard: Shard,
-    opt: Box<dyn DynOptimizer>,
+    opt: ZeroOpt,
     /// Stage 1/2: this rank's averaged gradient chunks after a synchronized backward.
-    shard_grads: Option<Vec<Vec<f32>>>,
+    shard_grads: Option<ShardGrads>,
     /// Stage 0: the averaged gradients.
     full_grads: Option<GradStore>,
-    /// Stage 1/2: the reducer's bucket buffers after a synchronized backward, reused by the
-    /// step's parameter all-gather (then given back to the reducer at stage 1, freed at stage 2).
-    gather_bufs: Option<Vec<Option<TakenBucket>>>,
 }
 
 impl ZeroDdp {
@@ -55,9 +100,45 @@ impl ZeroDdp {
     /// (stage 0). A collective: every rank must call it with the same stage. Stage 3 is refused
     /// (it keeps no full replica): use [`Fsdp`](crate::Fsdp).
     pub fn new(
-        mut ddp: DistributedDataParallel,
+        ddp: DistributedDataParallel,
         stage: ZeroStage,
         make_opt: impl FnOnce(Vec<(String, Var)>) -> Result<Box<dyn DynOptimizer>>,
+    ) -> Result<Self> {
+        Self::build(ddp, stage, |vars| Ok(ZeroOpt::Dyn(make_opt(vars)?)))
+    }
+
+    /// [`new`](Self::new) with one of this crate's optimizers, which then steps the owned
+    /// elements **in the model's parameters themselves** (stages 1 and 2): the shard keeps no
+    /// copy of the values it owns, only their optimizer state, so per-rank memory is ZeRO's
+    /// (8Ψ + 8Ψ/N, 4Ψ + 12Ψ/N for fp32 AdamW) rather than 4Ψ/N more. The results are the same
+    /// as through `new`, bit for bit. A collective, as `new`.
+    pub fn with_optimizer(
+        ddp: DistributedDataParallel,
+        stage: ZeroStage,
+        opt: ShardOptimizer,
+    ) -> Result<Self> {
+        let mut z = Self::build(ddp, stage, |vars| {
+            Ok(match opt {
+                ShardOptimizer::Sgd(p) => ZeroOpt::Sgd(Sgd::new_named(vars, p)?),
+                ShardOptimizer::AdamW(p) => ZeroOpt::AdamW(AdamW::new_named(vars, p)?),
+            })
+        })?;
+        if matches!(stage, ZeroStage::One | ZeroStage::Two) {
+            let opt = &mut z.opt;
+            z.shard
+                .write_through(z.ddp.params().vars(), |name, pieces| match opt {
+                    ZeroOpt::Sgd(o) => o.write_through(name, pieces),
+                    ZeroOpt::AdamW(o) => o.write_through(name, pieces),
+                    ZeroOpt::Dyn(_) => unreachable!("built above as Sgd or AdamW"),
+                })?;
+        }
+        Ok(z)
+    }
+
+    fn build(
+        mut ddp: DistributedDataParallel,
+        stage: ZeroStage,
+        make_opt: impl FnOnce(Vec<(String, Var)>) -> Result<ZeroOpt>,
     ) -> Result<Self> {
         let specs = ddp.reducer().specs().to_vec();
         let pg = ddp.process_group().clone();
@@ -70,11 +151,7 @@ impl ZeroDdp {
         }
         let layout = ShardLayout::new(&specs, &ddp.reducer().buckets(), pg.size(), pg.rank())?;
         let (shard, opt) = if stage == ZeroStage::Ddp {
-            let shard = Shard {
-                layout,
-                vars: Vec::new(),
-            };
-            (shard, make_opt(ddp.named_vars().to_vec())?)
+            (Shard::empty(layout), make_opt(ddp.named_vars().to_vec())?)
         } else {
             ddp.register_comm_hook(if stage == ZeroStage::One {
                 sharding::ReduceScatterHook::in_place()
@@ -92,7 +169,6 @@ impl ZeroDdp {
             opt,
             shard_grads: None,
             full_grads: None,
-            gather_bufs: None,
         })
     }
 
@@ -121,11 +197,11 @@ impl ZeroDdp {
     }
 
     pub fn optimizer(&self) -> &(dyn DynOptimizer + 'static) {
-        &*self.opt
+        self.opt.get()
     }
 
     pub fn optimizer_mut(&mut self) -> &mut (dyn DynOptimizer + 'static) {
-        &mut *self.opt
+        self.opt.get_mut()
     }
 
     /// Bytes this rank sends per synchronized step (ring model: all-reduce, or reduce-scatter
@@ -207,23 +283,14 @@ impl ZeroDdp {
     }
 
     fn after_reduce(&mut self, stats: StepStats) -> Result<StepStats> {
-        self.gather_bufs = None;
         if !stats.synced {
             self.shard_grads = None;
             return Ok(stats);
         }
-        let _s = ddp::trace::span("shard grads", "zero");
+        // The buckets' buffers are taken over as they are (stage 1: whole, the chunk inside;
+        // stage 2: the chunk alone); the reducer allocates new ones at the next backward.
         let reducer = self.ddp.reducer_mut();
-        if self.stage == ZeroStage::One {
-            // The averaged chunk is copied out; the buckets' buffers then carry the step's
-            // all-gather (and are freed after it, as stage 2's are: the next backward's
-            // gradients would otherwise sit next to them).
-            self.shard_grads = Some(sharding::shard_grads(&self.shard.layout, reducer)?);
-            self.gather_bufs = Some(reducer.take_averaged_buffers()?);
-        } else {
-            // The buckets came back as this rank's chunks: kept as they are.
-            self.shard_grads = Some(sharding::take_shard_grads(&self.shard.layout, reducer)?);
-        }
+        self.shard_grads = Some(sharding::take_shard_grads(&self.shard.layout, reducer)?);
         Ok(stats)
     }
 
@@ -278,7 +345,7 @@ impl ZeroDdp {
                 .full_grads
                 .take()
                 .ok_or_else(|| self.no_grads("step"))?;
-            self.opt.step(&grads)?;
+            self.opt.get_mut().step(&grads)?;
             return Ok(());
         }
         let grads = self
@@ -287,30 +354,23 @@ impl ZeroDdp {
             .ok_or_else(|| self.no_grads("step"))?;
         {
             let _s = ddp::trace::span("shard step", "zero");
-            self.shard.step(&mut *self.opt, grads)?;
+            self.shard.step(self.opt.get_mut(), grads)?;
         }
         let _s = ddp::trace::span("gather params", "zero");
-        let taken = self.gather_bufs.take().unwrap_or_default();
-        self.gather(taken)
+        self.gather()
     }
 
-    /// Every rank's parameters from the owners' chunks, all-gathered in place in `bufs` (the
-    /// reducer's taken buckets at stage 1; fresh buffers otherwise, two buckets at a time).
-    fn gather(&self, bufs: Vec<Option<TakenBucket>>) -> Result<()> {
-        let window = if bufs.is_empty() { 2 } else { 0 };
+    /// Every rank's parameters from the owners' chunks, all-gathered in place in fresh buffers:
+    /// all buckets at once at stage 1 (the gradients are gone by then, and its formula holds
+    /// them), two at a time at stage 2, so that full-size buckets never add up to the model.
+    fn gather(&self) -> Result<()> {
         let n = self.shard.layout.buckets().len();
-        let mut bufs = bufs.into_iter();
-        let vecs = (0..n)
-            .map(|_| match bufs.next().flatten() {
-                Some((HostBuffer::F32(v), _)) => v,
-                _ => Vec::new(),
-            })
-            .collect();
+        let window = if self.stage == ZeroStage::One { 0 } else { 2 };
         let params = self.ddp.params();
         sharding::gather_params_into(
             self.ddp.process_group(),
             &self.shard.layout,
-            vecs,
+            vec![Vec::new(); n],
             window,
             |i, dst| self.shard.copy_chunk(i, dst),
             |p, v| {
@@ -324,7 +384,7 @@ impl ZeroDdp {
 
     /// This rank's shard: parameter values and optimizer state of its chunks.
     pub fn shard_state(&self) -> Result<ShardState> {
-        self.shard.state(&*self.opt)
+        self.shard.state(self.opt.get())
     }
 
     fn require_sharded(&self, what: &str) -> Result<()> {
@@ -342,7 +402,7 @@ impl ZeroDdp {
         self.require_sharded("save")?;
         let specs = self.ddp.reducer().specs();
         self.shard
-            .save(self.ddp.process_group(), &*self.opt, specs, dir, meta)
+            .save(self.ddp.process_group(), self.opt.get(), specs, dir, meta)
     }
 
     /// Loads the current sharded set of `dir`, saved at any world size and stage (1, 2 or 3),
@@ -368,10 +428,9 @@ impl ZeroDdp {
     }
 
     fn apply(&mut self, state: ShardState) -> Result<()> {
-        self.shard.apply(&mut *self.opt, state)?;
+        self.shard.apply(self.opt.get_mut(), state)?;
         self.shard_grads = None;
-        self.gather_bufs = None;
-        self.gather(Vec::new())
+        self.gather()
     }
 }
 

@@ -12,7 +12,7 @@ use ddp::checkpoint::CheckpointMeta;
 use ddp::reducer::StepStats;
 use ddp::sharding::{self, ZeroStage};
 use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions, Fsdp, Unit, ZeroDdp};
+use ddp_candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, Unit, ZeroDdp};
 use std::path::Path;
 
 /// Samples per step over all ranks (divisible by every world size used: 1, 2, 3, 4).
@@ -47,6 +47,23 @@ fn make_opt(
                 },
             )?),
         })
+    }
+}
+
+/// The same optimizers as [`make_opt`], built by `ZeroDdp::with_optimizer`.
+fn shard_opt(opt: Opt) -> ShardOptimizer {
+    match opt {
+        Opt::SgdMomentum => ShardOptimizer::Sgd(ParamsSgd {
+            lr: 0.05,
+            momentum: 0.9,
+            weight_decay: 0.01,
+            ..Default::default()
+        }),
+        Opt::AdamW => ShardOptimizer::AdamW(ParamsAdamW {
+            lr: 0.01,
+            weight_decay: 0.01,
+            ..Default::default()
+        }),
     }
 }
 
@@ -139,6 +156,20 @@ impl Trainer {
         seed: u64,
         hidden: usize,
     ) -> Trainer {
+        Trainer::build(pg, stage, opt, sizes, seed, hidden, true)
+    }
+
+    /// `through`: stages 1/2 built by `ZeroDdp::with_optimizer` (the optimizer updates the
+    /// parameters in place; no chunk variables), else by `ZeroDdp::new` over chunk variables.
+    fn build(
+        pg: &ddp_comm::ProcessGroup,
+        stage: ZeroStage,
+        opt: Opt,
+        sizes: Sizes,
+        seed: u64,
+        hidden: usize,
+        through: bool,
+    ) -> Trainer {
         let (vm, m) = model(seed, hidden);
         if stage == ZeroStage::Three {
             let units = mlp_units(hidden, sizes);
@@ -146,10 +177,12 @@ impl Trainer {
             return Trainer::Fsdp(Box::new(f));
         }
         let ddp = Ddp::new(&vm, pg, sizes.ddp()).unwrap();
-        Trainer::Zero(
-            Box::new(ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap()),
-            m,
-        )
+        let z = if through {
+            ZeroDdp::with_optimizer(ddp, stage, shard_opt(opt)).unwrap()
+        } else {
+            ZeroDdp::new(ddp, stage, make_opt(opt)).unwrap()
+        };
+        Trainer::Zero(Box::new(z), m)
     }
 
     /// Forward and backward of global step `k`'s batch, the loss scaled by `scale`.
@@ -321,6 +354,47 @@ fn every_stage_equals_ddp_for_sgd_momentum_and_adamw_at_world_2_3_4() {
                     let what = format!("world {world}, {sizes:?} sizes, {opt:?}, {stage:?}");
                     assert_close(&got[0], &want[0], 1e-6, &what);
                 }
+            }
+        }
+    }
+}
+
+/// `ZeroDdp::with_optimizer` (the optimizer steps the owned elements inside the parameters)
+/// against `ZeroDdp::new` (over chunk variables): bit-identical training, checkpoints and
+/// state, and no chunk variable held.
+#[test]
+fn stepping_the_parameters_in_place_equals_stepping_chunk_variables() {
+    for world in [2, 3] {
+        for opt in [Opt::SgdMomentum, Opt::AdamW] {
+            for stage in [ZeroStage::One, ZeroStage::Two] {
+                let runs: Vec<_> = [true, false]
+                    .into_iter()
+                    .map(|through| {
+                        run_ranks(world, |rank, pg| {
+                            let mut z =
+                                Trainer::build(&pg, stage, opt, Sizes::Tiny, 7, HID, through);
+                            for k in 0..4 {
+                                z.backward(k, rank, pg.size());
+                                z.clip(0.5);
+                                z.step();
+                            }
+                            let held = z.shard_vars().iter().flatten().count();
+                            assert_eq!(held == 0, through, "chunk variables held: {held}");
+                            z.assert_replicas("write-through");
+                            let state = match &z {
+                                Trainer::Zero(z, _) => z.shard_state().unwrap(),
+                                Trainer::Fsdp(_) => unreachable!(),
+                            };
+                            let chunks: Vec<_> = state
+                                .chunks
+                                .into_iter()
+                                .map(|c| (c.params, c.slots))
+                                .collect();
+                            (z.params(), chunks)
+                        })
+                    })
+                    .collect();
+                assert_eq!(runs[0], runs[1], "world {world}, {opt:?}, {stage:?}");
             }
         }
     }
@@ -582,11 +656,21 @@ fn failing_load(dir: &Path, stage: ZeroStage, hidden: usize) -> Vec<(String, boo
 
 impl Trainer {
     fn shard_state_values(&self) -> Vec<Vec<f32>> {
-        self.shard_vars()
-            .iter()
-            .flatten()
-            .map(|v| v.as_tensor().to_vec1().unwrap())
-            .collect()
+        match self {
+            Trainer::Zero(z, _) => z
+                .shard_state()
+                .unwrap()
+                .chunks
+                .into_iter()
+                .map(|c| c.params)
+                .collect(),
+            Trainer::Fsdp(_) => self
+                .shard_vars()
+                .iter()
+                .flatten()
+                .map(|v| v.as_tensor().to_vec1().unwrap())
+                .collect(),
+        }
     }
 }
 
@@ -632,7 +716,8 @@ fn a_failed_save_leaves_the_previous_set_current() {
         let good = sharded_run(2, stage, opt, None, 0, 2, Some(dir.path()));
         let first = set_dir(dir.path());
         let errors = run_ranks(2, |rank, pg| {
-            let mut z = Trainer::new(&pg, stage, opt, Sizes::Tiny, 7, HID);
+            // Over chunk variables (`ZeroDdp::new`), so that one can be spoiled.
+            let mut z = Trainer::build(&pg, stage, opt, Sizes::Tiny, 7, HID, false);
             z.load(dir.path()).unwrap();
             z.backward(2, rank, 2);
             z.step();

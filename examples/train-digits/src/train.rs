@@ -15,8 +15,8 @@ use ddp::hooks::PeriodicModelAverager;
 use ddp::sharding::ZeroStage;
 use ddp::trace::{self, Phase, StepProfiler};
 use ddp::DistributedSampler;
-use ddp_candle::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};
-use ddp_candle::{Ddp, DdpOptions, Fsdp, ZeroDdp};
+use ddp_candle::optim::ParamsSgd;
+use ddp_candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
 use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
 use std::error::Error;
@@ -47,28 +47,18 @@ fn effective_lr(args: &Args, world: usize) -> f64 {
 }
 
 /// The optimizer of the run, at learning rate `lr`.
-fn optimizer(
-    args: &Args,
-    lr: f64,
-    vars: Vec<(String, Var)>,
-) -> ddp_candle::Result<Box<dyn DynOptimizer>> {
-    Ok(match args.optimizer {
-        OptimizerKind::Sgd => Box::new(Sgd::new_named(
-            vars,
-            ParamsSgd {
-                lr,
-                momentum: args.momentum,
-                ..Default::default()
-            },
-        )?),
-        OptimizerKind::Adamw => Box::new(AdamW::new_named(
-            vars,
-            candle_nn::ParamsAdamW {
-                lr,
-                ..Default::default()
-            },
-        )?),
-    })
+fn optimizer(args: &Args, lr: f64) -> ShardOptimizer {
+    match args.optimizer {
+        OptimizerKind::Sgd => ShardOptimizer::Sgd(ParamsSgd {
+            lr,
+            momentum: args.momentum,
+            ..Default::default()
+        }),
+        OptimizerKind::Adamw => ShardOptimizer::AdamW(candle_nn::ParamsAdamW {
+            lr,
+            ..Default::default()
+        }),
+    }
 }
 
 /// The run as checkpoints record it; a checkpoint of other hyper-parameters is refused on resume
@@ -208,16 +198,18 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let mut ddp = if stage == ZeroStage::Three {
         let units = trainer::units(FEATURES, args.hidden, CLASSES);
         Trainer::Fsdp(Box::new(Fsdp::from_varmap(&varmap, units, &pg, |vars| {
-            optimizer(args, lr, vars)
+            optimizer(args, lr).build(vars)
         })?))
     } else {
         let mut ddp = Ddp::new(&varmap, &pg, opts)?;
         if let Some(hook) = args.hook.hook()? {
             ddp.register_comm_hook(hook)?;
         }
-        Trainer::Zero(Box::new(ZeroDdp::new(ddp, stage, |vars| {
-            optimizer(args, lr, vars)
-        })?))
+        Trainer::Zero(Box::new(ZeroDdp::with_optimizer(
+            ddp,
+            stage,
+            optimizer(args, lr),
+        )?))
     };
     let mut pos = TrainingState::default();
     // Set when resuming at another world size (or in a re-sharded run): the global samples of

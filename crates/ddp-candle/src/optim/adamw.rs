@@ -13,7 +13,7 @@
 //! ZeRO benchmark kept about 240 MiB more resident per rank. Other dtypes and devices take
 //! candle's tensor operations.
 
-use super::unnamed;
+use super::{unnamed, Piece, Target};
 use crate::checkpoint::tensor_like;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
@@ -27,7 +27,7 @@ const LEGACY_STEP_KEY: &str = "__adamw.step";
 
 struct Slot {
     name: String,
-    var: Var,
+    target: Target,
     m: Var,
     v: Var,
 }
@@ -52,7 +52,12 @@ impl AdamW {
             .map(|(name, var)| {
                 let m = Var::zeros(var.shape(), var.dtype(), var.device())?;
                 let v = Var::zeros(var.shape(), var.dtype(), var.device())?;
-                Ok(Slot { name, var, m, v })
+                Ok(Slot {
+                    name,
+                    target: Target::Var(var),
+                    m,
+                    v,
+                })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
         Ok(AdamW {
@@ -68,6 +73,17 @@ impl AdamW {
 
     pub fn set_params(&mut self, params: ParamsAdamW) {
         self.params = params;
+    }
+
+    /// ZeRO stages 1/2: slot `name` from now on updates `pieces` of the model's parameters in
+    /// place instead of its own variable (see `Target::write_through`).
+    pub(crate) fn write_through(&mut self, name: &str, pieces: Vec<Piece>) -> Result<()> {
+        match self.slots.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.target.write_through(pieces),
+            None => Err(Error::Unsupported(format!(
+                "write_through: the optimizer has no parameter {name:?}"
+            ))),
+        }
     }
 
     /// Optimizer steps taken so far.
@@ -177,8 +193,34 @@ impl Optimizer for AdamW {
         self.step_t += 1;
         let k = Coefs::new(&self.params, self.step_t);
         for s in &self.slots {
-            let theta = &s.var;
-            let Some(g) = grads.get(theta) else { continue };
+            let Some(g) = s.target.grad(grads) else {
+                continue;
+            };
+            let theta = match &s.target {
+                Target::Var(var) => var,
+                Target::Pieces { like, pieces, .. } => {
+                    // Contiguous f32/f64 CPU views (checked when set): the in-place passes,
+                    // the moments over the whole slot, the update piece by piece.
+                    if like.elem_count() == 0 {
+                        continue;
+                    }
+                    let g = g.contiguous()?;
+                    s.m.as_tensor().inplace_op2(&g, &Fused::Moment1(&k))?;
+                    s.v.as_tensor().inplace_op2(&g, &Fused::Moment2(&k))?;
+                    for p in pieces {
+                        let n = p.view.elem_count();
+                        if n == 0 {
+                            continue;
+                        }
+                        p.view.inplace_op3(
+                            &s.m.as_tensor().narrow(0, p.offset, n)?,
+                            &s.v.as_tensor().narrow(0, p.offset, n)?,
+                            &Fused::Update(&k),
+                        )?;
+                    }
+                    continue;
+                }
+            };
             let in_place = theta.device().is_cpu()
                 && matches!(theta.dtype(), DType::F32 | DType::F64)
                 && [theta, &s.m, &s.v].iter().all(|t| t.is_contiguous());

@@ -21,7 +21,7 @@ pub use adamw::AdamW;
 pub use sgd::{ParamsSgd, Sgd};
 
 use candle_core::backprop::GradStore;
-use candle_core::Var;
+use candle_core::{Tensor, TensorId, Var};
 use candle_nn::Optimizer;
 use ddp::checkpoint::OptimizerState;
 
@@ -74,4 +74,85 @@ fn unnamed(vars: Vec<Var>) -> impl Iterator<Item = (String, Var)> {
     vars.into_iter()
         .enumerate()
         .map(|(i, v)| (format!("param{i}"), v))
+}
+
+/// What an optimizer slot updates: its variable, or (ZeRO stages 1 and 2,
+/// [`Target::write_through`]) pieces of the model's own parameters that together are the slot's
+/// flat values, updated in place, so that the shard keeps no copy of the values it owns.
+pub(crate) enum Target {
+    Var(Var),
+    Pieces {
+        /// The id the slot's gradient is stored under in a `GradStore` (the replaced variable's).
+        key: TensorId,
+        /// A tensor of the slot's shape, dtype and device without storage of that size (a
+        /// broadcast scalar), for state shapes and checkpoint conversions.
+        like: Tensor,
+        /// Contiguous 1-D views, in order of `offset`, covering the slot.
+        pieces: Vec<Piece>,
+    },
+}
+
+/// A contiguous 1-D view of part of a parameter and where it sits in a slot's flat values.
+#[derive(Clone)]
+pub(crate) struct Piece {
+    pub view: Tensor,
+    pub offset: usize,
+}
+
+impl Target {
+    /// The gradient of this slot in `grads`.
+    pub fn grad<'a>(&self, grads: &'a GradStore) -> Option<&'a Tensor> {
+        match self {
+            Target::Var(v) => grads.get(v),
+            Target::Pieces { key, .. } => grads.get_id(*key),
+        }
+    }
+
+    /// A tensor of the slot's shape, dtype and device.
+    pub fn like(&self) -> &Tensor {
+        match self {
+            Target::Var(v) => v.as_tensor(),
+            Target::Pieces { like, .. } => like,
+        }
+    }
+
+    /// From now on the slot's values are `pieces` (which must hold the variable's current
+    /// values, contiguous 1-D CPU views of its dtype covering it in order); the variable is let
+    /// go (its storage is freed with the caller's last clone).
+    pub fn write_through(&mut self, pieces: Vec<Piece>) -> crate::Result<()> {
+        let Target::Var(var) = self else {
+            return Err(crate::Error::Unsupported(
+                "write_through: the slot already writes through".into(),
+            ));
+        };
+        let mut at = 0;
+        for p in &pieces {
+            let ok = p.offset == at
+                && p.view.rank() == 1
+                && p.view.is_contiguous()
+                && p.view.device().is_cpu()
+                && p.view.dtype() == var.dtype();
+            if !ok {
+                return Err(crate::Error::Unsupported(format!(
+                    "write_through: piece at {} is not a contiguous 1-D {:?} CPU view at offset {at}",
+                    p.offset,
+                    var.dtype()
+                )));
+            }
+            at += p.view.elem_count();
+        }
+        if at != var.elem_count() || !var.device().is_cpu() {
+            return Err(crate::Error::Unsupported(format!(
+                "write_through: the pieces cover {at} of the slot's {} CPU elements",
+                var.elem_count()
+            )));
+        }
+        let like = Tensor::zeros((), var.dtype(), var.device())?.broadcast_as(var.shape())?;
+        *self = Target::Pieces {
+            key: var.id(),
+            like,
+            pieces,
+        };
+        Ok(())
+    }
 }

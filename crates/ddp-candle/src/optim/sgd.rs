@@ -17,7 +17,7 @@
 //! tensor operations. The momentum buffers are saved to checkpoints as
 //! `optim.<param>.momentum_buffer` (f32), PyTorch's state name.
 
-use super::unnamed;
+use super::{unnamed, Piece, Target};
 use crate::checkpoint::tensor_like;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
@@ -87,7 +87,7 @@ enum Buffer {
 
 struct Slot {
     name: String,
-    var: Var,
+    target: Target,
     buf: Buffer,
 }
 
@@ -111,7 +111,7 @@ impl Sgd {
             .filter(|(_, v)| v.dtype().is_float())
             .map(|(name, var)| Slot {
                 name,
-                var,
+                target: Target::Var(var),
                 buf: Buffer::None,
             })
             .collect();
@@ -120,6 +120,17 @@ impl Sgd {
             params,
             steps: 0,
         })
+    }
+
+    /// ZeRO stages 1/2: slot `name` from now on updates `pieces` of the model's parameters in
+    /// place instead of its own variable (see `Target::write_through`).
+    pub(crate) fn write_through(&mut self, name: &str, pieces: Vec<Piece>) -> Result<()> {
+        match self.slots.iter_mut().find(|s| s.name == name) {
+            Some(s) => s.target.write_through(pieces),
+            None => Err(Error::Unsupported(format!(
+                "write_through: the optimizer has no parameter {name:?}"
+            ))),
+        }
     }
 
     pub fn params(&self) -> &ParamsSgd {
@@ -181,7 +192,8 @@ impl OptimizerState for Sgd {
                 Buffer::F64(b) => b.iter().map(|&x| x as f32).collect(),
                 Buffer::Tensor(t) => t.flatten_all()?.to_dtype(DType::F32)?.to_vec1::<f32>()?,
             };
-            state.insert(&s.name, "momentum_buffer", s.var.dims().to_vec(), data)?;
+            let dims = s.target.like().dims().to_vec();
+            state.insert(&s.name, "momentum_buffer", dims, data)?;
         }
         Ok(state)
     }
@@ -193,8 +205,9 @@ impl OptimizerState for Sgd {
                 continue;
             };
             let key = Checkpoint::optim_key(&s.name, "momentum_buffer");
-            let t = tensor_like(t, &key, &s.var)?;
-            s.buf = match (s.var.device().is_cpu(), s.var.dtype()) {
+            let like = s.target.like();
+            let t = tensor_like(t, &key, like)?;
+            s.buf = match (like.device().is_cpu(), like.dtype()) {
                 (true, DType::F32) => Buffer::F32(t.flatten_all()?.to_vec1()?),
                 (true, DType::F64) => Buffer::F64(t.flatten_all()?.to_vec1()?),
                 _ => Buffer::Tensor(t),
@@ -224,18 +237,51 @@ impl Optimizer for Sgd {
     fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         self.steps += 1;
         for s in &mut self.slots {
-            let Some(g) = grads.get(&s.var) else { continue };
-            if s.var.elem_count() == 0 {
+            let Some(g) = s.target.grad(grads) else {
+                continue;
+            };
+            let var = match &s.target {
+                Target::Var(var) => var,
+                Target::Pieces { like, pieces, .. } => {
+                    // Contiguous f32/f64 CPU views (checked when set): the fused pass piece by
+                    // piece, each over its range of the momentum buffer (filled in order on the
+                    // first step).
+                    if like.elem_count() == 0 {
+                        continue;
+                    }
+                    if matches!(s.buf, Buffer::None) && self.params.momentum != 0.0 {
+                        s.buf = match like.dtype() {
+                            DType::F32 => Buffer::F32(Vec::new()),
+                            _ => Buffer::F64(Vec::new()),
+                        };
+                    }
+                    let g = g.contiguous()?;
+                    for p in pieces {
+                        let n = p.view.elem_count();
+                        if n == 0 {
+                            continue;
+                        }
+                        let op = Fused {
+                            p: &self.params,
+                            buf: RefCell::new(&mut s.buf),
+                            offset: p.offset,
+                        };
+                        p.view.inplace_op2(&g.narrow(0, p.offset, n)?, &op)?;
+                    }
+                    continue;
+                }
+            };
+            if var.elem_count() == 0 {
                 // Nothing to update; candle refuses in-place ops on zero-size tensors.
                 continue;
             }
-            let in_place = s.var.device().is_cpu()
-                && s.var.is_contiguous()
-                && matches!(s.var.dtype(), DType::F32 | DType::F64)
+            let in_place = var.device().is_cpu()
+                && var.is_contiguous()
+                && matches!(var.dtype(), DType::F32 | DType::F64)
                 && !matches!(s.buf, Buffer::Tensor(_));
             if in_place {
                 if matches!(s.buf, Buffer::None) && self.params.momentum != 0.0 {
-                    s.buf = match s.var.dtype() {
+                    s.buf = match var.dtype() {
                         DType::F32 => Buffer::F32(Vec::new()),
                         _ => Buffer::F64(Vec::new()),
                     };
@@ -244,10 +290,11 @@ impl Optimizer for Sgd {
                 let op = Fused {
                     p: &self.params,
                     buf: RefCell::new(&mut s.buf),
+                    offset: 0,
                 };
-                s.var.as_tensor().inplace_op2(&g, &op)?;
+                var.as_tensor().inplace_op2(&g, &op)?;
             } else {
-                tensor_step(&self.params, &s.var, g, &mut s.buf)?;
+                tensor_step(&self.params, var, g, &mut s.buf)?;
             }
         }
         Ok(())
@@ -259,6 +306,8 @@ impl Optimizer for Sgd {
 struct Fused<'a> {
     p: &'a ParamsSgd,
     buf: RefCell<&'a mut Buffer>,
+    /// Where the parameter's elements start in the momentum buffer (a piece of a ZeRO slot).
+    offset: usize,
 }
 
 impl InplaceOp2 for Fused<'_> {
@@ -284,14 +333,14 @@ impl InplaceOp2 for Fused<'_> {
                     Buffer::F32(v) => Some(v),
                     _ => None,
                 };
-                update(self.p, &mut p[p0..p1], &g[g0..g1], b);
+                update(self.p, &mut p[p0..p1], &g[g0..g1], b, self.offset);
             }
             (CpuStorage::F64(p), CpuStorage::F64(g), b) => {
                 let b = match b {
                     Buffer::F64(v) => Some(v),
                     _ => None,
                 };
-                update(self.p, &mut p[p0..p1], &g[g0..g1], b);
+                update(self.p, &mut p[p0..p1], &g[g0..g1], b, self.offset);
             }
             _ => candle_core::bail!("ddp-sgd: parameter and gradient dtypes differ"),
         }
@@ -300,11 +349,14 @@ impl InplaceOp2 for Fused<'_> {
 }
 
 /// One pass of the update over a parameter, its gradient and (with momentum) its buffer.
+/// One fused pass over `param` (elements `offset..` of its slot's momentum buffer, which the
+/// first step fills in order: a buffer exactly `offset` long is still being filled).
 fn update<T: WithDType + std::ops::Neg<Output = T>>(
     p: &ParamsSgd,
     param: &mut [T],
     grad: &[T],
     buf: Option<&mut Vec<T>>,
+    offset: usize,
 ) {
     let lr = T::from_f64(p.lr);
     let wd = T::from_f64(p.weight_decay);
@@ -325,8 +377,8 @@ fn update<T: WithDType + std::ops::Neg<Output = T>>(
                 *x -= d * lr;
             }
         }
-        Some(b) if b.is_empty() => {
-            b.reserve_exact(param.len());
+        Some(b) if b.len() == offset => {
+            b.reserve(param.len());
             for (x, &g) in param.iter_mut().zip(grad) {
                 let d = dir(x, g);
                 b.push(d);
@@ -335,6 +387,7 @@ fn update<T: WithDType + std::ops::Neg<Output = T>>(
             }
         }
         Some(b) => {
+            let b = &mut b[offset..offset + param.len()];
             for ((x, &g), b) in param.iter_mut().zip(grad).zip(b.iter_mut()) {
                 let d = dir(x, g);
                 *b = m * *b + damp * d;

@@ -20,7 +20,7 @@ use ddp_comm::{Element, ProcessGroup, ReduceOp};
 ///   ([`CommHook::returns_shard`]); the full bucket is freed on the communication thread as
 ///   soon as its reduce-scatter is done, so that only gradient shards outlive the backward.
 ///
-/// Either way only the owned chunk is read ([`shard_grads`]).
+/// Either way only the owned chunk is read ([`take_shard_grads`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReduceScatterHook {
     shard_only: bool,
@@ -113,50 +113,90 @@ where
     })
 }
 
-/// This rank's reduced gradient chunks, one per owned chunk of `layout` (after a synchronized
-/// `Reducer::finish` with [`ReduceScatterHook`]): each is one contiguous copy out of its
-/// bucket (or of the bucket's shard, with [`ReduceScatterHook::shard_only`]).
-pub fn shard_grads(layout: &ShardLayout, reducer: &Reducer) -> Result<Vec<Vec<f32>>> {
-    layout
-        .chunks()
-        .iter()
-        .map(|c| {
-            if c.is_empty() {
-                return Ok(Vec::new());
-            }
-            let g = reducer.bucket_grads::<f32>(c.bucket)?;
-            if g.len() == c.len() {
-                return Ok(g.to_vec());
-            }
-            Ok(g[c.lo..c.hi].to_vec())
-        })
-        .collect()
+/// This rank's averaged gradient chunks after a sharded backward, one per owned chunk of a
+/// [`ShardLayout`]: each as a buffer and the range of it that holds the chunk, so that nothing
+/// is copied out of the reducer (stage 1: the whole bucket, the chunk inside it; stage 2 and 3:
+/// the chunk alone).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ShardGrads {
+    parts: Vec<(Vec<f32>, std::ops::Range<usize>)>,
 }
 
-/// [`shard_grads`] without copies, for [`ReduceScatterHook::shard_only`]: takes the reducer's
-/// buffers (each bucket's averaged chunk) over.
-pub fn take_shard_grads(layout: &ShardLayout, reducer: &mut Reducer) -> Result<Vec<Vec<f32>>> {
+impl ShardGrads {
+    /// One buffer per chunk, each wholly the chunk.
+    pub fn from_chunks(chunks: Vec<Vec<f32>>) -> ShardGrads {
+        ShardGrads {
+            parts: chunks
+                .into_iter()
+                .map(|v| {
+                    let n = v.len();
+                    (v, 0..n)
+                })
+                .collect(),
+        }
+    }
+
+    /// Number of chunks.
+    pub fn len(&self) -> usize {
+        self.parts.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.parts.is_empty()
+    }
+
+    /// Chunk `i`'s averaged gradient.
+    pub fn chunk(&self, i: usize) -> &[f32] {
+        let (v, r) = &self.parts[i];
+        &v[r.clone()]
+    }
+
+    /// Chunk `i`'s averaged gradient, mutably (clipping).
+    pub fn chunk_mut(&mut self, i: usize) -> &mut [f32] {
+        let (v, r) = &mut self.parts[i];
+        &mut v[r.clone()]
+    }
+
+    /// Every chunk's buffer and the range of it that is the chunk.
+    pub fn into_parts(self) -> Vec<(Vec<f32>, std::ops::Range<usize>)> {
+        self.parts
+    }
+}
+
+/// Takes this rank's averaged gradient chunks over from the reducer, without copies (after a
+/// synchronized `Reducer::finish` with [`ReduceScatterHook`]): each bucket's buffer, whole with
+/// [`ReduceScatterHook::in_place`] (the chunk at its place inside) or the chunk alone with
+/// [`ReduceScatterHook::shard_only`]. The reducer allocates new buckets at the next backward.
+pub fn take_shard_grads(layout: &ShardLayout, reducer: &mut Reducer) -> Result<ShardGrads> {
     let taken = reducer.take_averaged_buffers()?;
-    layout
+    let parts = layout
         .chunks()
         .iter()
         .zip(taken)
-        .map(|(c, t)| match t {
-            Some((HostBuffer::F32(v), _)) if v.len() == c.len() => Ok(v),
-            Some((h, _)) => Err(Error::InvalidArgument(format!(
-                "take_shard_grads: bucket {} holds {} {} elements, its chunk {} f32 (register \
-                 ReduceScatterHook::shard_only)",
-                c.bucket,
-                h.len(),
-                h.dtype(),
-                c.len()
-            ))),
-            None => Err(Error::InvalidArgument(format!(
-                "take_shard_grads: bucket {} is not a host bucket",
-                c.bucket
-            ))),
+        .map(|(c, t)| {
+            let numel = layout.buckets()[c.bucket].numel;
+            match t {
+                Some((HostBuffer::F32(v), _)) if v.len() == c.len() => {
+                    let n = v.len();
+                    Ok((v, 0..n))
+                }
+                Some((HostBuffer::F32(v), _)) if v.len() == numel => Ok((v, c.lo..c.hi)),
+                Some((h, _)) => Err(Error::InvalidArgument(format!(
+                    "take_shard_grads: bucket {} holds {} {} elements, neither the bucket ({numel} \
+                     f32) nor this rank's chunk ({} f32): register ReduceScatterHook",
+                    c.bucket,
+                    h.len(),
+                    h.dtype(),
+                    c.len()
+                ))),
+                None => Err(Error::InvalidArgument(format!(
+                    "take_shard_grads: bucket {} is not a host bucket",
+                    c.bucket
+                ))),
+            }
         })
-        .collect()
+        .collect::<Result<_>>()?;
+    Ok(ShardGrads { parts })
 }
 
 /// Copies the parameter values of each owned chunk out of full parameters (`read(param)` gives
@@ -214,20 +254,17 @@ pub fn gather_params(
             Ok(())
         },
         write,
-    )?;
-    Ok(())
+    )
 }
 
 /// The parameter all-gather of a sharded step, in place in `bufs` (one per bucket of `layout`;
-/// any contents, reused when their capacity suffices: ZeRO stage 1 passes the reducer's bucket
-/// buffers, stage 2 empty ones): `fill(i, dst)` writes this rank's values of chunk `i` straight
+/// any contents, reused when their capacity suffices; empty ones are allocated): `fill(i, dst)` writes this rank's values of chunk `i` straight
 /// into its block of bucket `i`'s buffer, the bucket is all-gathered in place (async), and
 /// `write(param, values)` is called once per parameter with its full flat values as each
-/// bucket arrives, in bucket order. At most `window` buckets are in flight (`0`: all at once;
-/// a window bounds the full-size buffers alive together, for fresh ones). Returns the buffers
-/// (`chunk_len · world` elements each). A collective: every bucket's all-gather is run even
-/// after an error here (`fill` or `write`), so that the group stays in step; the first error is
-/// returned.
+/// bucket arrives, in bucket order, and the buffer is then freed. At most `window` buckets are
+/// in flight (`0`: all at once; a window bounds the full-size buffers alive together). A
+/// collective: every bucket's all-gather is run even after an error here (`fill` or `write`),
+/// so that the group stays in step; the first error is returned.
 pub fn gather_params_into(
     pg: &ProcessGroup,
     layout: &ShardLayout,
@@ -235,7 +272,7 @@ pub fn gather_params_into(
     window: usize,
     mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
     mut write: impl FnMut(usize, &[f32]) -> Result<()>,
-) -> Result<Vec<Vec<f32>>> {
+) -> Result<()> {
     let world = layout.world_size();
     let mine = layout.chunks();
     if bufs.len() != mine.len() {
@@ -246,7 +283,6 @@ pub fn gather_params_into(
         )));
     }
     let mut failed: Option<Error> = None;
-    let mut out: Vec<Vec<f32>> = vec![Vec::new(); mine.len()];
     let mut pending = std::collections::VecDeque::new();
     let mut complete = |i: usize, work: ddp_comm::Work<Vec<f32>>, failed: &mut Option<Error>| {
         let waited = {
@@ -264,7 +300,6 @@ pub fn gather_params_into(
                         }
                     }
                 }
-                out[i] = full;
             }
             Err(e) => {
                 failed.get_or_insert(Error::Comm(e));
@@ -289,7 +324,7 @@ pub fn gather_params_into(
     }
     match failed {
         Some(e) => Err(e),
-        None => Ok(out),
+        None => Ok(()),
     }
 }
 
@@ -297,10 +332,9 @@ pub fn gather_params_into(
 /// (each rank's squared sum of its chunks, all-reduced), and every chunk scaled by
 /// `max_norm / (norm + 1e-6)` when that is below 1. Returns the norm before clipping. A
 /// collective.
-pub fn clip_grad_norm(pg: &ProcessGroup, grads: &mut [Vec<f32>], max_norm: f64) -> Result<f64> {
-    let local: f64 = grads
-        .iter()
-        .flatten()
+pub fn clip_grad_norm(pg: &ProcessGroup, grads: &mut ShardGrads, max_norm: f64) -> Result<f64> {
+    let local: f64 = (0..grads.len())
+        .flat_map(|i| grads.chunk(i).iter())
         .map(|&g| f64::from(g) * f64::from(g))
         .sum();
     let mut total = [local];
@@ -309,8 +343,10 @@ pub fn clip_grad_norm(pg: &ProcessGroup, grads: &mut [Vec<f32>], max_norm: f64) 
     let coef = max_norm / (norm + 1e-6);
     if coef < 1.0 {
         let coef = coef as f32;
-        for g in grads.iter_mut().flatten() {
-            *g *= coef;
+        for i in 0..grads.len() {
+            for g in grads.chunk_mut(i) {
+                *g *= coef;
+            }
         }
     }
     Ok(norm)

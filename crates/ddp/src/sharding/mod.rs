@@ -16,7 +16,7 @@
 //!
 //! ```text
 //!  backward ─► Reducer (buckets fill in backward order) ─► ReduceScatterHook: reduce_scatter
-//!    per bucket, async (the CommHook trait)  ─► owner's averaged gradient chunk (shard_grads)
+//!    per bucket, async (the CommHook trait)  ─► owner's averaged gradient chunk (take_shard_grads)
 //!  ─► optimizer steps its chunk only (state for Ψ/N elements) ─► gather_params: all_gather
 //!    per bucket, async ─► every rank's parameters, bit-identical
 //! ```
@@ -38,8 +38,8 @@ pub use checkpoint::{
     consolidate, import, latest_set, load_sharded, save_sharded, ChunkState, ShardState,
 };
 pub use hook::{
-    bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_grads, shard_params,
-    take_shard_grads, ReduceScatterHook,
+    bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_params,
+    take_shard_grads, ReduceScatterHook, ShardGrads,
 };
 pub use layout::{BucketSlot, Chunk, Piece, ShardBucket, ShardLayout};
 pub use units::{stage3_bytes_per_step, unit_layout, UnitComm};

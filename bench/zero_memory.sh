@@ -10,6 +10,8 @@
 #   memory is not retained (`--no-retain-memory`, DDP_RETAIN_FREED_MEMORY=0) and every
 #   allocation of 1 MiB or more is its own mapping, returned when freed
 #   (MALLOC_MMAP_THRESHOLD_=1048576), at the cost of page faults on every step's buffers.
+#   STAGED="2" (default) runs those stages with --staged: stage 2 needs the staged backward to
+#   keep only gradient shards (a plain loss.backward() holds every full gradient at once).
 set -euo pipefail
 NPROC=${1:-2}
 RUNS=${2:-3}
@@ -17,6 +19,7 @@ HIDDEN=${HIDDEN:-2048}
 LAYERS=${LAYERS:-13}
 BATCH=${BATCH:-16}
 STAGES=${STAGES:-0 1 2 3}
+STAGED=${STAGED:-2}
 cd "$(dirname "$0")/.."
 if [ -z "${BIN:-}" ]; then
   cargo build --release -q -p ddp-bench
@@ -30,8 +33,11 @@ if [ "${LEAN:-0}" = 1 ]; then
 fi
 for run in $(seq "$RUNS"); do
   for z in $STAGES; do
+    staged=()
+    case " $STAGED " in *" $z "*) staged=(--staged) ;; esac
     "$BIN" train --nproc "$NPROC" --hidden "$HIDDEN" --layers "$LAYERS" \
-      --batch "$BATCH" --steps 4 --warmup 1 --optimizer adamw --zero "$z" --json "${lean[@]}" |
+      --batch "$BATCH" --steps 4 --warmup 1 --optimizer adamw --zero "$z" --json \
+      "${lean[@]}" "${staged[@]}" |
       tail -n 1 >>"$out"
   done
 done

@@ -1,20 +1,26 @@
 //! [`ZeroDdp`]: ZeRO stages 1 and 2 for candle models, on `ddp::sharding` (stage 3, which
 //! shards the parameters too, is [`Fsdp`](crate::Fsdp)).
 //!
-//! A [`Ddp`](crate::Ddp) whose buckets are reduce-scattered (`ddp::sharding::ReduceScatterHook`)
-//! instead of all-reduced; each rank keeps the parameter values and optimizer state of the
-//! chunks it owns (one 1-D `Var` per owned bucket chunk, named `bucket<b>`), steps them with an
-//! ordinary optimizer of [`optim`](crate::optim) (`Sgd`, `AdamW`: element-wise, so stepping a
-//! chunk is exactly stepping those elements of the whole model), and all-gathers the updated
-//! chunks into every rank's parameters. Stage 0 is plain DDP through the same API.
+//! A [`Ddp`](crate::Ddp) whose buckets are reduce-scattered (`ddp::sharding::ReduceScatterHook`,
+//! in place) instead of all-reduced; each rank keeps the optimizer state of the chunks it owns
+//! (one chunk per bucket, named `bucket<b>`), steps them with an ordinary optimizer of
+//! [`optim`](crate::optim) (`Sgd`, `AdamW`: element-wise, so stepping a chunk is exactly
+//! stepping those elements of the whole model), and all-gathers the updated chunks into every
+//! rank's parameters. Stage 0 is plain DDP through the same API.
+//!
+//! [`ZeroDdp::with_optimizer`] builds that optimizer itself and lets it update the owned
+//! elements inside the model's parameters, so a rank holds no copy of the values it owns (the
+//! ZeRO formulas: 8Ψ + 8Ψ/N at stage 1, 4Ψ + 12Ψ/N at stage 2 for fp32 AdamW); the gradient
+//! chunk it steps with is a view of its bucket. [`ZeroDdp::new`] takes any
+//! [`DynOptimizer`] over one 1-D chunk variable per bucket instead
+//! (4Ψ/N more). Stage 2 keeps only its gradient shard: with the staged backward
+//! ([`ZeroDdp::forward_backward_staged`]) the full gradients never exist at once.
 //!
 //! ```ignore
 //! let ddp = ddp_candle::Ddp::new(&varmap, &pg, Default::default())?;
-//! let mut zero = ZeroDdp::new(ddp, ZeroStage::Two, |vars| {
-//!     Ok(Box::new(AdamW::new_named(vars, ParamsAdamW::default())?))
-//! })?;
+//! let mut zero = ZeroDdp::with_optimizer(ddp, ZeroStage::Two, ShardOptimizer::AdamW(params))?;
 //! for (x, y) in batches {
-//!     zero.backward(&loss(&model, &x, &y)?)?; // reduce-scatter
+//!     zero.forward_backward_staged(&stages, &x, |o| loss(o, &y))?; // reduce-scatter
 //!     zero.clip_grad_norm(1.0)?;               // optional, cross-rank norm
 //!     zero.step()?;                            // owner steps, all-gather
 //! }

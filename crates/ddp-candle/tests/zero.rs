@@ -907,3 +907,40 @@ fn stage_3_with_a_unit_smaller_than_the_world_equals_ddp() {
     let got = train(1, ZeroStage::Three, Opt::AdamW, Sizes::Uneven, 3, None);
     assert_eq!(got[0], want[0], "bit-identical at world 1");
 }
+
+/// The finite check under ZeRO: every rank holds a different averaged shard, so a NaN that
+/// lands in one rank's shard only (here `l3.bias`'s gradient, from rank 1) must still fail every
+/// rank the same way (the ranks agree on it), not leave the others waiting; healthy steps pass.
+#[test]
+fn a_nan_gradient_under_zero_fails_every_rank_naming_it() {
+    const W: usize = 3;
+    for stage in [ZeroStage::One, ZeroStage::Two] {
+        let errors = run_ranks(W, |rank, pg| {
+            let (vm, m) = model(7, HID);
+            let opts = DdpOptions {
+                check_finite: true,
+                ..tiny_buckets()
+            };
+            let ddp = Ddp::new(&vm, &pg, opts).unwrap();
+            let mut z = ZeroDdp::with_optimizer(ddp, stage, shard_opt(Opt::AdamW)).unwrap();
+            for k in 0..2 {
+                z.backward(&loss_at(&m, k, rank, W)).unwrap();
+                z.step().unwrap();
+            }
+            let mut loss = loss_at(&m, 2, rank, W);
+            if rank == 1 {
+                let bias = m.l3.bias().unwrap().sum_all().unwrap();
+                loss = (loss + (bias * f64::NAN).unwrap()).unwrap();
+            }
+            z.backward(&loss).unwrap_err().to_string()
+        });
+        for (r, e) in errors.iter().enumerate() {
+            assert!(
+                e.contains("non-finite gradient at step 2")
+                    && e.contains("rank 1")
+                    && e.contains("l3.bias"),
+                "{stage:?}, rank {r}: {e}"
+            );
+        }
+    }
+}

@@ -50,12 +50,35 @@ impl Reducer {
     /// NaN or infinite (see the module doc). Resets this rank's local note.
     pub(super) fn check_averaged_finite(&mut self, step: u64) -> Result<()> {
         let local = self.local_nonfinite.take();
-        let averaged = self.averaged_buckets().find_map(|(buf, layout)| {
-            layout
-                .iter()
-                .find(|p| !all_finite(buf, p.offset, p.numel))
-                .map(|p| p.index)
-        });
+        let averaged = self
+            .averaged_shards()
+            .find_map(|(buf, layout, shard)| match shard {
+                None => layout
+                    .iter()
+                    .find(|p| !all_finite(buf, p.offset, p.numel))
+                    .map(|p| p.index),
+                Some(r) => {
+                    // Only this rank's shard is averaged: its first non-finite element and the
+                    // parameter holding it.
+                    let at = buf.first_nonfinite(r.buffer.start, r.buffer.len())?;
+                    let pos = r.bucket_start + at;
+                    layout
+                        .iter()
+                        .find(|p| (p.offset..p.offset + p.numel).contains(&pos))
+                        .map(|p| p.index)
+                }
+            });
+        let averaged = if self.hook_shards() {
+            // Every rank checked a different shard: the ranks agree first (one small
+            // all-gather every step); the lowest rank that found one names its parameter.
+            let pg = self.process_group();
+            let mut all = vec![0i64; pg.size()];
+            pg.all_gather(&[averaged.map_or(-1, |i| i as i64)], &mut all)?;
+            all.iter().find(|&&i| i >= 0).map(|&i| i as usize)
+        } else {
+            // The averaged buckets are identical on every rank: so is this branch.
+            averaged
+        };
         let Some(averaged) = averaged else {
             return Ok(());
         };

@@ -160,6 +160,14 @@ impl HookState {
 }
 
 /// How a full bucket is reduced across ranks (see the module doc for the contract).
+/// Where a sharding hook's averaged shard lies ([`CommHook::shard_range`]): elements `buffer`
+/// of the work's buffer, which are elements `bucket_start..` of the bucket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShardRange {
+    pub buffer: std::ops::Range<usize>,
+    pub bucket_start: usize,
+}
+
 pub trait CommHook: Send {
     /// Starts reducing `bucket` over `pg`; the returned work yields the averaged buffer.
     fn run(&mut self, pg: &ProcessGroup, bucket: GradBucket) -> BucketWork;
@@ -171,14 +179,17 @@ pub trait CommHook: Send {
         None
     }
 
-    /// Whether the work's buffer may hold only a part of the bucket (ZeRO stage 2's
-    /// reduce-scatter keeps this rank's chunk alone, so that the full bucket is freed as soon as
-    /// it is reduced). Such a bucket's averaged gradients are read whole, with
-    /// [`Reducer::bucket_grads`](super::Reducer::bucket_grads) or
-    /// [`Reducer::take_averaged_buffers`](super::Reducer::take_averaged_buffers), not per
-    /// parameter. Default: the whole bucket.
-    fn returns_shard(&self) -> bool {
-        false
+    /// For a sharding hook (ZeRO's reduce-scatter): where in the work's buffer this rank's
+    /// averaged shard of a bucket of `numel` elements lies ([`ShardRange`]); the rest of the
+    /// buffer, if any, is unspecified. `None` (default): the buffer is the whole averaged bucket.
+    /// With `Some`, the reducer accepts a buffer shorter than the bucket, refuses per-parameter
+    /// reads (the bucket is read whole: [`Reducer::bucket_grads`](super::Reducer::bucket_grads),
+    /// [`Reducer::take_averaged_buffers`](super::Reducer::take_averaged_buffers)), and its
+    /// finite check looks at the shard only, agreeing with the other ranks (every rank holds a
+    /// different shard) over one small all-gather per step.
+    fn shard_range(&self, pg: &ProcessGroup, numel: usize) -> Option<ShardRange> {
+        let _ = (pg, numel);
+        None
     }
 
     /// The hook's state for a checkpoint (default: a stateless hook, kind `"custom"`).

@@ -46,7 +46,7 @@ pub use buffer::{BucketBuffer, BucketWork, DeviceBucket, HostBuffer, HostSlice, 
 #[cfg(feature = "cuda")]
 pub use device::CudaView;
 pub use device::{CpuBucket, DeviceSlice};
-pub use hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState};
+pub use hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState, ShardRange};
 pub use spec::{
     broadcast_coalesced, sync_seed, verify_param_specs, ParamSpec, BROADCAST_BUCKET_BYTES,
 };

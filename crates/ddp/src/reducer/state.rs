@@ -25,7 +25,7 @@
 use super::assign::{compute_bucket_assignment, ReducerOptions};
 use super::buffer::{BucketBuffer, BucketWork, HostBuffer, HostSlice};
 use super::device::DeviceSlice;
-use super::hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState};
+use super::hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState, ShardRange};
 use super::spec::{verify_param_specs, ParamSpec};
 use crate::error::{Error, Result};
 use crate::trace;
@@ -602,10 +602,13 @@ impl Reducer {
                 unreachable!("every bucket was launched");
             };
             let t = Instant::now();
-            let shard = self.hook.returns_shard();
+            let shard = self.hook.shard_range(&self.pg, b.numel);
             let result = work.wait().and_then(|buf| {
-                if buf.dtype() == b.dtype && (buf.len() == b.numel || shard && buf.len() < b.numel)
-                {
+                let fits = match &shard {
+                    None => buf.len() == b.numel,
+                    Some(r) => buf.len() <= b.numel && r.buffer.end <= buf.len(),
+                };
+                if buf.dtype() == b.dtype && fits {
                     Ok(buf)
                 } else {
                     Err(ddp_comm::Error::InvalidArgument(format!(
@@ -716,11 +719,22 @@ impl Reducer {
 
     /// The averaged gradients of every bucket, in launch order, with each bucket's layout (for
     /// the finite check).
-    pub(super) fn averaged_buckets(&self) -> impl Iterator<Item = (&BucketBuffer, &[BucketParam])> {
+    /// The averaged buckets with where this rank's shard of each lies, if the hook shards them
+    /// (`None` per bucket otherwise).
+    pub(super) fn averaged_shards(
+        &self,
+    ) -> impl Iterator<Item = (&BucketBuffer, &[BucketParam], Option<ShardRange>)> {
         self.buckets.iter().filter_map(|b| match &b.state {
-            BucketState::Idle(buf) => Some((buf, &b.layout[..])),
+            BucketState::Idle(buf) => {
+                Some((buf, &b.layout[..], self.hook.shard_range(&self.pg, b.numel)))
+            }
             _ => None,
         })
+    }
+
+    /// Whether the registered hook shards the averaged buckets ([`CommHook::shard_range`]).
+    pub(super) fn hook_shards(&self) -> bool {
+        self.hook.shard_range(&self.pg, 1).is_some()
     }
 
     fn results(&self, index: usize, what: &str) -> Result<(&BucketBuffer, Slot)> {
@@ -740,7 +754,7 @@ impl Reducer {
         let BucketState::Idle(buf) = &b.state else {
             unreachable!("results are valid only when every bucket is idle");
         };
-        if buf.len() != b.numel {
+        if self.hook.shard_range(&self.pg, b.numel).is_some() {
             return Err(Error::InvalidArgument(format!(
                 "{what}: bucket {} holds only this rank's shard of its averaged gradients (a \
                  sharding comm hook); read it whole with bucket_grads",
@@ -774,7 +788,7 @@ impl Reducer {
 
     /// The whole host buffer of bucket `bucket` after a synchronized `finish` (every parameter
     /// at its [`BucketParam`] offset; a comm hook such as ZeRO's reduce-scatter may leave some
-    /// ranges unreduced, or return this rank's chunk alone: [`CommHook::returns_shard`]), valid
+    /// ranges unreduced, or return this rank's chunk alone: [`CommHook::shard_range`]), valid
     /// until the next backward starts.
     pub fn bucket_grads<T: Element>(&self, bucket: usize) -> Result<&[T]> {
         if bucket >= self.buckets.len() {

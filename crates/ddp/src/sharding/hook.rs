@@ -4,7 +4,9 @@
 
 use super::layout::ShardLayout;
 use crate::error::{Error, Result};
-use crate::reducer::{BucketBuffer, BucketWork, CommHook, GradBucket, HostBuffer, Reducer};
+use crate::reducer::{
+    BucketBuffer, BucketWork, CommHook, GradBucket, HostBuffer, Reducer, ShardRange,
+};
 use ddp_comm::{Element, ProcessGroup, ReduceOp};
 
 /// The ZeRO comm hook: a `reduce_scatter` of each bucket (padded to a multiple of the world
@@ -17,7 +19,7 @@ use ddp_comm::{Element, ProcessGroup, ReduceOp};
 ///   allocated or copied per step on shared memory and TCP, and the buffer can carry the
 ///   parameter all-gather afterwards ([`gather_params_into`]).
 /// - [`ReduceScatterHook::shard_only`] (stage 2): the work yields this rank's chunk alone
-///   ([`CommHook::returns_shard`]); the full bucket is freed on the communication thread as
+///   ([`CommHook::shard_range`]); the full bucket is freed on the communication thread as
 ///   soon as its reduce-scatter is done, so that only gradient shards outlive the backward.
 ///
 /// Either way only the owned chunk is read ([`take_shard_grads`]).
@@ -59,8 +61,14 @@ impl CommHook for ReduceScatterHook {
         }
     }
 
-    fn returns_shard(&self) -> bool {
-        self.shard_only
+    fn shard_range(&self, pg: &ProcessGroup, numel: usize) -> Option<ShardRange> {
+        let c = numel.div_ceil(pg.size());
+        let lo = (pg.rank() * c).min(numel);
+        let hi = ((pg.rank() + 1) * c).min(numel);
+        Some(ShardRange {
+            buffer: if self.shard_only { 0..hi - lo } else { lo..hi },
+            bucket_start: lo,
+        })
     }
 }
 

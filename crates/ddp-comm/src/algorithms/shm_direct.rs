@@ -96,13 +96,9 @@ pub fn reduce_scatter<T: Element>(
     output: &mut [T],
     op: ReduceOp,
 ) -> Result<bool> {
-    if t.size() == 1 || !t.cross_memory_attach() {
+    let Some(geo) = cma_geometry(t, std::mem::size_of_val(input)) else {
         return Ok(false);
-    }
-    let geo = t.fast_geometry();
-    if std::mem::size_of_val(input) < geo.cma_min {
-        return Ok(false);
-    }
+    };
     let n = output.len();
     // SAFETY: `input` holds `p * n` elements (checked by the caller) and is only read; `output`
     // holds `n` and is written only by the claimers of this rank's segment.
@@ -129,13 +125,9 @@ pub fn reduce_scatter_in_place<T: Element>(
     buf: &mut [T],
     op: ReduceOp,
 ) -> Result<bool> {
-    if t.size() == 1 || !t.cross_memory_attach() {
+    let Some(geo) = cma_geometry(t, std::mem::size_of_val(buf)) else {
         return Ok(false);
-    }
-    let geo = t.fast_geometry();
-    if std::mem::size_of_val(buf) < geo.cma_min {
-        return Ok(false);
-    }
+    };
     let n = buf.len() / t.size();
     let data = buf.as_mut_ptr();
     // SAFETY: `buf` holds `p * n` elements (checked by the caller) and is borrowed mutably by
@@ -143,6 +135,16 @@ pub fn reduce_scatter_in_place<T: Element>(
     // after that claimer read the chunk from every input (see above).
     unsafe { cross_memory(t, data, buf.len(), data.add(t.rank() * n), op, geo, Some(n)) }?;
     Ok(true)
+}
+
+/// The geometry for a reduce-scatter of `bytes` input bytes by cross-memory attach, or `None`
+/// when it does not apply (one rank, attach not allowed, or below [`Geometry::cma_min`]).
+fn cma_geometry(t: &ShmTransport, bytes: usize) -> Option<Geometry> {
+    if t.size() == 1 || !t.cross_memory_attach() {
+        return None; // (a group of one has no fast area)
+    }
+    let geo = t.fast_geometry();
+    (bytes >= geo.cma_min).then_some(geo)
 }
 
 /// Cross-memory attach: every rank publishes its input and output; ranks claim chunks one at a

@@ -2,7 +2,7 @@
 //! reducer's comm-hook trait ([`ReduceScatterHook`]), the owners' updated chunks all-gathered
 //! ([`gather_params`]), and the cross-rank gradient norm for clipping ([`clip_grad_norm`]).
 
-use super::layout::ShardLayout;
+use super::layout::{owned, ShardLayout};
 use crate::error::{Error, Result};
 use crate::reducer::{
     BucketBuffer, BucketWork, CommHook, GradBucket, HostBuffer, Reducer, ShardRange,
@@ -62,9 +62,7 @@ impl CommHook for ReduceScatterHook {
     }
 
     fn shard_range(&self, pg: &ProcessGroup, numel: usize) -> Option<ShardRange> {
-        let c = numel.div_ceil(pg.size());
-        let lo = (pg.rank() * c).min(numel);
-        let hi = ((pg.rank() + 1) * c).min(numel);
+        let (lo, hi) = owned(numel, pg.size(), pg.rank());
         Some(ShardRange {
             buffer: if self.shard_only { 0..hi - lo } else { lo..hi },
             bucket_start: lo,
@@ -97,7 +95,7 @@ where
     } else {
         ReduceOp::Sum
     };
-    let (lo, hi) = ((rank * c).min(n), ((rank + 1) * c).min(n));
+    let (lo, hi) = owned(n, world, rank);
     let work = if shard_only {
         pg.reduce_scatter_async(v, op)
     } else {
@@ -315,7 +313,13 @@ pub fn gather_params_into(
         }
     };
     for (i, (mut v, c)) in bufs.into_iter().zip(&mine).enumerate() {
-        v.resize(layout.buckets()[c.bucket].chunk_len(world) * world, 0.0);
+        let len = layout.buckets()[c.bucket].chunk_len(world) * world;
+        if v.capacity() < len {
+            // A fresh buffer: calloc's pages need no second pass of zeros.
+            v = vec![0.0; len];
+        } else {
+            v.resize(len, 0.0);
+        }
         if failed.is_none() {
             if let Err(e) = fill(i, &mut v[c.lo..c.hi]) {
                 failed = Some(e);

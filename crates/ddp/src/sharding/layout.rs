@@ -45,9 +45,16 @@ impl ShardBucket {
 
     /// The elements `[lo, hi)` of this bucket that `rank` owns.
     pub fn owned(&self, world: usize, rank: usize) -> (usize, usize) {
-        let c = self.chunk_len(world);
-        ((rank * c).min(self.numel), ((rank + 1) * c).min(self.numel))
+        owned(self.numel, world, rank)
     }
+}
+
+/// The elements `[lo, hi)` of a bucket of `numel` elements that `rank` of `world` owns: chunk
+/// `rank` of `ceil(numel / world)` elements, cut at the end (the one rule every part of a
+/// sharded step shares).
+pub fn owned(numel: usize, world: usize, rank: usize) -> (usize, usize) {
+    let c = numel.div_ceil(world);
+    ((rank * c).min(numel), ((rank + 1) * c).min(numel))
 }
 
 /// The part of one parameter inside one chunk.

@@ -308,11 +308,22 @@ impl<M: Module> DistributedDataParallel<M> {
         self.reduced_grads(stats, local)
     }
 
-    fn reduced_grads(&self, stats: StepStats, local: GradientsParams) -> Result<GradientsParams> {
+    fn reduced_grads(
+        &mut self,
+        stats: StepStats,
+        local: GradientsParams,
+    ) -> Result<GradientsParams> {
         if !stats.synced {
             return Ok(local);
         }
-        adapter::averaged_grads(&self.params, &self.reducer)
+        let n = self.params.param_count();
+        if (0..n).any(|i| self.reducer.is_device_bucket(i)) {
+            return adapter::averaged_grads(&self.params, &self.reducer);
+        }
+        // Host buckets: the gradients are windows of the buckets' buffers, which the reducer
+        // hands over (PyTorch's `gradient_as_bucket_view`), not copies.
+        let taken = self.reducer.take_averaged_buffers()?;
+        self.params.grads_from_buckets(taken.into_iter().flatten())
     }
 
     /// Timing of the last backward.

@@ -10,8 +10,10 @@
 #   memory is not retained (`--no-retain-memory`, DDP_RETAIN_FREED_MEMORY=0) and every
 #   allocation of 1 MiB or more is its own mapping, returned when freed
 #   (MALLOC_MMAP_THRESHOLD_=1048576), at the cost of page faults on every step's buffers.
-#   STAGED="2" (default) runs those stages with --staged: stage 2 needs the staged backward to
-#   keep only gradient shards (a plain loss.backward() holds every full gradient at once).
+#   STAGED="1 2" (default) runs those stages with --staged: candle's plain loss.backward()
+#   holds every full gradient at once (4Ψ) before any bucket is reduced, which stage 2 cannot
+#   afford, and which stage 1, whose gradient buckets stay allocated between steps (they carry
+#   the parameter all-gather and the next backward), would hold next to its buckets.
 set -euo pipefail
 NPROC=${1:-2}
 RUNS=${2:-3}
@@ -19,7 +21,7 @@ HIDDEN=${HIDDEN:-2048}
 LAYERS=${LAYERS:-13}
 BATCH=${BATCH:-16}
 STAGES=${STAGES:-0 1 2 3}
-STAGED=${STAGED:-2}
+STAGED=${STAGED:-1 2}
 cd "$(dirname "$0")/.."
 if [ -z "${BIN:-}" ]; then
   cargo build --release -q -p ddp-bench

@@ -133,6 +133,10 @@ pub struct TrainArgs {
     /// unit per layer; CPU).
     #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 3))]
     pub zero: u8,
+    /// With `--zero 2`: keep the last K buckets whole between steps (`ddp_candle::ZeroOptions`:
+    /// faster, up to K buckets of memory beyond stage 2's formula).
+    #[arg(long, default_value_t = 0)]
+    pub zero_keep_buckets: usize,
     /// Optimizer: sgd (lr 0.01) or adamw (lr 1e-3, candle's defaults otherwise).
     #[arg(long, default_value = "sgd", value_parser = ["sgd", "adamw"])]
     pub optimizer: String,

@@ -164,7 +164,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ddp.register_comm_hook(hook)?;
     }
     let mut averager = args.hook.averager()?;
-    let mut zero = ZeroDdp::with_optimizer(ddp, stage, optimizer(args))?;
+    let options = ddp_candle::ZeroOptions {
+        keep_whole_buckets: args.zero_keep_buckets,
+    };
+    let mut zero = ZeroDdp::with_options(ddp, stage, optimizer(args), options)?;
     let params: usize = zero
         .ddp()
         .named_vars()

@@ -74,7 +74,7 @@ pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutpu
 pub use ddp_comm::ProcessGroup;
 pub use fsdp::{Fsdp, FsdpOutput, Unit};
 pub use params::CandleParams;
-pub use zero::{ShardOptimizer, ZeroDdp};
+pub use zero::{ShardOptimizer, ZeroDdp, ZeroOptions};
 
 /// Short alias of [`DistributedDataParallel`].
 pub type Ddp = DistributedDataParallel;

@@ -41,6 +41,38 @@ impl CandleParams {
         &self.vars
     }
 
+    /// Sets elements `[offset, offset + values.len())` of parameter `index` (flat, row-major)
+    /// in place: ZeRO's all-gather writes only the elements other ranks own. A contiguous CPU
+    /// variable of the values' dtype; an error naming it otherwise, or for a range past its end.
+    pub fn write_param_range(
+        &self,
+        index: usize,
+        offset: usize,
+        values: HostSlice<'_>,
+    ) -> Result<()> {
+        let (name, var) = &self.vars[index];
+        let n = values.len();
+        if offset + n > var.elem_count() || !var.device().is_cpu() || !var.is_contiguous() {
+            return Err(Error::Unsupported(format!(
+                "write_param_range: `{name}` ({} elements on {:?}{}) cannot take elements \
+                 {offset}..{}",
+                var.elem_count(),
+                var.device().location(),
+                if var.is_contiguous() {
+                    ""
+                } else {
+                    ", not contiguous"
+                },
+                offset + n
+            )));
+        }
+        if n > 0 {
+            let view = var.as_tensor().flatten_all()?.narrow(0, offset, n)?;
+            view.inplace_op1(&CopyIn(values))?;
+        }
+        Ok(())
+    }
+
     /// The device every variable lives on (the CPU when there are none); an error naming two
     /// variables on different devices.
     pub fn device(&self) -> Result<Device> {
@@ -166,11 +198,9 @@ impl ParamAccess for CandleParams {
             && var.is_contiguous()
             && same_dtype
             && values.len() == var.elem_count()
-            && !values.is_empty()
         {
-            // Straight into the variable's storage: no temporary tensor (ZeRO writes every
-            // gathered parameter this way after each step).
-            var.as_tensor().inplace_op1(&CopyIn(values))?;
+            // Straight into the variable's storage: no temporary tensor.
+            self.write_param_range(index, 0, values)?;
         } else {
             var.set(&tensor_from_host(values, var.shape(), var.device())?)?;
         }

@@ -4,7 +4,7 @@
 //! [`ZeroDdp`](crate::ZeroDdp) (chunks of the reducer's buckets) and [`Fsdp`](crate::Fsdp)
 //! (chunks of the units).
 
-use crate::optim::{DynOptimizer, Piece};
+use crate::optim::{DynOptimizer, EchoGrads, Piece};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, TensorId, Var};
@@ -181,6 +181,34 @@ impl Shard {
         }
         opt.dyn_step(&store)?;
         Ok(())
+    }
+
+    /// A write-through step ([`Shard::write_through`]): `step` gets each chunk's averaged
+    /// gradient as a slice of its buffer, by the chunk's key, and leaves the chunk's updated
+    /// values there instead (see `optim::EchoGrads`). Returns the buffers, each with the range
+    /// that is the chunk, which then holds this rank's block of the parameter all-gather.
+    pub fn step_through(
+        &self,
+        grads: ShardGrads,
+        step: impl FnOnce(&mut EchoGrads<'_>) -> Result<()>,
+    ) -> Result<Vec<(Vec<f32>, std::ops::Range<usize>)>> {
+        let mut parts = grads.into_parts();
+        let mut map = EchoGrads::new();
+        for (i, (g, range)) in parts.iter_mut().enumerate() {
+            match self.through(i) {
+                Some((key, _)) => {
+                    map.insert(*key, &mut g[range.clone()]);
+                }
+                None if self.vars[i].is_some() => {
+                    return Err(Error::Unsupported(format!(
+                        "step_through: chunk {i} is not written through"
+                    )))
+                }
+                None => {}
+            }
+        }
+        step(&mut map)?;
+        Ok(parts)
     }
 
     /// Parameter values and optimizer state of the chunks.

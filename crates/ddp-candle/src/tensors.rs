@@ -7,11 +7,14 @@
 //! carry).
 
 use crate::{Error, Result};
-use candle_core::{DType, Device, Shape, Storage, Tensor, Var, WithDType};
+use candle_core::{
+    CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var, WithDType,
+};
 use ddp::reducer::HostSlice;
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use half::{bf16, f16};
+use std::cell::RefCell;
 
 /// The collective dtype of a candle dtype (error for dtypes that carry no gradient).
 pub fn comm_dtype(dtype: DType) -> Result<ddp_comm::DType> {
@@ -40,6 +43,35 @@ pub fn with_flat<T: WithDType, R>(t: &Tensor, f: impl FnOnce(&[T]) -> R) -> Resu
     }
     let v = t.flatten_all()?.to_vec1::<T>()?;
     Ok(f(&v))
+}
+
+/// Runs `f` on the elements of a contiguous f32 CPU tensor, mutably, in place (an error for
+/// any other tensor).
+pub fn with_flat_mut<R>(t: &Tensor, f: impl FnOnce(&mut [f32]) -> R) -> Result<R> {
+    struct Op<F, R>(RefCell<Option<F>>, RefCell<Option<R>>);
+    impl<F: FnOnce(&mut [f32]) -> R, R> InplaceOp1 for Op<F, R> {
+        fn name(&self) -> &'static str {
+            "ddp-with-flat-mut"
+        }
+
+        fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+            let (Some((a, b)), CpuStorage::F32(v)) = (l.contiguous_offsets(), s) else {
+                candle_core::bail!("ddp-with-flat-mut: a contiguous f32 CPU tensor");
+            };
+            let f = self.0.borrow_mut().take().expect("called once");
+            *self.1.borrow_mut() = Some(f(&mut v[a..b]));
+            Ok(())
+        }
+    }
+    let op = Op(RefCell::new(Some(f)), RefCell::new(None));
+    t.inplace_op1(&op)?;
+    op.1.into_inner().ok_or_else(|| {
+        Error::Unsupported(format!(
+            "with_flat_mut: a contiguous f32 CPU tensor, not {:?} on {:?}",
+            t.dtype(),
+            t.device().location()
+        ))
+    })
 }
 
 /// Runs `f` on the elements of `t` in row-major order as a [`HostSlice`] (borrowed from a

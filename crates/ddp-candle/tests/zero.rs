@@ -359,6 +359,49 @@ fn every_stage_equals_ddp_for_sgd_momentum_and_adamw_at_world_2_3_4() {
     }
 }
 
+/// Stage 2 keeping its last buckets whole (`ZeroOptions::keep_whole_buckets`: reduce-scattered
+/// in place, carrying the all-gather and the next backward) trains exactly as without: none,
+/// one, and more than there are buckets; with clipping and a `no_sync` step.
+#[test]
+fn stage_2_keeping_whole_buckets_trains_as_without() {
+    for world in [2, 3] {
+        for opt in [Opt::SgdMomentum, Opt::AdamW] {
+            let runs: Vec<_> = [0usize, 1, 100]
+                .into_iter()
+                .map(|keep| {
+                    run_ranks(world, |rank, pg| {
+                        let (vm, m) = model(7, HID);
+                        let ddp = Ddp::new(&vm, &pg, Sizes::Tiny.ddp()).unwrap();
+                        assert!(ddp.reducer().buckets().len() >= 3);
+                        let options = ddp_candle::ZeroOptions {
+                            keep_whole_buckets: keep,
+                        };
+                        let z = ZeroDdp::with_options(ddp, ZeroStage::Two, shard_opt(opt), options)
+                            .unwrap();
+                        let mut t = Trainer::Zero(Box::new(z), m);
+                        for k in 0..5 {
+                            if k == 2 {
+                                t.set_sync(false);
+                                t.backward(k + 10, rank, pg.size());
+                                t.set_sync(true);
+                            }
+                            t.backward(k, rank, pg.size());
+                            t.clip(0.5);
+                            t.step();
+                        }
+                        t.assert_replicas(&format!("keep {keep}"));
+                        t.params()
+                    })
+                })
+                .collect();
+            for (keep, run) in [1, 100].iter().zip(&runs[1..]) {
+                let what = format!("world {world}, {opt:?}, keep {keep}");
+                assert_close(&run[0], &runs[0][0], 1e-6, &what);
+            }
+        }
+    }
+}
+
 /// `ZeroDdp::with_optimizer` (the optimizer steps the owned elements inside the parameters)
 /// against `ZeroDdp::new` (over chunk variables): bit-identical training, checkpoints and
 /// state, and no chunk variable held.

@@ -13,8 +13,9 @@
 //! ZeRO benchmark kept about 240 MiB more resident per rank. Other dtypes and devices take
 //! candle's tensor operations.
 
-use super::{unnamed, Piece, Target};
+use super::{echo_blocks, echo_slot, unnamed, EchoGrads, Piece, Target};
 use crate::checkpoint::tensor_like;
+use crate::tensors::{with_flat, with_flat_mut};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Var, WithDType};
@@ -84,6 +85,38 @@ impl AdamW {
                 "write_through: the optimizer has no parameter {name:?}"
             ))),
         }
+    }
+
+    /// ZeRO's write-through step (stages 1 and 2): the same operations as `step` for every slot
+    /// written through that has a gradient in `grads`, each gradient then holding the slot's
+    /// updated values (see [`EchoGrads`]).
+    pub(crate) fn step_through(&mut self, grads: &mut EchoGrads<'_>) -> Result<()> {
+        self.step_t += 1;
+        let k = Coefs::new(&self.params, self.step_t);
+        for s in &self.slots {
+            let Some((pieces, g)) = echo_slot(&s.target, grads)? else {
+                continue;
+            };
+            with_flat_mut(s.m.as_tensor(), |m| Fused::Moment1(&k).moment(m, g))?;
+            with_flat_mut(s.v.as_tensor(), |v| Fused::Moment2(&k).moment(v, g))?;
+            with_flat::<f32, _>(s.m.as_tensor(), |m| {
+                with_flat::<f32, _>(s.v.as_tensor(), |v| {
+                    for p in pieces {
+                        let n = p.view.elem_count();
+                        let (m, v) = (&m[p.offset..p.offset + n], &v[p.offset..p.offset + n]);
+                        let g = &mut g[p.offset..p.offset + n];
+                        with_flat_mut(&p.view, |x| {
+                            echo_blocks(x, g, |start, x, _| {
+                                let end = start + x.len();
+                                Fused::update(&k, x, &m[start..end], &v[start..end])
+                            })
+                        })?;
+                    }
+                    Ok::<_, Error>(())
+                })?
+            })??;
+        }
+        Ok(())
     }
 
     /// Optimizer steps taken so far.

@@ -92,6 +92,53 @@ pub(crate) enum Target {
     },
 }
 
+/// The gradients of a write-through step (`Sgd::step_through`, `AdamW::step_through`): per
+/// slot key (see [`Target::Pieces`]), its flat f32 gradient, which after the step holds the
+/// slot's updated values instead (ZeRO's parameter all-gather then sends them from there,
+/// without another pass over the parameters).
+pub(crate) type EchoGrads<'a> = std::collections::HashMap<TensorId, &'a mut [f32]>;
+
+/// Elements per block of a write-through step: a block is updated and then copied over its
+/// gradient while it is still in cache.
+const ECHO_BLOCK: usize = 1 << 14;
+
+/// `update(start, values, grad)` block by block over `values` (a parameter piece) and `grad`
+/// (its gradient), each block then copied over its gradient.
+fn echo_blocks(
+    values: &mut [f32],
+    grad: &mut [f32],
+    mut update: impl FnMut(usize, &mut [f32], &[f32]),
+) {
+    for start in (0..values.len()).step_by(ECHO_BLOCK) {
+        let end = (start + ECHO_BLOCK).min(values.len());
+        update(start, &mut values[start..end], &grad[start..end]);
+        grad[start..end].copy_from_slice(&values[start..end]);
+    }
+}
+
+/// The write-through slot's key, dtype check and gradient (`None`: a slot not written through
+/// or without a gradient, skipped).
+fn echo_slot<'g, 't>(
+    target: &'t Target,
+    grads: &'g mut EchoGrads<'_>,
+) -> crate::Result<Option<(&'t [Piece], &'g mut [f32])>> {
+    let Target::Pieces { key, like, pieces } = target else {
+        return Ok(None);
+    };
+    let Some(g) = grads.get_mut(key) else {
+        return Ok(None);
+    };
+    if like.dtype() != candle_core::DType::F32 || g.len() != like.elem_count() {
+        return Err(crate::Error::Unsupported(format!(
+            "step_through: a {:?} slot of {} elements given {} f32 gradients (f32 slots only)",
+            like.dtype(),
+            like.elem_count(),
+            g.len()
+        )));
+    }
+    Ok(Some((pieces, &mut **g)))
+}
+
 /// A contiguous 1-D view of part of a parameter and where it sits in a slot's flat values.
 #[derive(Clone)]
 pub(crate) struct Piece {

@@ -17,8 +17,9 @@
 //! tensor operations. The momentum buffers are saved to checkpoints as
 //! `optim.<param>.momentum_buffer` (f32), PyTorch's state name.
 
-use super::{unnamed, Piece, Target};
+use super::{echo_blocks, echo_slot, unnamed, EchoGrads, Piece, Target};
 use crate::checkpoint::tensor_like;
+use crate::tensors::with_flat_mut;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var, WithDType};
@@ -131,6 +132,42 @@ impl Sgd {
                 "write_through: the optimizer has no parameter {name:?}"
             ))),
         }
+    }
+
+    /// ZeRO's write-through step (stages 1 and 2): the same update as `step` for every slot
+    /// written through that has a gradient in `grads`, each gradient then holding the slot's
+    /// updated values (see [`EchoGrads`]).
+    pub(crate) fn step_through(&mut self, grads: &mut EchoGrads<'_>) -> Result<()> {
+        self.steps += 1;
+        let params = &self.params;
+        for s in &mut self.slots {
+            let Some((pieces, g)) = echo_slot(&s.target, grads)? else {
+                continue;
+            };
+            if matches!(s.buf, Buffer::None) && params.momentum != 0.0 {
+                s.buf = Buffer::F32(Vec::new());
+            }
+            let mut buf = match &mut s.buf {
+                Buffer::None => None,
+                Buffer::F32(b) => Some(b),
+                _ => {
+                    return Err(Error::Unsupported(format!(
+                        "step_through: {} has a momentum buffer that is not f32 on the CPU",
+                        s.name
+                    )))
+                }
+            };
+            for p in pieces {
+                let n = p.view.elem_count();
+                let g = &mut g[p.offset..p.offset + n];
+                with_flat_mut(&p.view, |x| {
+                    echo_blocks(x, g, |start, x, g| {
+                        update(params, x, g, buf.as_deref_mut(), p.offset + start)
+                    })
+                })?;
+            }
+        }
+        Ok(())
     }
 
     pub fn params(&self) -> &ParamsSgd {

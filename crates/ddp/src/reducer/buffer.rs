@@ -188,6 +188,17 @@ impl HostBuffer {
         each_host!(HostBuffer, self, |v| v.truncate(n))
     }
 
+    /// How many elements it can hold without reallocating.
+    pub fn capacity(&self) -> usize {
+        each_host!(HostBuffer, self, |v| v.capacity())
+    }
+
+    /// `n` elements: the first ones kept, new ones zero (no reallocation up to the capacity).
+    pub fn resize(&mut self, n: usize) {
+        each_host!(HostBuffer, self, |v| v
+            .resize(n, bytemuck::Zeroable::zeroed()))
+    }
+
     /// Divides every element by `n` (the end of an average).
     pub fn div_by(&mut self, n: usize) {
         each_host!(HostBuffer, self, |v| Element::div_by(&mut v[..], n))

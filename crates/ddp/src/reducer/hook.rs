@@ -180,15 +180,15 @@ pub trait CommHook: Send {
     }
 
     /// For a sharding hook (ZeRO's reduce-scatter): where in the work's buffer this rank's
-    /// averaged shard of a bucket of `numel` elements lies ([`ShardRange`]); the rest of the
+    /// averaged shard of bucket `bucket`, of `numel` elements, lies ([`ShardRange`]); the rest of the
     /// buffer, if any, is unspecified. `None` (default): the buffer is the whole averaged bucket.
     /// With `Some`, the reducer accepts a buffer shorter than the bucket, refuses per-parameter
     /// reads (the bucket is read whole: [`Reducer::bucket_grads`](super::Reducer::bucket_grads),
     /// [`Reducer::take_averaged_buffers`](super::Reducer::take_averaged_buffers)), and its
     /// finite check looks at the shard only, agreeing with the other ranks (every rank holds a
     /// different shard) over one small all-gather per step.
-    fn shard_range(&self, pg: &ProcessGroup, numel: usize) -> Option<ShardRange> {
-        let _ = (pg, numel);
+    fn shard_range(&self, pg: &ProcessGroup, bucket: usize, numel: usize) -> Option<ShardRange> {
+        let _ = (pg, bucket, numel);
         None
     }
 

@@ -602,7 +602,7 @@ impl Reducer {
                 unreachable!("every bucket was launched");
             };
             let t = Instant::now();
-            let shard = self.hook.shard_range(&self.pg, b.numel);
+            let shard = self.hook.shard_range(&self.pg, bi, b.numel);
             let result = work.wait().and_then(|buf| {
                 let fits = match &shard {
                     None => buf.len() == b.numel,
@@ -724,17 +724,22 @@ impl Reducer {
     pub(super) fn averaged_shards(
         &self,
     ) -> impl Iterator<Item = (&BucketBuffer, &[BucketParam], Option<ShardRange>)> {
-        self.buckets.iter().filter_map(|b| match &b.state {
-            BucketState::Idle(buf) => {
-                Some((buf, &b.layout[..], self.hook.shard_range(&self.pg, b.numel)))
-            }
-            _ => None,
-        })
+        self.buckets
+            .iter()
+            .enumerate()
+            .filter_map(|(i, b)| match &b.state {
+                BucketState::Idle(buf) => Some((
+                    buf,
+                    &b.layout[..],
+                    self.hook.shard_range(&self.pg, i, b.numel),
+                )),
+                _ => None,
+            })
     }
 
     /// Whether the registered hook shards the averaged buckets ([`CommHook::shard_range`]).
     pub(super) fn hook_shards(&self) -> bool {
-        self.hook.shard_range(&self.pg, 1).is_some()
+        self.hook.shard_range(&self.pg, 0, 1).is_some()
     }
 
     fn results(&self, index: usize, what: &str) -> Result<(&BucketBuffer, Slot)> {
@@ -754,7 +759,11 @@ impl Reducer {
         let BucketState::Idle(buf) = &b.state else {
             unreachable!("results are valid only when every bucket is idle");
         };
-        if self.hook.shard_range(&self.pg, b.numel).is_some() {
+        if self
+            .hook
+            .shard_range(&self.pg, slot.bucket, b.numel)
+            .is_some()
+        {
             return Err(Error::InvalidArgument(format!(
                 "{what}: bucket {} holds only this rank's shard of its averaged gradients (a \
                  sharding comm hook); read it whole with bucket_grads",
@@ -877,6 +886,60 @@ impl Reducer {
             .collect();
         self.results_valid = false;
         Ok(taken)
+    }
+
+    /// Gives buffers back to the buckets that [`take_averaged_buffers`](Self::take_averaged_buffers)
+    /// or [`release_buffers`](Self::release_buffers) emptied, so that the next backward writes
+    /// its gradients into them instead of allocating (ZeRO stage 1 hands each bucket's buffer
+    /// back after the parameter all-gather it carried). `buffers[b]` is for bucket `b`: `None`
+    /// leaves it as it is; a buffer of the bucket's dtype holding at least its elements (any
+    /// values: every gradient is copied over its slot and an unused parameter's slot is zeroed)
+    /// takes its place, cut to the bucket's length. Refused, changing nothing, while a backward
+    /// is in progress, for a bucket that still holds its buffer, or for a buffer of another
+    /// dtype or too small.
+    pub fn recycle_buffers(&mut self, buffers: Vec<Option<HostBuffer>>) -> Result<()> {
+        if self.current.is_some() || buffers.len() != self.buckets.len() {
+            return Err(Error::InvalidArgument(format!(
+                "recycle_buffers: {} buffers for {} buckets{}",
+                buffers.len(),
+                self.buckets.len(),
+                if self.current.is_some() {
+                    " while a backward is in progress"
+                } else {
+                    ""
+                }
+            )));
+        }
+        for (i, (b, new)) in self.buckets.iter().zip(&buffers).enumerate() {
+            let Some(new) = new else { continue };
+            let empty =
+                matches!(&b.state, BucketState::Idle(BucketBuffer::Host(h)) if h.is_empty());
+            if b.numel > 0 && (!empty || new.dtype() != b.dtype || new.capacity() < b.numel) {
+                return Err(Error::InvalidArgument(format!(
+                    "recycle_buffers: bucket {i} ({} {} elements{}) cannot take a {} buffer of \
+                     {} elements",
+                    b.numel,
+                    b.dtype,
+                    if empty {
+                        ""
+                    } else {
+                        ", still holding its buffer"
+                    },
+                    new.dtype(),
+                    new.capacity(),
+                )));
+            }
+        }
+        for (b, new) in self.buckets.iter_mut().zip(buffers) {
+            if let (Some(mut new), BucketState::Idle(BucketBuffer::Host(h))) = (new, &mut b.state) {
+                if b.numel == 0 {
+                    continue;
+                }
+                new.resize(b.numel);
+                *h = new;
+            }
+        }
+        Ok(())
     }
 
     /// Calls `f` with the averaged gradient of parameter `index` as device memory, a view into

@@ -164,6 +164,103 @@ fn averaged_buffers_are_handed_over_once_and_the_buckets_come_back() {
     });
 }
 
+/// Buffers given back with `recycle_buffers` (holding anything: NaN here) carry the next
+/// backward: every gradient overwrites its slot, an unused parameter's slot is zeroed, `no_sync`
+/// accumulates from the first copy on. Wrong buffers are refused by bucket, changing nothing.
+#[test]
+fn recycled_buffers_carry_the_next_backward_whatever_they_hold() {
+    const W: usize = 2;
+    run_ranks(W, T, |rank, pg| {
+        let mut red = Reducer::new(&pg, mixed_specs(), small()).unwrap();
+        let n = red.buckets().len();
+        // Before any take, every bucket still holds its buffer.
+        let full: Vec<_> = red
+            .buckets()
+            .iter()
+            .map(|b| Some(HostBuffer::zeros(b.dtype, b.numel)))
+            .collect();
+        let e = red.recycle_buffers(full).unwrap_err().to_string();
+        assert!(e.contains("bucket 0") && e.contains("still holding"), "{e}");
+        for step in 0..4 {
+            // Step 1: parameter 4 unused. Step 3: a no_sync backward first (scale 1), then the
+            // synchronized one (scale 4): the sum.
+            if step == 3 {
+                red.set_require_backward_grad_sync(false);
+                for i in 0..12 {
+                    mark(&mut red, rank, i, 1.0).unwrap();
+                }
+                red.finish().unwrap();
+                red.set_require_backward_grad_sync(true);
+            }
+            for i in (0..12).filter(|&i| step != 1 || i != 4) {
+                mark(&mut red, rank, i, step as f64 + 1.0).unwrap();
+            }
+            if step == 0 {
+                let e = red.recycle_buffers(vec![None; n]).unwrap_err().to_string();
+                assert!(e.contains("backward is in progress"), "{e}");
+            }
+            red.finish().unwrap();
+            for i in 0..12 {
+                let scale = match (step, i) {
+                    (1, 4) => 0.0,
+                    (3, _) => 5.0,
+                    _ => step as f64 + 1.0,
+                };
+                for (k, v) in read(&red, i).iter().enumerate() {
+                    let want = (0..W).map(|r| g(r, i, k)).sum::<f64>() * scale / W as f64;
+                    assert!(
+                        (v - want).abs() < 1e-4,
+                        "step {step}, param {i}[{k}]: {v} vs {want}"
+                    );
+                }
+            }
+            let mut taken: Vec<_> = red
+                .take_averaged_buffers()
+                .unwrap()
+                .into_iter()
+                .map(|t| {
+                    let mut h = t.unwrap().0;
+                    let len = h.len();
+                    h.resize(len + 3); // longer than the bucket: cut back
+                    match &mut h {
+                        HostBuffer::F32(v) => v.fill(f32::NAN),
+                        HostBuffer::F64(v) => v.fill(f64::NAN),
+                        _ => unreachable!(),
+                    }
+                    Some(h)
+                })
+                .collect();
+            // Refusals, each naming the bucket; nothing is taken.
+            let f64_bucket = red
+                .buckets()
+                .iter()
+                .position(|b| b.dtype == DType::F64)
+                .unwrap();
+            let f32_bucket = red
+                .buckets()
+                .iter()
+                .position(|b| b.dtype == DType::F32)
+                .unwrap();
+            let mut wrong = taken.clone();
+            wrong[f32_bucket] = Some(HostBuffer::zeros(DType::F64, 1 << 12));
+            let e = red.recycle_buffers(wrong).unwrap_err().to_string();
+            assert!(e.contains(&format!("bucket {f32_bucket} ")), "{e}");
+            let mut short = taken.clone();
+            short[f64_bucket] = Some(HostBuffer::zeros(DType::F64, 1));
+            let e = red.recycle_buffers(short).unwrap_err().to_string();
+            assert!(e.contains(&format!("bucket {f64_bucket} ")), "{e}");
+            assert!(red.recycle_buffers(vec![None; n + 1]).is_err());
+            // Step 2 runs on freshly allocated buckets (one left out), the others on recycled.
+            if step == 1 {
+                taken[0] = None;
+            }
+            if step != 2 {
+                red.recycle_buffers(taken).unwrap();
+            }
+        }
+    });
+}
+
 #[test]
 fn no_sync_accumulates_and_unused_parameters_count_as_zero() {
     run_ranks(2, T, |rank, pg| {
@@ -680,47 +777,69 @@ fn device_path_through_cpu_buckets_matches_host_buckets_bit_for_bit() {
 fn a_sharding_hook_returns_each_ranks_chunk_and_per_parameter_reads_are_refused() {
     const W: usize = 3;
     let specs: Vec<ParamSpec> = (0..5)
-        .map(|i| ParamSpec::new(format!("p{i}"), vec![7 + 13 * i], DType::F32))
+        .map(|i| ParamSpec::new(format!("p{i}"), vec![37 + 41 * i], DType::F32))
         .collect();
-    run_ranks(W, T, move |rank, pg| {
-        let mut red = Reducer::new(&pg, specs.clone(), small()).unwrap();
-        red.register_comm_hook(crate::sharding::ReduceScatterHook::shard_only())
+    let opts = ReducerOptions {
+        bucket_cap_mb: 700.0 / MIB,
+        first_bucket_cap_mb: 512.0 / MIB,
+    };
+    // Every bucket as its chunk alone; then the last two whole (stage 2 keeping them).
+    for whole_from in [usize::MAX, 2] {
+        run_ranks(W, T, |rank, pg| {
+            let mut red = Reducer::new(&pg, specs.clone(), opts).unwrap();
+            let n = red.buckets().len();
+            assert!(n >= 3, "{n} buckets");
+            let whole_from = whole_from.min(n - 2);
+            let hook = crate::sharding::ReduceScatterHook::shard_only();
+            red.register_comm_hook(if whole_from == n - 2 {
+                hook.whole_from(whole_from)
+            } else {
+                hook
+            })
             .unwrap();
-        let layout =
-            crate::sharding::ShardLayout::new(red.specs(), &red.buckets(), W, rank).unwrap();
-        for step in 0..2 {
-            for i in 0..5 {
-                mark(&mut red, rank, i, step as f64 + 1.0).unwrap();
-            }
-            red.finish().unwrap();
-            let e = red.grad::<f32>(0).unwrap_err().to_string();
-            assert!(e.contains("shard") && e.contains("bucket_grads"), "{e}");
-            for c in layout.chunks() {
-                let got = red.bucket_grads::<f32>(c.bucket).unwrap();
-                assert_eq!(
-                    got.len(),
-                    c.len(),
-                    "bucket {} holds the chunk alone",
-                    c.bucket
-                );
-                for p in layout.pieces(&c) {
-                    for k in 0..p.len {
-                        let e = p.param_offset + k;
-                        let want = (0..W)
-                            .map(|r| (g(r, p.param, e) * (step as f64 + 1.0)) as f32 as f64)
-                            .sum::<f64>()
-                            / W as f64;
-                        let v = got[p.chunk_offset + k] as f64;
-                        assert!(
-                            (v - want).abs() < 1e-5,
-                            "param {} [{e}]: {v} vs {want}",
-                            p.param
-                        );
+            let layout =
+                crate::sharding::ShardLayout::new(red.specs(), &red.buckets(), W, rank).unwrap();
+            for step in 0..2 {
+                for i in 0..5 {
+                    mark(&mut red, rank, i, step as f64 + 1.0).unwrap();
+                }
+                red.finish().unwrap();
+                let e = red.grad::<f32>(0).unwrap_err().to_string();
+                assert!(e.contains("shard") && e.contains("bucket_grads"), "{e}");
+                for c in layout.chunks() {
+                    let got = red.bucket_grads::<f32>(c.bucket).unwrap();
+                    let whole = c.bucket >= whole_from;
+                    let numel = layout.buckets()[c.bucket].numel;
+                    assert_eq!(
+                        got.len(),
+                        if whole { numel } else { c.len() },
+                        "bucket {} holds {}",
+                        c.bucket,
+                        if whole { "itself" } else { "the chunk alone" }
+                    );
+                    let at = if whole { c.lo } else { 0 };
+                    for p in layout.pieces(&c) {
+                        for k in 0..p.len {
+                            let e = p.param_offset + k;
+                            let want = (0..W)
+                                .map(|r| (g(r, p.param, e) * (step as f64 + 1.0)) as f32 as f64)
+                                .sum::<f64>()
+                                / W as f64;
+                            let v = got[at + p.chunk_offset + k] as f64;
+                            assert!(
+                                (v - want).abs() < 1e-5,
+                                "param {} [{e}]: {v} vs {want}",
+                                p.param
+                            );
+                        }
                     }
                 }
+                let shards = crate::sharding::take_shard_grads(&layout, &mut red).unwrap();
+                assert_eq!(shards.len(), layout.chunks().len());
+                for (i, c) in layout.chunks().iter().enumerate() {
+                    assert_eq!(shards.chunk(i).len(), c.len());
+                }
             }
-            let shards = crate::sharding::take_shard_grads(&layout, &mut red).unwrap();
-            assert_eq!(shards.len(), layout.chunks().len());
-        }
-    });
+        });
+    }
 }

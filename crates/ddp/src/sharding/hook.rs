@@ -21,22 +21,37 @@ use ddp_comm::{Element, ProcessGroup, ReduceOp};
 /// - [`ReduceScatterHook::shard_only`] (stage 2): the work yields this rank's chunk alone
 ///   ([`CommHook::shard_range`]); the full bucket is freed on the communication thread as
 ///   soon as its reduce-scatter is done, so that only gradient shards outlive the backward.
+///   [`whole_from`](ReduceScatterHook::whole_from) keeps the last buckets whole (as stage 1),
+///   a bounded number, so that their buffers can carry the parameter all-gather and the next
+///   backward instead of being allocated again.
 ///
 /// Either way only the owned chunk is read ([`take_shard_grads`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ReduceScatterHook {
-    shard_only: bool,
+    /// Buckets from this index on come back whole; the others as their chunk alone.
+    whole_from: usize,
 }
 
 impl ReduceScatterHook {
     /// Each bucket comes back whole, its owned chunk averaged (see the type doc).
     pub fn in_place() -> Self {
-        ReduceScatterHook { shard_only: false }
+        ReduceScatterHook { whole_from: 0 }
     }
 
     /// Each bucket comes back as its owned chunk alone (see the type doc).
     pub fn shard_only() -> Self {
-        ReduceScatterHook { shard_only: true }
+        ReduceScatterHook {
+            whole_from: usize::MAX,
+        }
+    }
+
+    /// Buckets `first..` come back whole, as with [`in_place`](Self::in_place).
+    pub fn whole_from(self, first: usize) -> Self {
+        ReduceScatterHook { whole_from: first }
+    }
+
+    fn shard_only_at(&self, bucket: usize) -> bool {
+        bucket < self.whole_from
     }
 }
 
@@ -44,7 +59,7 @@ impl CommHook for ReduceScatterHook {
     fn run(&mut self, pg: &ProcessGroup, bucket: GradBucket) -> BucketWork {
         let divisor = bucket.divisor();
         let index = bucket.index();
-        let shard_only = self.shard_only;
+        let shard_only = self.shard_only_at(index);
         match bucket.into_buffer() {
             BucketBuffer::Host(HostBuffer::F32(v)) => scatter(pg, v, divisor, shard_only),
             BucketBuffer::Host(HostBuffer::F64(v)) => scatter(pg, v, divisor, shard_only),
@@ -61,10 +76,14 @@ impl CommHook for ReduceScatterHook {
         }
     }
 
-    fn shard_range(&self, pg: &ProcessGroup, numel: usize) -> Option<ShardRange> {
+    fn shard_range(&self, pg: &ProcessGroup, bucket: usize, numel: usize) -> Option<ShardRange> {
         let (lo, hi) = owned(numel, pg.size(), pg.rank());
         Some(ShardRange {
-            buffer: if self.shard_only { 0..hi - lo } else { lo..hi },
+            buffer: if self.shard_only_at(bucket) {
+                0..hi - lo
+            } else {
+                lo..hi
+            },
             bucket_start: lo,
         })
     }
@@ -206,25 +225,20 @@ pub fn take_shard_grads(layout: &ShardLayout, reducer: &mut Reducer) -> Result<S
 }
 
 /// Copies the parameter values of each owned chunk out of full parameters (`read(param)` gives
-/// a parameter flat).
+/// a parameter flat). A parameter lies in one bucket, hence in at most one chunk of this rank:
+/// each is read once and dropped once copied, so at most one parameter is held besides the
+/// chunks.
 pub fn shard_params(
     layout: &ShardLayout,
     mut read: impl FnMut(usize) -> Result<Vec<f32>>,
 ) -> Result<Vec<Vec<f32>>> {
-    let mut cache: Vec<Option<Vec<f32>>> = Vec::new();
     layout
         .chunks()
         .iter()
         .map(|c| {
             let mut out = vec![0f32; c.len()];
             for p in layout.pieces(c) {
-                if cache.len() <= p.param {
-                    cache.resize(p.param + 1, None);
-                }
-                if cache[p.param].is_none() {
-                    cache[p.param] = Some(read(p.param)?);
-                }
-                let v = cache[p.param].as_ref().expect("just filled");
+                let v = read(p.param)?;
                 out[p.chunk_offset..p.chunk_offset + p.len]
                     .copy_from_slice(&v[p.param_offset..p.param_offset + p.len]);
             }
@@ -240,7 +254,7 @@ pub fn gather_params(
     pg: &ProcessGroup,
     layout: &ShardLayout,
     chunks: Vec<Vec<f32>>,
-    write: impl FnMut(usize, &[f32]) -> Result<()>,
+    mut write: impl FnMut(usize, &[f32]) -> Result<()>,
 ) -> Result<()> {
     if chunks.len() != layout.buckets().len() {
         return Err(Error::InvalidArgument(format!(
@@ -254,31 +268,46 @@ pub fn gather_params(
         pg,
         layout,
         bufs,
-        0,
+        Gather::default(),
         |i, dst| {
             dst.copy_from_slice(&chunks[i]);
             Ok(())
         },
-        write,
-    )
+        |p, _, v| write(p, v),
+    )?;
+    Ok(())
+}
+
+/// How [`gather_params_into`] runs.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Gather {
+    /// At most this many buckets in flight (`0`: all at once); a window bounds the full-size
+    /// buffers alive together, as each one allocated here is freed once written.
+    pub window: usize,
+    /// The parameters already hold this rank's own chunk (a write-through optimizer updated
+    /// it in place): only the other ranks' elements are written.
+    pub skip_owned: bool,
 }
 
 /// The parameter all-gather of a sharded step, in place in `bufs` (one per bucket of `layout`;
-/// any contents, reused when their capacity suffices; empty ones are allocated): `fill(i, dst)` writes this rank's values of chunk `i` straight
-/// into its block of bucket `i`'s buffer, the bucket is all-gathered in place (async), and
-/// `write(param, values)` is called once per parameter with its full flat values as each
-/// bucket arrives, in bucket order, and the buffer is then freed. At most `window` buckets are
-/// in flight (`0`: all at once; a window bounds the full-size buffers alive together). A
-/// collective: every bucket's all-gather is run even after an error here (`fill` or `write`),
-/// so that the group stays in step; the first error is returned.
+/// any contents, used when their capacity suffices, else allocated here): `fill(i, dst)`
+/// writes this rank's values of chunk `i` straight into its block of bucket `i`'s buffer, the
+/// bucket is all-gathered in place (async), and `write(param, offset, values)` is called as
+/// each bucket arrives, in bucket order, with the values of parameter `param` from element
+/// `offset` on: once per parameter with all of them, or, with [`Gather::skip_owned`], once per
+/// part of it that lies outside this rank's chunk. A collective: every bucket's all-gather is
+/// run even after an error here (`fill` or `write`), so that the group stays in step; the first
+/// error is returned. The buffers that were given come back (each a whole bucket, padded,
+/// holding the gathered parameters; e.g. for `Reducer::recycle_buffers`); those allocated
+/// here are freed, an empty vector in their place.
 pub fn gather_params_into(
     pg: &ProcessGroup,
     layout: &ShardLayout,
     bufs: Vec<Vec<f32>>,
-    window: usize,
+    how: Gather,
     mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
-    mut write: impl FnMut(usize, &[f32]) -> Result<()>,
-) -> Result<()> {
+    mut write: impl FnMut(usize, usize, &[f32]) -> Result<()>,
+) -> Result<Vec<Vec<f32>>> {
     let world = layout.world_size();
     let mine = layout.chunks();
     if bufs.len() != mine.len() {
@@ -289,6 +318,14 @@ pub fn gather_params_into(
         )));
     }
     let mut failed: Option<Error> = None;
+    let mut kept = vec![Vec::new(); mine.len()];
+    let padded = |c: &super::layout::Chunk| layout.buckets()[c.bucket].chunk_len(world) * world;
+    // The buffers given and used (handed back at the end), not allocated here.
+    let given: Vec<bool> = bufs
+        .iter()
+        .zip(&mine)
+        .map(|(v, c)| v.capacity() >= padded(c))
+        .collect();
     let mut pending = std::collections::VecDeque::new();
     let mut complete = |i: usize, work: ddp_comm::Work<Vec<f32>>, failed: &mut Option<Error>| {
         let waited = {
@@ -299,12 +336,26 @@ pub fn gather_params_into(
             Ok(full) => {
                 if failed.is_none() {
                     let _s = crate::trace::span("write params", "zero");
-                    for s in &layout.buckets()[mine[i].bucket].slots {
-                        if let Err(e) = write(s.param, &full[s.offset..s.offset + s.numel]) {
-                            *failed = Some(e);
-                            break;
+                    let c = &mine[i];
+                    let owned = if how.skip_owned { c.lo..c.hi } else { 0..0 };
+                    'slots: for s in &layout.buckets()[c.bucket].slots {
+                        let (lo, hi) = (s.offset, s.offset + s.numel);
+                        // The slot less the owned range: the part before it and the part after.
+                        let parts = if owned.is_empty() {
+                            [(lo, hi), (hi, hi)]
+                        } else {
+                            [(lo, hi.min(owned.start)), (lo.max(owned.end), hi)]
+                        };
+                        for (a, b) in parts.into_iter().filter(|(a, b)| a < b) {
+                            if let Err(e) = write(s.param, a - lo, &full[a..b]) {
+                                *failed = Some(e);
+                                break 'slots;
+                            }
                         }
                     }
+                }
+                if given[i] {
+                    kept[i] = full;
                 }
             }
             Err(e) => {
@@ -313,20 +364,21 @@ pub fn gather_params_into(
         }
     };
     for (i, (mut v, c)) in bufs.into_iter().zip(&mine).enumerate() {
-        let len = layout.buckets()[c.bucket].chunk_len(world) * world;
-        if v.capacity() < len {
+        let len = padded(c);
+        if !given[i] {
             // A fresh buffer: calloc's pages need no second pass of zeros.
             v = vec![0.0; len];
         } else {
             v.resize(len, 0.0);
         }
         if failed.is_none() {
+            let _s = crate::trace::span("fill chunk", "zero");
             if let Err(e) = fill(i, &mut v[c.lo..c.hi]) {
                 failed = Some(e);
             }
         }
         pending.push_back((i, pg.all_gather_in_place_async(v)));
-        if window > 0 && pending.len() > window {
+        if how.window > 0 && pending.len() > how.window {
             let (j, work) = pending.pop_front().expect("more than the window");
             complete(j, work, &mut failed);
         }
@@ -336,7 +388,7 @@ pub fn gather_params_into(
     }
     match failed {
         Some(e) => Err(e),
-        None => Ok(()),
+        None => Ok(kept),
     }
 }
 

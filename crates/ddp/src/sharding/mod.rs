@@ -43,7 +43,7 @@ pub use checkpoint::{
 };
 pub use hook::{
     bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_params,
-    take_shard_grads, ReduceScatterHook, ShardGrads,
+    take_shard_grads, Gather, ReduceScatterHook, ShardGrads,
 };
 pub use layout::{BucketSlot, Chunk, Piece, ShardBucket, ShardLayout};
 pub use units::{stage3_bytes_per_step, unit_layout, UnitComm};

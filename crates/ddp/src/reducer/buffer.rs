@@ -122,6 +122,16 @@ fn write_typed<T: Element>(dst: &mut [T], offset: usize, src: HostSlice<'_>, add
 }
 
 impl HostBuffer {
+    /// `n` zeros of `dtype` with room for `n` rounded up to a multiple of `multiple` (a bucket
+    /// of a group of `multiple` ranks: a sharding hook pads it to equal blocks in place instead
+    /// of reallocating and copying it). One zeroed allocation (calloc's fresh pages need no
+    /// pass of zeros), cut to `n`.
+    pub fn zeros_padded(dtype: DType, n: usize, multiple: usize) -> HostBuffer {
+        let mut b = HostBuffer::zeros(dtype, n.next_multiple_of(multiple.max(1)));
+        b.truncate(n);
+        b
+    }
+
     /// `n` zeros of `dtype`.
     pub fn zeros(dtype: DType, n: usize) -> HostBuffer {
         match dtype {

@@ -154,8 +154,9 @@ impl Reducer {
     /// host buffer. `specs` must be in the same (deterministic) order on every rank — the candle
     /// adapter sorts by name.
     pub fn new(pg: &ProcessGroup, specs: Vec<ParamSpec>, opts: ReducerOptions) -> Result<Reducer> {
+        let world = pg.size();
         Self::with_buffers(pg, specs, opts, |b| {
-            BucketBuffer::Host(HostBuffer::zeros(b.dtype, b.numel))
+            BucketBuffer::Host(HostBuffer::zeros_padded(b.dtype, b.numel, world))
         })
     }
 
@@ -467,7 +468,7 @@ impl Reducer {
         let BucketState::Idle(buf) = &mut bucket.state else {
             unreachable!("a bucket with unmarked gradients is never in flight");
         };
-        reallocate_released(buf, bucket.dtype, bucket.numel);
+        reallocate_released(buf, bucket.dtype, bucket.numel, self.pg.size());
         if let Err(e) = write(buf, slot.offset, slot.accumulated) {
             let spec = &self.specs[index];
             return Err(Error::InvalidArgument(format!("mark_ready: {spec}: {e}")));
@@ -580,7 +581,7 @@ impl Reducer {
             let BucketState::Idle(buf) = &mut b.state else {
                 unreachable!("an incomplete bucket is idle");
             };
-            reallocate_released(buf, b.dtype, b.numel);
+            reallocate_released(buf, b.dtype, b.numel, self.pg.size());
             for &p in &b.params {
                 let s = &mut self.slots[p];
                 if !s.marked {
@@ -965,11 +966,12 @@ impl Reducer {
     }
 }
 
-/// A host bucket freed by [`Reducer::release_buffers`] gets its zeroed buffer back.
-fn reallocate_released(buf: &mut BucketBuffer, dtype: DType, numel: usize) {
+/// A host bucket freed by [`Reducer::release_buffers`] (or taken) gets its zeroed buffer back,
+/// with room to be padded to `world` equal blocks ([`HostBuffer::zeros_padded`]).
+fn reallocate_released(buf: &mut BucketBuffer, dtype: DType, numel: usize, world: usize) {
     if let BucketBuffer::Host(h) = buf {
         if h.len() != numel {
-            *h = HostBuffer::zeros(dtype, numel);
+            *h = HostBuffer::zeros_padded(dtype, numel, world);
         }
     }
 }

@@ -843,3 +843,72 @@ fn a_sharding_hook_returns_each_ranks_chunk_and_per_parameter_reads_are_refused(
         });
     }
 }
+
+/// Host buckets are allocated with room for a sharding hook's padding to equal blocks (a
+/// bucket of 7 elements at world 3 is padded to 9 in place), at construction and whenever a
+/// taken bucket is reallocated, so that the reduce-scatter never reallocates and copies a
+/// bucket on the communication thread.
+#[test]
+fn host_buckets_have_room_for_padding_to_equal_blocks() {
+    use crate::reducer::{BucketBuffer, GradBucket};
+    use crate::sharding::ReduceScatterHook;
+    use std::sync::{Arc, Mutex};
+
+    /// Records each bucket's (index, length, capacity) as it reaches the hook.
+    struct Recording(ReduceScatterHook, Arc<Mutex<Vec<(usize, usize, usize)>>>);
+    impl CommHook for Recording {
+        fn run(&mut self, pg: &ProcessGroup, bucket: GradBucket) -> BucketWork {
+            if let BucketBuffer::Host(h) = bucket.buffer() {
+                self.1
+                    .lock()
+                    .unwrap()
+                    .push((bucket.index(), h.len(), h.capacity()));
+            }
+            self.0.run(pg, bucket)
+        }
+        fn shard_range(&self, pg: &ProcessGroup, b: usize, numel: usize) -> Option<ShardRange> {
+            self.0.shard_range(pg, b, numel)
+        }
+    }
+
+    const W: usize = 3;
+    // Bucket sizes that are not multiples of 3 (37 + 41 i elements each, one per bucket).
+    let specs: Vec<ParamSpec> = (0..4)
+        .map(|i| ParamSpec::new(format!("p{i}"), vec![37 + 41 * i], DType::F32))
+        .collect();
+    let opts = ReducerOptions {
+        bucket_cap_mb: 1.0 / MIB,
+        first_bucket_cap_mb: 1.0 / MIB,
+    };
+    for hook in [
+        ReduceScatterHook::in_place(),
+        ReduceScatterHook::shard_only(),
+    ] {
+        let specs = specs.clone();
+        run_ranks(W, T, move |rank, pg| {
+            let mut red = Reducer::new(&pg, specs.clone(), opts).unwrap();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            red.register_comm_hook(Recording(hook, seen.clone()))
+                .unwrap();
+            let layout =
+                crate::sharding::ShardLayout::new(red.specs(), &red.buckets(), W, rank).unwrap();
+            for step in 0..3 {
+                for i in 0..4 {
+                    mark(&mut red, rank, i, step as f64 + 1.0).unwrap();
+                }
+                red.finish().unwrap();
+                // The buckets are taken (reallocated at the next backward).
+                crate::sharding::take_shard_grads(&layout, &mut red).unwrap();
+            }
+            let seen = seen.lock().unwrap();
+            assert_eq!(seen.len(), 3 * red.buckets().len());
+            assert!(seen.iter().any(|&(_, len, _)| len % W != 0));
+            for &(b, len, cap) in seen.iter() {
+                assert!(
+                    cap >= len.next_multiple_of(W),
+                    "bucket {b}: {len} elements, room for {cap}"
+                );
+            }
+        });
+    }
+}

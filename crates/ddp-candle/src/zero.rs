@@ -401,10 +401,8 @@ impl ZeroDdp {
                     let _s = ddp::trace::span("shard step", "zero");
                     self.shard.step(&mut **o, grads)?;
                 }
-                let n = self.shard.layout.buckets().len();
                 let _s = ddp::trace::span("gather params", "zero");
-                self.gather(vec![Vec::new(); n], |i, dst| self.shard.copy_chunk(i, dst))?;
-                return Ok(());
+                return self.gather_from_shard();
             }
             opt => opt,
         };
@@ -534,6 +532,11 @@ impl ZeroDdp {
     fn apply(&mut self, state: ShardState) -> Result<()> {
         self.shard.apply(self.opt.get_mut(), state)?;
         self.shard_grads = None;
+        self.gather_from_shard()
+    }
+
+    /// Every rank's parameters all-gathered from the shard's chunks, in fresh buffers.
+    fn gather_from_shard(&self) -> Result<()> {
         let n = self.shard.layout.buckets().len();
         self.gather(vec![Vec::new(); n], |i, dst| self.shard.copy_chunk(i, dst))?;
         Ok(())

@@ -770,15 +770,20 @@ fn device_path_through_cpu_buckets_matches_host_buckets_bit_for_bit() {
     }
 }
 
+/// `n` f32 parameters `p0..` of 37 + 41 i elements (odd sizes, some not multiples of 3).
+fn odd_specs(n: usize) -> Vec<ParamSpec> {
+    (0..n)
+        .map(|i| ParamSpec::new(format!("p{i}"), vec![37 + 41 * i], DType::F32))
+        .collect()
+}
+
 /// A hook that returns this rank's shard of each bucket (ZeRO stage 2's reduce-scatter): the
 /// shard is the average of that chunk, per-parameter reads are refused naming it, and the next
 /// backward gets full buckets again.
 #[test]
 fn a_sharding_hook_returns_each_ranks_chunk_and_per_parameter_reads_are_refused() {
     const W: usize = 3;
-    let specs: Vec<ParamSpec> = (0..5)
-        .map(|i| ParamSpec::new(format!("p{i}"), vec![37 + 41 * i], DType::F32))
-        .collect();
+    let specs = odd_specs(5);
     let opts = ReducerOptions {
         bucket_cap_mb: 700.0 / MIB,
         first_bucket_cap_mb: 512.0 / MIB,
@@ -872,10 +877,8 @@ fn host_buckets_have_room_for_padding_to_equal_blocks() {
     }
 
     const W: usize = 3;
-    // Bucket sizes that are not multiples of 3 (37 + 41 i elements each, one per bucket).
-    let specs: Vec<ParamSpec> = (0..4)
-        .map(|i| ParamSpec::new(format!("p{i}"), vec![37 + 41 * i], DType::F32))
-        .collect();
+    // One parameter per bucket, some sizes not multiples of 3.
+    let specs = odd_specs(4);
     let opts = ReducerOptions {
         bucket_cap_mb: 1.0 / MIB,
         first_bucket_cap_mb: 1.0 / MIB,

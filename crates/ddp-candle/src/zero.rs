@@ -423,12 +423,16 @@ impl ZeroDdp {
         let n = self.shard.layout.buckets().len();
         let mut bufs = Vec::with_capacity(n);
         let mut chunks = Vec::with_capacity(n);
+        let mut whole = Vec::with_capacity(n);
         for (i, (v, _)) in parts.into_iter().enumerate() {
-            if v.len() == self.shard.layout.buckets()[i].numel {
+            let is_whole = v.len() == self.shard.layout.buckets()[i].numel;
+            whole.push(is_whole);
+            if is_whole {
                 bufs.push(v); // the whole bucket, this rank's block already in place
                 chunks.push(None);
             } else {
-                bufs.push(Vec::new()); // a chunk alone (stage 2): into a fresh bucket buffer
+                // A chunk alone (stage 2): into a bucket buffer of the gather's.
+                bufs.push(Vec::new());
                 chunks.push(Some(v));
             }
         }
@@ -441,11 +445,25 @@ impl ZeroDdp {
             }
             Ok(())
         })?;
-        let bufs = bufs
-            .into_iter()
-            .map(|v| (!v.is_empty()).then_some(ddp::reducer::HostBuffer::F32(v)))
-            .collect();
-        self.ddp.reducer_mut().recycle_buffers(bufs)?;
+        // A whole bucket's buffer goes back to its bucket; the gather buffers of the last
+        // chunks alone (stage 2: at most STAGE2_WINDOW) to the buckets the next backward fills
+        // first, which are reduce-scattered and freed early in it, so that holding them from
+        // now on does not add to the peak, which comes late in the backward.
+        let mut own = Vec::with_capacity(n);
+        let mut spares = Vec::new();
+        for (v, whole) in bufs.into_iter().zip(whole) {
+            let v = (!v.is_empty()).then_some(ddp::reducer::HostBuffer::F32(v));
+            match (v, whole) {
+                (v, true) => own.push(v),
+                (v, false) => {
+                    own.push(None);
+                    spares.extend(v);
+                }
+            }
+        }
+        let reducer = self.ddp.reducer_mut();
+        reducer.recycle_buffers(own)?;
+        reducer.give_spare_buffers(spares)?;
         Ok(())
     }
 

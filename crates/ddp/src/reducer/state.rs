@@ -943,6 +943,47 @@ impl Reducer {
         Ok(())
     }
 
+    /// Gives spare buffers of any origin (e.g. the parameter all-gather's, ZeRO stage 2) to the
+    /// host buckets that lack one (emptied by [`take_averaged_buffers`](Self::take_averaged_buffers)
+    /// or [`release_buffers`](Self::release_buffers)), in the order the backward fills them
+    /// (bucket 0 first), each bucket the smallest spare of its dtype with room for the bucket
+    /// padded to a multiple of the world size; spares that no such bucket takes are dropped
+    /// here. Returns the buckets that took one. As with
+    /// [`recycle_buffers`](Self::recycle_buffers), any values may be in them, and the buffer
+    /// is cut to the bucket's length; refused, changing nothing, while a backward is in
+    /// progress.
+    pub fn give_spare_buffers(&mut self, mut spares: Vec<HostBuffer>) -> Result<Vec<usize>> {
+        if self.current.is_some() {
+            return Err(Error::InvalidArgument(
+                "give_spare_buffers: a backward is in progress".into(),
+            ));
+        }
+        let world = self.pg.size();
+        let mut took = Vec::new();
+        for (i, b) in self.buckets.iter_mut().enumerate() {
+            let BucketState::Idle(BucketBuffer::Host(h)) = &mut b.state else {
+                continue;
+            };
+            if b.numel == 0 || !h.is_empty() {
+                continue;
+            }
+            let room = b.numel.next_multiple_of(world);
+            let best = spares
+                .iter()
+                .enumerate()
+                .filter(|(_, s)| s.dtype() == b.dtype && s.capacity() >= room)
+                .min_by_key(|(_, s)| s.capacity())
+                .map(|(j, _)| j);
+            if let Some(j) = best {
+                let mut new = spares.swap_remove(j);
+                new.resize(b.numel);
+                *h = new;
+                took.push(i);
+            }
+        }
+        Ok(took)
+    }
+
     /// Calls `f` with the averaged gradient of parameter `index` as device memory, a view into
     /// its device bucket (after a synchronized `finish`); `Ok(None)` for a host bucket or a
     /// device bucket without device views (use [`with_grad`](Self::with_grad) then).

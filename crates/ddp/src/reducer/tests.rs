@@ -261,6 +261,81 @@ fn recycled_buffers_carry_the_next_backward_whatever_they_hold() {
     });
 }
 
+/// Spare buffers (any values: NaN here; in any order) go to the buckets that lack one, in the
+/// order the backward fills them, each bucket the smallest of its dtype with room for the
+/// bucket padded to the world size; the others are dropped. The next backward averages as on
+/// fresh buffers, including a bucket left without a spare.
+#[test]
+fn spare_buffers_carry_the_next_backward_smallest_fitting_first() {
+    const W: usize = 3;
+    run_ranks(W, T, |rank, pg| {
+        let mut red = Reducer::new(&pg, mixed_specs(), small()).unwrap();
+        let infos = red.buckets();
+        let n = infos.len();
+        let room = |b: usize| infos[b].numel.next_multiple_of(W);
+        let big = 64 * infos.iter().map(|b| b.numel).max().unwrap();
+        let nan = |dtype, len| {
+            let mut h = HostBuffer::zeros(dtype, len);
+            match &mut h {
+                HostBuffer::F32(v) => v.fill(f32::NAN),
+                HostBuffer::F64(v) => v.fill(f64::NAN),
+                _ => unreachable!(),
+            }
+            h
+        };
+        for step in 0..4 {
+            for i in (0..12).filter(|&i| step != 1 || i != 4) {
+                mark(&mut red, rank, i, step as f64 + 1.0).unwrap();
+            }
+            if step == 0 {
+                let e = red.give_spare_buffers(vec![]).unwrap_err().to_string();
+                assert!(e.contains("backward is in progress"), "{e}");
+            }
+            red.finish().unwrap();
+            for i in 0..12 {
+                let scale = if (step, i) == (1, 4) {
+                    0.0
+                } else {
+                    step as f64 + 1.0
+                };
+                for (k, v) in read(&red, i).iter().enumerate() {
+                    let want = (0..W).map(|r| g(r, i, k)).sum::<f64>() * scale / W as f64;
+                    assert!(
+                        (v - want).abs() < 1e-4,
+                        "step {step}, param {i}[{k}]: {v} vs {want}"
+                    );
+                }
+            }
+            let taken: Vec<HostBuffer> = red
+                .take_averaged_buffers()
+                .unwrap()
+                .into_iter()
+                .map(|t| t.unwrap().0)
+                .collect();
+            if step == 1 || step == 3 {
+                // No bucket took the oversized decoy while a buffer of its own size fitted.
+                assert!(taken.iter().all(|h| h.capacity() < big), "step {step}");
+            }
+            drop(taken);
+            if step == 1 {
+                // One spare for all: the first bucket of its dtype takes it; the rest allocate.
+                let first = infos.iter().position(|b| b.dtype == DType::F64).unwrap();
+                let took = red.give_spare_buffers(vec![nan(DType::F64, big)]).unwrap();
+                assert_eq!(took, vec![first]);
+            } else {
+                // A buffer of each bucket's padded size (in reverse), a decoy bigger than all
+                // and one too small for any.
+                let mut spares: Vec<_> =
+                    (0..n).rev().map(|b| nan(infos[b].dtype, room(b))).collect();
+                spares.insert(n / 2, nan(DType::F32, big));
+                spares.push(nan(DType::F32, 1));
+                let took = red.give_spare_buffers(spares).unwrap();
+                assert_eq!(took, (0..n).collect::<Vec<_>>(), "step {step}");
+            }
+        }
+    });
+}
+
 #[test]
 fn no_sync_accumulates_and_unused_parameters_count_as_zero() {
     run_ranks(2, T, |rank, pg| {

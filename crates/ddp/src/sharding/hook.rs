@@ -282,7 +282,8 @@ pub fn gather_params(
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Gather {
     /// At most this many buckets in flight (`0`: all at once); a window bounds the full-size
-    /// buffers alive together, as each one allocated here is freed once written.
+    /// buffers alive together: a buffer allocated here carries a later bucket once written
+    /// (when it has room), else it is freed.
     pub window: usize,
     /// The parameters already hold this rank's own chunk (a write-through optimizer updated
     /// it in place): only the other ranks' elements are written.
@@ -298,8 +299,10 @@ pub struct Gather {
 /// part of it that lies outside this rank's chunk. A collective: every bucket's all-gather is
 /// run even after an error here (`fill` or `write`), so that the group stays in step; the first
 /// error is returned. The buffers that were given come back (each a whole bucket, padded,
-/// holding the gathered parameters; e.g. for `Reducer::recycle_buffers`); those allocated
-/// here are freed, an empty vector in their place.
+/// holding the gathered parameters; e.g. for `Reducer::recycle_buffers`), and so do those
+/// allocated here that carried the last buckets (at most the window's worth: e.g. for
+/// `Reducer::give_spare_buffers`), each at its bucket's index; the others were carried over to
+/// later buckets or freed, an empty vector in their place.
 pub fn gather_params_into(
     pg: &ProcessGroup,
     layout: &ShardLayout,
@@ -327,47 +330,67 @@ pub fn gather_params_into(
         .map(|(v, c)| v.capacity() >= padded(c))
         .collect();
     let mut pending = std::collections::VecDeque::new();
-    let mut complete = |i: usize, work: ddp_comm::Work<Vec<f32>>, failed: &mut Option<Error>| {
-        let waited = {
-            let _s = crate::trace::span("wait gather", "zero");
-            work.wait()
-        };
-        match waited {
-            Ok(full) => {
-                if failed.is_none() {
-                    let _s = crate::trace::span("write params", "zero");
-                    let c = &mine[i];
-                    let owned = if how.skip_owned { c.lo..c.hi } else { 0..0 };
-                    'slots: for s in &layout.buckets()[c.bucket].slots {
-                        let (lo, hi) = (s.offset, s.offset + s.numel);
-                        // The slot less the owned range: the part before it and the part after.
-                        let parts = if owned.is_empty() {
-                            [(lo, hi), (hi, hi)]
-                        } else {
-                            [(lo, hi.min(owned.start)), (lo.max(owned.end), hi)]
-                        };
-                        for (a, b) in parts.into_iter().filter(|(a, b)| a < b) {
-                            if let Err(e) = write(s.param, a - lo, &full[a..b]) {
-                                *failed = Some(e);
-                                break 'slots;
+    // Waits for bucket `i`, writes its parameters, and gives its buffer back.
+    let mut complete =
+        |i: usize, work: ddp_comm::Work<Vec<f32>>, failed: &mut Option<Error>| -> Vec<f32> {
+            let waited = {
+                let _s = crate::trace::span("wait gather", "zero");
+                work.wait()
+            };
+            match waited {
+                Ok(full) => {
+                    if failed.is_none() {
+                        let _s = crate::trace::span("write params", "zero");
+                        let c = &mine[i];
+                        let owned = if how.skip_owned { c.lo..c.hi } else { 0..0 };
+                        'slots: for s in &layout.buckets()[c.bucket].slots {
+                            let (lo, hi) = (s.offset, s.offset + s.numel);
+                            // The slot less the owned range: the part before it and the part after.
+                            let parts = if owned.is_empty() {
+                                [(lo, hi), (hi, hi)]
+                            } else {
+                                [(lo, hi.min(owned.start)), (lo.max(owned.end), hi)]
+                            };
+                            for (a, b) in parts.into_iter().filter(|(a, b)| a < b) {
+                                if let Err(e) = write(s.param, a - lo, &full[a..b]) {
+                                    *failed = Some(e);
+                                    break 'slots;
+                                }
                             }
                         }
                     }
+                    full
                 }
-                if given[i] {
-                    kept[i] = full;
+                Err(e) => {
+                    failed.get_or_insert(Error::Comm(e));
+                    Vec::new()
                 }
             }
-            Err(e) => {
-                failed.get_or_insert(Error::Comm(e));
+        };
+    for (i, (mut v, c)) in bufs.into_iter().zip(&mine).enumerate() {
+        // The window is full: the oldest bucket completes first, so that its buffer (if
+        // allocated here) can carry this one and no more than the window is ever alive.
+        let mut freed = None;
+        if how.window > 0 && pending.len() >= how.window {
+            let (j, work) = pending.pop_front().expect("the window is full");
+            let full = complete(j, work, &mut failed);
+            if given[j] {
+                kept[j] = full;
+            } else {
+                freed = Some(full);
             }
         }
-    };
-    for (i, (mut v, c)) in bufs.into_iter().zip(&mine).enumerate() {
         let len = padded(c);
         if !given[i] {
-            // A fresh buffer: calloc's pages need no second pass of zeros.
-            v = vec![0.0; len];
+            v = match freed.take() {
+                // Any values: the fill and the gather write every element.
+                Some(mut w) if w.capacity() >= len => {
+                    w.resize(len, 0.0);
+                    w
+                }
+                // A fresh buffer: calloc's pages need no second pass of zeros.
+                _ => vec![0.0; len],
+            };
         } else {
             v.resize(len, 0.0);
         }
@@ -378,13 +401,9 @@ pub fn gather_params_into(
             }
         }
         pending.push_back((i, pg.all_gather_in_place_async(v)));
-        if how.window > 0 && pending.len() > how.window {
-            let (j, work) = pending.pop_front().expect("more than the window");
-            complete(j, work, &mut failed);
-        }
     }
     while let Some((j, work)) = pending.pop_front() {
-        complete(j, work, &mut failed);
+        kept[j] = complete(j, work, &mut failed);
     }
     match failed {
         Some(e) => Err(e),

@@ -9,7 +9,7 @@ use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp::adapter::{self, ParamAccess};
 use ddp::join::{Join, JoinStep};
-use ddp::reducer::{CommHook, HostBuffer, Reducer, ReducerOptions, StepStats, TotalStats};
+use ddp::reducer::{CommHook, Reducer, ReducerOptions, StepStats, TotalStats};
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
@@ -383,19 +383,7 @@ impl DistributedDataParallel {
         let mut out = GradStore::default();
         for (buffer, layout) in self.reducer.take_averaged_buffers()?.into_iter().flatten() {
             let n = buffer.len();
-            let cpu = &candle_core::Device::Cpu;
-            let flat = match buffer {
-                HostBuffer::F32(v) => Tensor::from_vec(v, n, cpu)?,
-                HostBuffer::F64(v) => Tensor::from_vec(v, n, cpu)?,
-                HostBuffer::F16(v) => Tensor::from_vec(v, n, cpu)?,
-                HostBuffer::BF16(v) => Tensor::from_vec(v, n, cpu)?,
-                other => {
-                    return Err(Error::Unsupported(format!(
-                        "a {} gradient bucket for candle parameters",
-                        other.dtype()
-                    )))
-                }
-            };
+            let flat = tensors::tensor_from_buffer(buffer, &n.into(), &candle_core::Device::Cpu)?;
             for p in layout.iter() {
                 let var = vars[p.index].1.as_tensor();
                 let view = flat.narrow(0, p.offset, p.numel)?.reshape(var.shape())?;

@@ -10,7 +10,7 @@ use crate::{Error, Result};
 use candle_core::{
     CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var, WithDType,
 };
-use ddp::reducer::HostSlice;
+use ddp::reducer::{HostBuffer, HostSlice};
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use half::{bf16, f16};
@@ -88,20 +88,33 @@ pub fn with_host_slice<R>(t: &Tensor, f: impl FnOnce(HostSlice<'_>) -> R) -> Res
     }
 }
 
-/// A tensor of `shape` on `device` holding `values` (row-major).
+/// A tensor of `shape` on `device` holding `values` (row-major), copied.
 pub fn tensor_from_host(values: HostSlice<'_>, shape: &Shape, device: &Device) -> Result<Tensor> {
     Ok(match values {
         HostSlice::F32(v) => Tensor::from_slice(v, shape, device)?,
         HostSlice::F64(v) => Tensor::from_slice(v, shape, device)?,
         HostSlice::F16(v) => Tensor::from_slice(v, shape, device)?,
         HostSlice::BF16(v) => Tensor::from_slice(v, shape, device)?,
-        other => {
-            return Err(Error::Unsupported(format!(
-                "{} values for a candle tensor (use f32, f64, f16 or bf16)",
-                other.dtype()
-            )))
-        }
+        other => return Err(not_a_candle_dtype(other.dtype())),
     })
+}
+
+/// [`tensor_from_host`] taking the buffer over: on the CPU its memory becomes the tensor's
+/// storage, no copy.
+pub fn tensor_from_buffer(values: HostBuffer, shape: &Shape, device: &Device) -> Result<Tensor> {
+    Ok(match values {
+        HostBuffer::F32(v) => Tensor::from_vec(v, shape, device)?,
+        HostBuffer::F64(v) => Tensor::from_vec(v, shape, device)?,
+        HostBuffer::F16(v) => Tensor::from_vec(v, shape, device)?,
+        HostBuffer::BF16(v) => Tensor::from_vec(v, shape, device)?,
+        other => return Err(not_a_candle_dtype(other.dtype())),
+    })
+}
+
+fn not_a_candle_dtype(dtype: ddp_comm::DType) -> Error {
+    Error::Unsupported(format!(
+        "{dtype} values for a candle tensor (use f32, f64, f16 or bf16)"
+    ))
 }
 
 /// All elements of `vars`, in order, widened to `f64` (exact for every supported dtype).

@@ -312,3 +312,37 @@ impl Join {
         self.done
     }
 }
+
+/// A decision rank 0 takes for every rank (early stopping: rank 0 evaluates, every rank learns
+/// whether to stop): `decide` runs on rank 0 only and its answer is broadcast, so every rank
+/// returns the same value and leaves (or stays in) the loop at the same step. A collective.
+/// When `decide` fails on rank 0, rank 0 returns its error and every other rank an error
+/// naming rank 0, instead of waiting in the next collective for a rank that has left.
+pub fn rank0_decides<E: From<Error>>(
+    pg: &ProcessGroup,
+    decide: impl FnOnce() -> std::result::Result<bool, E>,
+) -> std::result::Result<bool, E> {
+    const CONTINUE: u8 = 0;
+    const STOP: u8 = 1;
+    const FAILED: u8 = 2;
+    let (mut flag, mut failure) = ([CONTINUE], None);
+    if pg.rank() == 0 {
+        match decide() {
+            Ok(stop) => flag[0] = if stop { STOP } else { CONTINUE },
+            Err(e) => {
+                flag[0] = FAILED;
+                failure = Some(e);
+            }
+        }
+    }
+    pg.broadcast(&mut flag, 0).map_err(Error::from)?;
+    match (flag[0], failure) {
+        (_, Some(e)) => Err(e),
+        (FAILED, None) => Err(Error::InvalidArgument(format!(
+            "rank0_decides on rank {}: the decision failed on rank 0",
+            pg.rank()
+        ))
+        .into()),
+        (f, None) => Ok(f == STOP),
+    }
+}

@@ -431,3 +431,37 @@ fn a_stop_asked_by_any_rank_ends_the_loop_on_every_rank_at_the_same_step() {
         );
     }
 }
+
+/// `rank0_decides`: rank 0's answer reaches every rank (whatever the others would say), and a
+/// failure on rank 0 fails every rank, rank 0 with its own error, the others naming rank 0.
+#[test]
+fn rank0_decides_for_every_rank_and_its_failure_is_named() {
+    let out = run_ranks(3, TIMEOUT, |pg| {
+        let rank = pg.rank();
+        let answers: Vec<bool> = [true, false]
+            .iter()
+            .map(|&a| {
+                ddp::join::rank0_decides::<ddp::Error>(&pg, || {
+                    assert_eq!(rank, 0, "decide runs on rank 0 only");
+                    Ok(a)
+                })
+                .unwrap()
+            })
+            .collect();
+        let failed = ddp::join::rank0_decides::<ddp::Error>(&pg, || {
+            Err(ddp::Error::InvalidArgument("no test set".into()))
+        })
+        .unwrap_err()
+        .to_string();
+        (answers, failed)
+    });
+    for (rank, (answers, failed)) in out.iter().enumerate() {
+        assert_eq!(answers, &[true, false], "rank {rank}");
+        let want = if rank == 0 {
+            "no test set".to_string()
+        } else {
+            format!("rank0_decides on rank {rank}: the decision failed on rank 0")
+        };
+        assert!(failed.contains(&want), "rank {rank}: {failed}");
+    }
+}

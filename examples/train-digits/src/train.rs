@@ -458,13 +458,11 @@ pub fn run(args: &Args) -> BoxResult<()> {
         if let Some(target) = args.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
-            let mut reached = [0f64];
-            if rank == 0 && evaluate(&model, &test.features, &test.labels)?.0 >= target {
-                reached[0] = 1.0;
-            }
-            pg.all_reduce(&mut reached, ReduceOp::Max)?;
+            let reached = ddp::join::rank0_decides(&pg, || -> BoxResult<bool> {
+                Ok(evaluate(&model, &test.features, &test.labels)?.0 >= target)
+            })?;
             eval_time += paused.elapsed();
-            if reached[0] > 0.0 {
+            if reached {
                 time_to_target = Some(start.elapsed() - eval_time);
                 break 'epochs;
             }

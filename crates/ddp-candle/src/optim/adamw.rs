@@ -13,7 +13,7 @@
 //! ZeRO benchmark kept about 240 MiB more resident per rank. Other dtypes and devices take
 //! candle's tensor operations.
 
-use super::{echo_blocks, echo_slot, unnamed, EchoGrads, Piece, Target};
+use super::{echo_pieces, echo_slot, unnamed, write_through_named, EchoGrads, Piece, Target};
 use crate::checkpoint::tensor_like;
 use crate::tensors::{with_flat, with_flat_mut};
 use crate::{Error, Result};
@@ -79,12 +79,12 @@ impl AdamW {
     /// ZeRO stages 1/2: slot `name` from now on updates `pieces` of the model's parameters in
     /// place instead of its own variable (see `Target::write_through`).
     pub(crate) fn write_through(&mut self, name: &str, pieces: Vec<Piece>) -> Result<()> {
-        match self.slots.iter_mut().find(|s| s.name == name) {
-            Some(s) => s.target.write_through(pieces),
-            None => Err(Error::Unsupported(format!(
-                "write_through: the optimizer has no parameter {name:?}"
-            ))),
-        }
+        let slots = self.slots.iter_mut();
+        write_through_named(
+            slots.map(|s| (s.name.as_str(), &mut s.target)),
+            name,
+            pieces,
+        )
     }
 
     /// ZeRO's write-through step (stages 1 and 2): the same operations as `step` for every slot
@@ -101,18 +101,10 @@ impl AdamW {
             with_flat_mut(s.v.as_tensor(), |v| Fused::Moment2(&k).moment(v, g))?;
             with_flat::<f32, _>(s.m.as_tensor(), |m| {
                 with_flat::<f32, _>(s.v.as_tensor(), |v| {
-                    for p in pieces {
-                        let n = p.view.elem_count();
-                        let (m, v) = (&m[p.offset..p.offset + n], &v[p.offset..p.offset + n]);
-                        let g = &mut g[p.offset..p.offset + n];
-                        with_flat_mut(&p.view, |x| {
-                            echo_blocks(x, g, |start, x, _| {
-                                let end = start + x.len();
-                                Fused::update(&k, x, &m[start..end], &v[start..end])
-                            })
-                        })?;
-                    }
-                    Ok::<_, Error>(())
+                    echo_pieces(pieces, g, |at, x, _| {
+                        let end = at + x.len();
+                        Fused::update(&k, x, &m[at..end], &v[at..end])
+                    })
                 })?
             })??;
         }

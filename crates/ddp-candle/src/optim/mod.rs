@@ -116,6 +116,40 @@ fn echo_blocks(
     }
 }
 
+/// `update(slot_offset, values, grad)` over every piece of a write-through slot (`grad` is the
+/// slot's flat gradient), block by block ([`echo_blocks`]): each block of the model's values is
+/// updated in place and then copied over its gradient; `slot_offset` is where the block starts
+/// in the slot.
+fn echo_pieces(
+    pieces: &[Piece],
+    grad: &mut [f32],
+    mut update: impl FnMut(usize, &mut [f32], &[f32]),
+) -> crate::Result<()> {
+    for p in pieces {
+        let n = p.view.elem_count();
+        let g = &mut grad[p.offset..p.offset + n];
+        crate::tensors::with_flat_mut(&p.view, |x| {
+            echo_blocks(x, g, |start, x, g| update(p.offset + start, x, g))
+        })?;
+    }
+    Ok(())
+}
+
+/// Slot `name` of `slots` (name, target) writes through `pieces` from now on
+/// ([`Target::write_through`]); an error when the optimizer has no such slot.
+fn write_through_named<'a>(
+    slots: impl IntoIterator<Item = (&'a str, &'a mut Target)>,
+    name: &str,
+    pieces: Vec<Piece>,
+) -> crate::Result<()> {
+    match slots.into_iter().find(|(n, _)| *n == name) {
+        Some((_, target)) => target.write_through(pieces),
+        None => Err(crate::Error::Unsupported(format!(
+            "write_through: the optimizer has no parameter {name:?}"
+        ))),
+    }
+}
+
 /// The write-through slot's key, dtype check and gradient (`None`: a slot not written through
 /// or without a gradient, skipped).
 fn echo_slot<'g, 't>(

@@ -17,9 +17,8 @@
 //! tensor operations. The momentum buffers are saved to checkpoints as
 //! `optim.<param>.momentum_buffer` (f32), PyTorch's state name.
 
-use super::{echo_blocks, echo_slot, unnamed, EchoGrads, Piece, Target};
+use super::{echo_pieces, echo_slot, unnamed, write_through_named, EchoGrads, Piece, Target};
 use crate::checkpoint::tensor_like;
-use crate::tensors::with_flat_mut;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var, WithDType};
@@ -126,12 +125,12 @@ impl Sgd {
     /// ZeRO stages 1/2: slot `name` from now on updates `pieces` of the model's parameters in
     /// place instead of its own variable (see `Target::write_through`).
     pub(crate) fn write_through(&mut self, name: &str, pieces: Vec<Piece>) -> Result<()> {
-        match self.slots.iter_mut().find(|s| s.name == name) {
-            Some(s) => s.target.write_through(pieces),
-            None => Err(Error::Unsupported(format!(
-                "write_through: the optimizer has no parameter {name:?}"
-            ))),
-        }
+        let slots = self.slots.iter_mut();
+        write_through_named(
+            slots.map(|s| (s.name.as_str(), &mut s.target)),
+            name,
+            pieces,
+        )
     }
 
     /// ZeRO's write-through step (stages 1 and 2): the same update as `step` for every slot
@@ -157,15 +156,9 @@ impl Sgd {
                     )))
                 }
             };
-            for p in pieces {
-                let n = p.view.elem_count();
-                let g = &mut g[p.offset..p.offset + n];
-                with_flat_mut(&p.view, |x| {
-                    echo_blocks(x, g, |start, x, g| {
-                        update(params, x, g, buf.as_deref_mut(), p.offset + start)
-                    })
-                })?;
-            }
+            echo_pieces(pieces, g, |at, x, g| {
+                update(params, x, g, buf.as_deref_mut(), at)
+            })?;
         }
         Ok(())
     }

@@ -183,6 +183,33 @@ impl ProcessGroup {
         })
     }
 
+    /// Reduce-scatter that keeps only this rank's block, in the input's own memory (ZeRO
+    /// stage 2's gradient shard): `buf` (`size` equal blocks) is this rank's input; the work
+    /// returns `buf` holding block `rank` reduced over ranks, moved to the front, the rest of
+    /// the allocation given back (`shrink_to_fit`). All of it runs on the communication thread,
+    /// so the full buffer is not alive past the collective and no output buffer is allocated
+    /// (or zero-filled) next to it, as [`reduce_scatter_async`](Self::reduce_scatter_async)
+    /// does. Interoperates with the other reduce-scatters on other ranks.
+    pub fn reduce_scatter_shard_async<T: Element>(
+        &self,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+    ) -> Work<Vec<T>> {
+        if let Err(e) = self.check_blocks("reduce_scatter_shard_async", buf.len()) {
+            return Work::ready("reduce_scatter_shard", Err(e));
+        }
+        let fp = self.fingerprint(OpKind::ReduceScatter, T::DTYPE, Some(op), buf.len(), None);
+        let n = buf.len() / self.size();
+        let at = self.rank() * n;
+        self.spawn(fp, move |b| {
+            b.reduce_scatter_in_place(HostBuf::new(&mut buf), op)?;
+            buf.copy_within(at..at + n, 0);
+            buf.truncate(n);
+            buf.shrink_to_fit();
+            Ok(buf)
+        })
+    }
+
     // ----- gather / scatter / all_to_all ------------------------------------------------------
 
     /// Gather every rank's `input` into `output` on `root` (`output` is required there and

@@ -429,6 +429,14 @@ fn check_host_only<T: Num>(
             &buf[rank * blk..(rank + 1) * blk],
             &want[rank * blk..(rank + 1) * blk],
         );
+        // The shard alone, in the input's memory, its allocation cut to the block.
+        let shard = pg
+            .reduce_scatter_shard_async(input(case + 11, rank, blk * world, op), op)
+            .wait()
+            .unwrap();
+        let what = format!("reduce_scatter_shard {dt} {op} n={blk} world={world}");
+        assert_same(&what, &shard, &want[rank * blk..(rank + 1) * blk]);
+        assert_eq!(shard.capacity(), blk, "{what}: capacity");
     }
     // a buffer that is not one block per rank is refused locally
     if world > 1 {
@@ -436,11 +444,20 @@ fn check_host_only<T: Num>(
         let err = pg.all_gather_in_place(&mut odd).unwrap_err().to_string();
         assert!(err.contains("not") && err.contains("blocks"), "{err}");
         let err = pg
-            .reduce_scatter_in_place_async(odd, ReduceOp::Sum)
+            .reduce_scatter_in_place_async(odd.clone(), ReduceOp::Sum)
             .wait()
             .unwrap_err()
             .to_string();
         assert!(err.contains("equal blocks"), "{err}");
+        let err = pg
+            .reduce_scatter_shard_async(odd, ReduceOp::Sum)
+            .wait()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("reduce_scatter_shard") && err.contains("equal blocks"),
+            "{err}"
+        );
     }
 }
 

@@ -19,8 +19,10 @@ use ddp_comm::{Element, ProcessGroup, ReduceOp};
 ///   allocated or copied per step on shared memory and TCP, and the buffer can carry the
 ///   parameter all-gather afterwards ([`gather_params_into`]).
 /// - [`ReduceScatterHook::shard_only`] (stage 2): the work yields this rank's chunk alone
-///   ([`CommHook::shard_range`]); the full bucket is freed on the communication thread as
-///   soon as its reduce-scatter is done, so that only gradient shards outlive the backward.
+///   ([`CommHook::shard_range`]), reduced in the bucket's own memory and cut to the chunk on
+///   the communication thread as soon as its reduce-scatter is done
+///   ([`ProcessGroup::reduce_scatter_shard_async`]: no output buffer next to the bucket), so
+///   that only gradient shards outlive the backward.
 ///   [`whole_from`](ReduceScatterHook::whole_from) keeps the last buckets whole (as stage 1),
 ///   a bounded number, so that their buffers can carry the parameter all-gather and the next
 ///   backward instead of being allocated again.
@@ -116,7 +118,7 @@ where
     };
     let (lo, hi) = owned(n, world, rank);
     let work = if shard_only {
-        pg.reduce_scatter_async(v, op)
+        pg.reduce_scatter_shard_async(v, op)
     } else {
         pg.reduce_scatter_in_place_async(v, op)
     };

@@ -453,12 +453,11 @@ impl ZeroDdp {
         let mut spares = Vec::new();
         for (v, whole) in bufs.into_iter().zip(whole) {
             let v = (!v.is_empty()).then_some(ddp::reducer::HostBuffer::F32(v));
-            match (v, whole) {
-                (v, true) => own.push(v),
-                (v, false) => {
-                    own.push(None);
-                    spares.extend(v);
-                }
+            if whole {
+                own.push(v);
+            } else {
+                own.push(None);
+                spares.extend(v);
             }
         }
         let reducer = self.ddp.reducer_mut();

@@ -170,17 +170,10 @@ impl ProcessGroup {
     /// Async [`ProcessGroup::reduce_scatter_in_place`]; the work returns the buffer.
     pub fn reduce_scatter_in_place_async<T: Element>(
         &self,
-        mut buf: Vec<T>,
+        buf: Vec<T>,
         op: ReduceOp,
     ) -> Work<Vec<T>> {
-        if let Err(e) = self.check_blocks("reduce_scatter_in_place_async", buf.len()) {
-            return Work::ready("reduce_scatter_in_place", Err(e));
-        }
-        let fp = self.fingerprint(OpKind::ReduceScatter, T::DTYPE, Some(op), buf.len(), None);
-        self.spawn(fp, move |b| {
-            b.reduce_scatter_in_place(HostBuf::new(&mut buf), op)
-                .map(|()| buf)
-        })
+        self.reduce_scatter_in_place_then("reduce_scatter_in_place_async", buf, op, |_| {})
     }
 
     /// Reduce-scatter that keeps only this rank's block, in the input's own memory (ZeRO
@@ -192,20 +185,34 @@ impl ProcessGroup {
     /// does. Interoperates with the other reduce-scatters on other ranks.
     pub fn reduce_scatter_shard_async<T: Element>(
         &self,
-        mut buf: Vec<T>,
+        buf: Vec<T>,
         op: ReduceOp,
     ) -> Work<Vec<T>> {
-        if let Err(e) = self.check_blocks("reduce_scatter_shard_async", buf.len()) {
-            return Work::ready("reduce_scatter_shard", Err(e));
-        }
-        let fp = self.fingerprint(OpKind::ReduceScatter, T::DTYPE, Some(op), buf.len(), None);
         let n = buf.len() / self.size();
         let at = self.rank() * n;
-        self.spawn(fp, move |b| {
-            b.reduce_scatter_in_place(HostBuf::new(&mut buf), op)?;
+        self.reduce_scatter_in_place_then("reduce_scatter_shard_async", buf, op, move |buf| {
             buf.copy_within(at..at + n, 0);
             buf.truncate(n);
             buf.shrink_to_fit();
+        })
+    }
+
+    /// The async in-place reduce-scatter (`what` names it in errors), then `after(buf)` on the
+    /// communication thread once it succeeded.
+    fn reduce_scatter_in_place_then<T: Element>(
+        &self,
+        what: &'static str,
+        mut buf: Vec<T>,
+        op: ReduceOp,
+        after: impl FnOnce(&mut Vec<T>) + Send + 'static,
+    ) -> Work<Vec<T>> {
+        if let Err(e) = self.check_blocks(what, buf.len()) {
+            return Work::ready(what, Err(e));
+        }
+        let fp = self.fingerprint(OpKind::ReduceScatter, T::DTYPE, Some(op), buf.len(), None);
+        self.spawn(fp, move |b| {
+            b.reduce_scatter_in_place(HostBuf::new(&mut buf), op)?;
+            after(&mut buf);
             Ok(buf)
         })
     }

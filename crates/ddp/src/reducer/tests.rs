@@ -164,6 +164,15 @@ fn averaged_buffers_are_handed_over_once_and_the_buckets_come_back() {
     });
 }
 
+/// Every element NaN (an f32 or f64 buffer): what a recycled or spare buffer may hold.
+fn fill_nan(h: &mut HostBuffer) {
+    match h {
+        HostBuffer::F32(v) => v.fill(f32::NAN),
+        HostBuffer::F64(v) => v.fill(f64::NAN),
+        _ => unreachable!("the tests' buckets are f32 or f64"),
+    }
+}
+
 /// Buffers given back with `recycle_buffers` (holding anything: NaN here) carry the next
 /// backward: every gradient overwrites its slot, an unused parameter's slot is zeroed, `no_sync`
 /// accumulates from the first copy on. Wrong buffers are refused by bucket, changing nothing.
@@ -222,11 +231,7 @@ fn recycled_buffers_carry_the_next_backward_whatever_they_hold() {
                     let mut h = t.unwrap().0;
                     let len = h.len();
                     h.resize(len + 3); // longer than the bucket: cut back
-                    match &mut h {
-                        HostBuffer::F32(v) => v.fill(f32::NAN),
-                        HostBuffer::F64(v) => v.fill(f64::NAN),
-                        _ => unreachable!(),
-                    }
+                    fill_nan(&mut h);
                     Some(h)
                 })
                 .collect();
@@ -276,11 +281,7 @@ fn spare_buffers_carry_the_next_backward_smallest_fitting_first() {
         let big = 64 * infos.iter().map(|b| b.numel).max().unwrap();
         let nan = |dtype, len| {
             let mut h = HostBuffer::zeros(dtype, len);
-            match &mut h {
-                HostBuffer::F32(v) => v.fill(f32::NAN),
-                HostBuffer::F64(v) => v.fill(f64::NAN),
-                _ => unreachable!(),
-            }
+            fill_nan(&mut h);
             h
         };
         for step in 0..4 {

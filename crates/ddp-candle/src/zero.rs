@@ -50,10 +50,13 @@ pub struct ZeroOptions {
     /// in place, as at stage 1), so that each carries the parameter all-gather and the next
     /// backward's gradients instead of being allocated, zeroed and filled again: faster, at
     /// the cost of up to `k` buckets (`bucket_cap_mb` each) held between steps, beyond stage
-    /// 2's 4Ψ + 12Ψ/N. Measured (world 2, shared memory, 2 vCPUs, medians of 7): the benchmark
-    /// MLP (two buckets) with SGD goes from 0.78 to 0.93 of DDP's samples/s with `k = 1`; the
-    /// 52 M-parameter model's live peak from 1.15 to 1.22 of the formula. Default 0 (the
-    /// formula).
+    /// 2's 4Ψ + 12Ψ/N. Measured (world 2, shared memory, 2 vCPUs, medians of 7, before the
+    /// last bucket was kept whole until the step): the benchmark MLP (two buckets) with SGD
+    /// went from 0.78 to 0.93 of DDP's samples/s with `k = 1`; the 52 M-parameter model's live
+    /// peak from 1.15 to 1.22 of the formula. Default 0 (the formula): even then the last
+    /// bucket, reduce-scattered at the end of the backward (after the peak), stays whole until
+    /// the step, whose all-gather it carries first (no peak memory; the MLP's stage 2 went from
+    /// 0.88 to 0.94 of DDP with SGD on shared memory, 0.99 to 1.04 on TCP).
     pub keep_whole_buckets: usize,
 }
 
@@ -115,6 +118,10 @@ pub struct ZeroDdp {
     shard_grads: Option<ShardGrads>,
     /// Stage 0: the averaged gradients.
     full_grads: Option<GradStore>,
+    /// Stage 2 with a write-through optimizer: the last buckets kept whole between steps
+    /// ([`ZeroOptions::keep_whole_buckets`]); with none kept, the last bucket is whole from its
+    /// reduce-scatter to the step alone (see [`ZeroDdp::step`]). `None` otherwise.
+    keep_whole: Option<usize>,
 }
 
 impl ZeroDdp {
@@ -197,8 +204,9 @@ impl ZeroDdp {
             ddp.register_comm_hook(match (stage, keep_whole) {
                 (ZeroStage::One, _) => sharding::ReduceScatterHook::in_place(),
                 (_, None) => sharding::ReduceScatterHook::shard_only(),
+                // The last bucket is whole at least until the step (see `step`).
                 (_, Some(k)) => {
-                    sharding::ReduceScatterHook::shard_only().whole_from(n.saturating_sub(k))
+                    sharding::ReduceScatterHook::shard_only().whole_from(n.saturating_sub(k.max(1)))
                 }
             })?;
             let values = sharding::shard_params(&layout, |p| read_f32(&ddp, p))?;
@@ -212,6 +220,7 @@ impl ZeroDdp {
             opt,
             shard_grads: None,
             full_grads: None,
+            keep_whole: keep_whole.filter(|_| stage == ZeroStage::Two),
         })
     }
 
@@ -408,10 +417,14 @@ impl ZeroDdp {
         };
         // A write-through optimizer updates the owned elements inside the parameters and
         // leaves their new values in the gradient's place in each buffer; a whole bucket's
-        // buffer (all at stage 1; at stage 2 those `ZeroOptions::keep_whole_buckets` keeps)
-        // then carries the parameter all-gather as it is and goes back to the reducer for the
-        // next backward's gradients: a stage-1 step allocates nothing and copies no parameter
-        // into a buffer. A chunk alone is copied into a fresh bucket buffer.
+        // buffer (all at stage 1; at stage 2 the last bucket's, and those
+        // `ZeroOptions::keep_whole_buckets` keeps) then carries the parameter all-gather as it
+        // is: a stage-1 step allocates nothing and copies no parameter into a buffer. A chunk
+        // alone is copied into a bucket buffer of the gather's. Stage 2's last bucket is
+        // reduce-scattered at the very end of the backward, after its live peak, so keeping it
+        // whole until here costs no peak memory and saves allocating, zero-filling and filling
+        // a buffer for its all-gather; the gather runs it first and lets its buffer carry
+        // later buckets (`sharding::Gather::lead`).
         let parts = {
             let _s = ddp::trace::span("shard step", "zero");
             self.shard.step_through(grads, |g| match opt {
@@ -437,6 +450,8 @@ impl ZeroDdp {
             }
         }
         let _s = ddp::trace::span("gather params", "zero");
+        // Kept whole between steps: these buckets' buffers go back to their own bucket.
+        let kept_from = n - self.keep_whole.unwrap_or(n).min(n);
         let bufs = self.gather(bufs, |i, dst| {
             // Each chunk is freed once in its bucket's buffer: gradient shards and gather
             // buffers do not add up.
@@ -451,9 +466,9 @@ impl ZeroDdp {
         // now on does not add to the peak, which comes late in the backward.
         let mut own = Vec::with_capacity(n);
         let mut spares = Vec::new();
-        for (v, whole) in bufs.into_iter().zip(whole) {
+        for (i, (v, whole)) in bufs.into_iter().zip(whole).enumerate() {
             let v = (!v.is_empty()).then_some(ddp::reducer::HostBuffer::F32(v));
-            if whole {
+            if whole && i >= kept_from {
                 own.push(v);
             } else {
                 own.push(None);
@@ -485,6 +500,11 @@ impl ZeroDdp {
                 STAGE2_WINDOW
             },
             skip_owned: !matches!(self.opt, ZeroOpt::Dyn(_)),
+            lead: match self.keep_whole {
+                // Stage 2's last bucket, whole until the step (see `step`).
+                Some(0) => self.shard.layout.buckets().len().checked_sub(1),
+                _ => None,
+            },
         };
         let params = self.ddp.params();
         Ok(sharding::gather_params_into(

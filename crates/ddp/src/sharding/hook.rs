@@ -290,6 +290,11 @@ pub struct Gather {
     /// The parameters already hold this rank's own chunk (a write-through optimizer updated
     /// it in place): only the other ranks' elements are written.
     pub skip_owned: bool,
+    /// A bucket gathered first, whose buffer (given, whole) then carries later buckets as one
+    /// allocated here would, instead of coming back at its index: stage 2's last bucket,
+    /// reduce-scattered in place at the end of the backward, so that the step neither
+    /// allocates nor fills a buffer for it and holds no more full-size buffers than the window.
+    pub lead: Option<usize>,
 }
 
 /// The parameter all-gather of a sharded step, in place in `bufs` (one per bucket of `layout`;
@@ -304,7 +309,8 @@ pub struct Gather {
 /// holding the gathered parameters; e.g. for `Reducer::recycle_buffers`), and so do those
 /// allocated here that carried the last buckets (at most the window's worth: e.g. for
 /// `Reducer::give_spare_buffers`), each at its bucket's index; the others were carried over to
-/// later buckets or freed, an empty vector in their place.
+/// later buckets or freed, an empty vector in their place. Buckets are gathered in index order,
+/// [`Gather::lead`] (the same on every rank) first.
 pub fn gather_params_into(
     pg: &ProcessGroup,
     layout: &ShardLayout,
@@ -331,6 +337,14 @@ pub fn gather_params_into(
         .zip(&mine)
         .map(|(v, c)| v.capacity() >= padded(c))
         .collect();
+    // Carried over like a buffer allocated here once its bucket is written: the lead's.
+    let carries = |j: usize| !given[j] || how.lead == Some(j);
+    let lead = how.lead.filter(|&l| l < mine.len());
+    let order: Vec<usize> = lead
+        .into_iter()
+        .chain((0..mine.len()).filter(|&i| Some(i) != lead))
+        .collect();
+    let mut bufs: Vec<Option<Vec<f32>>> = bufs.into_iter().map(Some).collect();
     let mut pending = std::collections::VecDeque::new();
     // Waits for bucket `i`, writes its parameters, and gives its buffer back.
     let mut complete =
@@ -369,17 +383,18 @@ pub fn gather_params_into(
                 }
             }
         };
-    for (i, (mut v, c)) in bufs.into_iter().zip(&mine).enumerate() {
+    for i in order {
+        let (mut v, c) = (bufs[i].take().expect("each bucket once"), &mine[i]);
         // The window is full: the oldest bucket completes first, so that its buffer (if
         // allocated here) can carry this one and no more than the window is ever alive.
         let mut freed = None;
         if how.window > 0 && pending.len() >= how.window {
             let (j, work) = pending.pop_front().expect("the window is full");
             let full = complete(j, work, &mut failed);
-            if given[j] {
-                kept[j] = full;
-            } else {
+            if carries(j) {
                 freed = Some(full);
+            } else {
+                kept[j] = full;
             }
         }
         let len = padded(c);
@@ -446,4 +461,105 @@ pub fn bytes_per_step(layout: &ShardLayout) -> u64 {
         .iter()
         .map(|b| 2 * (n - 1) * b.chunk_len(layout.world_size()) as u64 * 4)
         .sum()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::reducer::{BucketInfo, ParamSpec};
+    use ddp_comm::DType;
+
+    /// Element `k` of parameter `p`, as its owner holds it.
+    fn value(p: usize, k: usize) -> f32 {
+        (p * 1000 + k) as f32
+    }
+
+    /// Parameter sizes and buckets (in the order a backward fills them): bucket 1, the lead
+    /// below, is the largest, so its buffer has room for every later one.
+    const SIZES: [usize; 6] = [5, 17, 1, 9, 30, 4];
+    const BUCKETS: [&[usize]; 4] = [&[5], &[4, 3], &[2, 1], &[0]];
+
+    #[test]
+    fn the_lead_bucket_is_gathered_first_and_its_buffer_carries_later_ones() {
+        const W: usize = 3;
+        ddp_comm::testing::run_ranks(W, |pg| {
+            let specs: Vec<ParamSpec> = SIZES
+                .iter()
+                .enumerate()
+                .map(|(i, &n)| ParamSpec::new(format!("p{i}"), vec![n], DType::F32))
+                .collect();
+            let infos: Vec<BucketInfo> = BUCKETS
+                .iter()
+                .map(|ps| BucketInfo {
+                    dtype: DType::F32,
+                    params: ps.to_vec(),
+                    numel: ps.iter().map(|&p| SIZES[p]).sum(),
+                })
+                .collect();
+            let layout = ShardLayout::new(&specs, &infos, W, pg.rank()).unwrap();
+            let chunks = layout.chunks();
+            let fill = |i: usize, dst: &mut [f32]| {
+                dst.fill(f32::NAN); // the padding
+                for p in layout.pieces(&chunks[i]) {
+                    for k in 0..p.len {
+                        dst[p.chunk_offset + k] = value(p.param, p.param_offset + k);
+                    }
+                }
+                Ok(())
+            };
+            let padded = |b: usize| layout.buckets()[b].chunk_len(W) * W;
+            for lead in [None, Some(1)] {
+                for window in [0, 1, 2] {
+                    let what = format!("rank {}, lead {lead:?}, window {window}", pg.rank());
+                    let mut bufs = vec![Vec::new(); BUCKETS.len()];
+                    // The lead's buffer is given whole, its other ranks' blocks stale.
+                    let lead_at = lead.map(|l| {
+                        bufs[l] = vec![f32::NAN; padded(l)];
+                        bufs[l].as_ptr()
+                    });
+                    let mut got: Vec<Vec<f32>> = SIZES.iter().map(|&n| vec![f32::NAN; n]).collect();
+                    let mut first_written = None;
+                    let how = Gather {
+                        window,
+                        skip_owned: false,
+                        lead,
+                    };
+                    let back = gather_params_into(&pg, &layout, bufs, how, fill, |p, at, v| {
+                        first_written.get_or_insert(p);
+                        got[p][at..at + v.len()].copy_from_slice(v);
+                        Ok(())
+                    })
+                    .unwrap();
+                    for (p, g) in got.iter().enumerate() {
+                        let want: Vec<f32> = (0..SIZES[p]).map(|k| value(p, k)).collect();
+                        assert_eq!(g, &want, "{what}: parameter {p}");
+                    }
+                    let first = first_written.unwrap();
+                    let lead_bucket = BUCKETS[lead.unwrap_or(0)];
+                    assert!(
+                        lead_bucket.contains(&first),
+                        "{what}: first written p{first}"
+                    );
+                    let alive = back.iter().filter(|v| !v.is_empty()).count();
+                    if window > 0 {
+                        assert!(alive <= window, "{what}: {alive} buffers came back");
+                    } else {
+                        assert_eq!(alive, BUCKETS.len(), "{what}");
+                    }
+                    if let (Some(l), Some(ptr)) = (lead, lead_at) {
+                        let at = back.iter().position(|v| v.as_ptr() == ptr && !v.is_empty());
+                        if window > 0 {
+                            // Carried on to a later bucket rather than back at its index.
+                            assert!(
+                                at.is_some_and(|j| j != l),
+                                "{what}: lead's buffer at {at:?}"
+                            );
+                        } else {
+                            assert_eq!(at, Some(l), "{what}");
+                        }
+                    }
+                }
+            }
+        });
+    }
 }

@@ -73,6 +73,39 @@ impl CandleParams {
         Ok(())
     }
 
+    /// Lends elements `offset..offset + len` of f32 parameter `index` to `f`, mutably (for the
+    /// ZeRO parameter all-gather to read the owners' values straight into them).
+    pub fn lend_param_range(
+        &self,
+        index: usize,
+        offset: usize,
+        len: usize,
+        f: &mut dyn FnMut(&mut [f32]) -> ddp::Result<()>,
+    ) -> Result<()> {
+        let (name, var) = &self.vars[index];
+        if offset + len > var.elem_count() || !var.device().is_cpu() || !var.is_contiguous() {
+            return Err(Error::Unsupported(format!(
+                "lend_param_range: `{name}` ({} elements on {:?}, contiguous: {}) cannot lend \
+                 elements {offset}..{}",
+                var.elem_count(),
+                var.device().location(),
+                var.is_contiguous(),
+                offset + len
+            )));
+        }
+        let op = LendRange {
+            offset,
+            len,
+            f: std::sync::Mutex::new(f),
+            failed: std::sync::Mutex::new(None),
+        };
+        let r = var.as_tensor().inplace_op1(&op);
+        if let Some(e) = op.failed.into_inner().unwrap_or_else(|p| p.into_inner()) {
+            return Err(Error::Ddp(e));
+        }
+        Ok(r?)
+    }
+
     /// The device every variable lives on (the CPU when there are none); an error naming two
     /// variables on different devices.
     pub fn device(&self) -> Result<Device> {
@@ -209,6 +242,37 @@ impl ParamAccess for CandleParams {
 }
 
 /// Copies host values over a contiguous CPU tensor of the same dtype and size, in place.
+/// What [`CandleParams::lend_param_range`] runs on the lent elements.
+type LentFn<'a> = &'a mut dyn FnMut(&mut [f32]) -> ddp::Result<()>;
+
+/// [`CandleParams::lend_param_range`]'s in-place op: `f` on the range of an f32 storage.
+struct LendRange<'a> {
+    offset: usize,
+    len: usize,
+    f: std::sync::Mutex<LentFn<'a>>,
+    /// `f`'s error, returned as it is rather than through candle's.
+    failed: std::sync::Mutex<Option<ddp::Error>>,
+}
+
+impl InplaceOp1 for LendRange<'_> {
+    fn name(&self) -> &'static str {
+        "ddp-lend-range"
+    }
+
+    fn cpu_fwd(&self, s: &mut CpuStorage, l: &Layout) -> candle_core::Result<()> {
+        let (Some((a, _)), CpuStorage::F32(d)) = (l.contiguous_offsets(), s) else {
+            candle_core::bail!("ddp-lend-range: an f32 contiguous tensor only");
+        };
+        let range = a + self.offset..a + self.offset + self.len;
+        let mut f = self.f.lock().unwrap_or_else(|p| p.into_inner());
+        if let Err(e) = f(&mut d[range]) {
+            *self.failed.lock().unwrap_or_else(|p| p.into_inner()) = Some(e);
+            candle_core::bail!("ddp-lend-range failed");
+        }
+        Ok(())
+    }
+}
+
 pub(crate) struct CopyIn<'a>(pub HostSlice<'a>);
 
 impl InplaceOp1 for CopyIn<'_> {

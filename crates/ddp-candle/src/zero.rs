@@ -507,6 +507,19 @@ impl ZeroDdp {
             },
         };
         let params = self.ddp.params();
+        // The parameters lent to the all-gather, which reads the owners' chunks straight into
+        // them where it can (shared memory: one copy instead of three).
+        let mut lend = |p: usize,
+                        offset: usize,
+                        len: usize,
+                        f: &mut dyn FnMut(&mut [f32]) -> ddp::Result<()>| {
+            params
+                .lend_param_range(p, offset, len, f)
+                .map_err(|e| match e {
+                    Error::Ddp(e) => e,
+                    e => ddp::Error::InvalidArgument(e.to_string()),
+                })
+        };
         Ok(sharding::gather_params_into(
             self.ddp.process_group(),
             &self.shard.layout,
@@ -518,6 +531,7 @@ impl ZeroDdp {
                     .write_param_range(p, offset, HostSlice::of(v))
                     .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))
             },
+            Some(&mut lend),
         )?)
     }
 

@@ -359,6 +359,56 @@ fn every_stage_equals_ddp_for_sgd_momentum_and_adamw_at_world_2_3_4() {
     }
 }
 
+/// Over shared memory, with a bucket above the cross-memory-attach threshold, the parameter
+/// all-gather reads the owners' chunks straight into the parameters
+/// (`ProcessGroup::all_gather_in_place_to`): stages 1 and 2 equal DDP there too, with the
+/// write-through optimizers and with chunk variables.
+#[test]
+fn the_all_gather_straight_into_the_parameters_equals_ddp() {
+    const HIDDEN: usize = 600; // l2's weight: 1.4 MB
+    let shm = ddp_comm::testing::LocalGroup {
+        backend: ddp_comm::Backend::Shm,
+        ..Default::default()
+    };
+    for world in [2, 3] {
+        for opt in [Opt::SgdMomentum, Opt::AdamW] {
+            let run = |stage: ZeroStage, through: bool| {
+                ddp_comm::testing::run_local_group(world, shm, |pg| {
+                    let rank = pg.rank();
+                    let min = pg
+                        .direct_gather_min()
+                        .expect("cross-memory attach among threads");
+                    let mut z = Trainer::build(&pg, stage, opt, Sizes::Default, 7, HIDDEN, through);
+                    if let Trainer::Zero(zd, _) = &z {
+                        let big = zd
+                            .ddp()
+                            .reducer()
+                            .buckets()
+                            .iter()
+                            .any(|b| 4 * b.numel >= min);
+                        assert!(big, "a bucket of at least {min} bytes");
+                    }
+                    for k in 0..3 {
+                        z.backward(k, rank, world);
+                        z.step();
+                    }
+                    z.assert_replicas(&format!("{stage:?}"));
+                    z.params()
+                })
+            };
+            let want = run(ZeroStage::Ddp, true);
+            for stage in SHARDED {
+                for through in [true, false] {
+                    let got = run(stage, through);
+                    let what =
+                        format!("world {world}, {opt:?}, {stage:?}, write-through {through}");
+                    assert_close(&got[0], &want[0], 1e-6, &what);
+                }
+            }
+        }
+    }
+}
+
 /// Stage 2 keeping its last buckets whole (`ZeroOptions::keep_whole_buckets`: reduce-scattered
 /// in place, carrying the all-gather and the next backward) trains exactly as without: none,
 /// one, and more than there are buckets; with clipping and a `no_sync` step.

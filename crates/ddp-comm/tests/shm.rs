@@ -35,6 +35,36 @@ fn check_world(world: usize) {
     );
 }
 
+/// A placement that asks for a range beyond the gathered buffer gets an error naming the
+/// collective, on the cross-memory path (4 MiB) and on the message rings (4 KiB); its peer is
+/// not left waiting, and reads straight from the peer's buffer where it may.
+#[test]
+fn all_gather_in_place_to_names_a_bad_range_and_completes() {
+    for n in [1 << 20, 1 << 10] {
+        let got = run_ranks_on(2, Duration::from_secs(20), None, Backend::Shm, move |pg| {
+            let direct = pg.direct_gather_min().is_some_and(|m| 4 * n >= m);
+            let mut buf = vec![pg.rank() as f32; n];
+            let mut out = vec![0f32; n];
+            let r = pg.all_gather_in_place_to(&mut buf, &mut |read| {
+                let at = if pg.rank() == 0 { n } else { 0 };
+                read(at, &mut out)
+            });
+            (direct, r.map_err(|e| e.to_string()), out)
+        });
+        assert_eq!(got[0].0, n == 1 << 20, "n={n}: direct path {}", got[0].0);
+        let err = got[0].1.clone().unwrap_err();
+        assert!(
+            err.contains("all_gather_in_place_to") && err.contains("asked"),
+            "{err}"
+        );
+        if let Ok(()) = got[1].1 {
+            // Rank 1 read the first half (rank 0's block) and its own.
+            let want: Vec<f32> = (0..n).map(|i| if i < n / 2 { 0.0 } else { 1.0 }).collect();
+            assert_eq!(got[1].2, want, "n={n}");
+        }
+    }
+}
+
 #[test]
 fn shm_world_1_matches_reference() {
     check_world(1);

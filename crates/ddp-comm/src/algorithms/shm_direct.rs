@@ -1,8 +1,11 @@
 //! All-reduce through the shared-memory segment directly (no message rings): each rank copies
 //! its input once into its fast area, and ranks reduce straight out of each other's areas; or,
 //! for large messages, straight between the ranks' own buffers (cross-memory attach). Large
-//! reduce-scatters ([`reduce_scatter`]) take the cross-memory path too (all-gathers do not:
-//! tried, over the message rings they were as fast or faster at 1-64 MiB on 2 ranks).
+//! reduce-scatters ([`reduce_scatter`]) take the cross-memory path too (all-gathers into a
+//! buffer do not: tried, over the message rings they were as fast or faster at 1-64 MiB on 2
+//! ranks), and so do all-gathers whose result the caller places ([`all_gather_to`]: each rank
+//! reads the peers' blocks straight into where they go, one copy instead of the ring's two and
+//! the caller's third).
 //!
 //! **Cross-memory attach** (at least [`Geometry::cma_min`] bytes, when every rank may use
 //! `process_vm_readv`/`writev` on the others): each rank publishes its buffer's address and
@@ -56,10 +59,11 @@
 //! against 64-250 ms, medians; below 512 KiB it was slower).
 
 use super::segment;
+use crate::backend::Place;
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::transport::shm::{Counter, Geometry, ShmTransport};
 use crate::transport::Transport;
-use crate::Result;
+use crate::{Error, Result};
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
@@ -135,6 +139,77 @@ pub fn reduce_scatter_in_place<T: Element>(
     // after that claimer read the chunk from every input (see above).
     unsafe { cross_memory(t, data, buf.len(), data.add(t.rank() * n), op, geo, Some(n)) }?;
     Ok(true)
+}
+
+/// All-gather in place by cross-memory attach, the result placed by the caller
+/// ([`crate::backend::CollectiveBackend::all_gather_in_place_to`]; `buf` holds `p` blocks of
+/// `esz`-byte elements, this rank's only read): every rank publishes `buf`, then `place` reads
+/// the ranges it wants, each from its owner's buffer straight into the caller's memory
+/// (`process_vm_readv`; this rank's own block is copied locally). Each rank then counts itself
+/// done (its one chunk of the collective) and returns once every rank is, since a peer may
+/// read its block until then; an error of `place` is returned after that. Returns `false`
+/// (nothing done) as [`reduce_scatter`] does.
+pub fn all_gather_to(
+    t: &mut ShmTransport,
+    buf: &[u8],
+    esz: usize,
+    place: Place<'_>,
+) -> Result<bool> {
+    if cma_geometry(t, buf.len()).is_none() {
+        return Ok(false);
+    }
+    let (r, p) = (t.rank(), t.size());
+    let block = buf.len() / p;
+    let addr = buf.as_ptr() as usize;
+    let (reg, first) = t.cma_begin(addr, buf.len(), addr, p as u64);
+    t.wait_peers(Counter::Registered, reg)?;
+    t.check_same_collective()?;
+    let t = &*t;
+    let mut peers = Vec::with_capacity(p);
+    for j in 0..p {
+        let (addr, len, _) = t.peer_buffer(j);
+        if len != buf.len() {
+            return Err(t.mismatch(j, buf.len(), len));
+        }
+        peers.push(addr);
+    }
+    let placed = place(&mut |offset, dst| {
+        let (mut start, n) = (offset * esz, dst.len());
+        if start + n > buf.len() || !n.is_multiple_of(esz) {
+            return Err(Error::InvalidArgument(format!(
+                "all_gather_in_place_to: {n} bytes at element {offset} asked of a gathered \
+                 buffer of {} elements",
+                buf.len() / esz
+            )));
+        }
+        let mut at = 0;
+        while start < offset * esz + n {
+            let owner = start / block;
+            let stop = (offset * esz + n).min((owner + 1) * block);
+            let d = &mut dst[at..at + stop - start];
+            if owner == r {
+                d.copy_from_slice(&buf[start..stop]);
+            } else {
+                t.cma_transfer(owner, peers[owner] + start, d.as_mut_ptr(), d.len(), false)?;
+            }
+            at += stop - start;
+            start = stop;
+        }
+        Ok(())
+    });
+    // This rank no longer reads its peers' buffers (whatever `place` did): one chunk each,
+    // claimed to keep the group's chunk numbering in step.
+    let end = first + p as u64;
+    let _ = t.claim(end);
+    t.finish_chunk();
+    t.wait_done(end)?;
+    placed.map(|()| true)
+}
+
+/// The smallest buffer, in bytes, that [`all_gather_to`] gathers by cross-memory attach;
+/// `None` when it never does (one rank, or attach not allowed).
+pub fn direct_min(t: &ShmTransport) -> Option<usize> {
+    (t.size() > 1 && t.cross_memory_attach()).then(|| t.fast_geometry().cma_min)
 }
 
 /// The geometry for a reduce-scatter of `bytes` input bytes by cross-memory attach, or `None`

@@ -46,6 +46,19 @@ impl<'a> HostBuf<'a> {
         self.bytes.is_empty()
     }
 
+    /// The same buffer for a shorter borrow (to pass it on and use it again afterwards).
+    pub fn reborrow(&mut self) -> HostBuf<'_> {
+        HostBuf {
+            dtype: self.dtype,
+            bytes: self.bytes,
+        }
+    }
+
+    /// Its bytes.
+    pub fn bytes(&self) -> &[u8] {
+        self.bytes
+    }
+
     /// The elements, typed again. Panics if `T` is not the buffer's element type (a bug of the
     /// caller: dispatch on [`HostBuf::dtype`] first).
     pub fn typed<T: Element>(self) -> &'a mut [T] {

@@ -53,6 +53,31 @@ use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+/// The caller's side of [`CollectiveBackend::all_gather_in_place_to`]: given `read(offset,
+/// dst)`, it reads the ranges of the gathered buffer it wants into its own memory.
+pub type Place<'a> =
+    &'a mut (dyn FnMut(&mut dyn FnMut(usize, &mut [u8]) -> Result<()>) -> Result<()> + Send);
+
+/// [`CollectiveBackend::all_gather_in_place_to`]'s reads out of the gathered buffer `bytes`
+/// (elements of `esz` bytes); a range outside it is an error naming it.
+pub fn place_from(bytes: &[u8], esz: usize, place: Place<'_>) -> Result<()> {
+    place(&mut |offset, dst| {
+        let start = offset * esz;
+        match bytes.get(start..start + dst.len()) {
+            Some(src) if dst.len().is_multiple_of(esz) => {
+                dst.copy_from_slice(src);
+                Ok(())
+            }
+            _ => Err(Error::InvalidArgument(format!(
+                "all_gather_in_place_to: {} bytes at element {offset} asked of a gathered \
+                 buffer of {} elements",
+                dst.len(),
+                bytes.len() / esz
+            ))),
+        }
+    })
+}
+
 /// Which backend the user asked for ([`crate::InitOptions::backend`], env `DDP_BACKEND`).
 /// What a group then uses is its [`Topology`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -143,6 +168,13 @@ pub trait CollectiveBackend: Send {
     /// What this backend is, for people and tests.
     fn topology(&self) -> Topology;
 
+    /// The smallest [`all_gather_in_place_to`](CollectiveBackend::all_gather_in_place_to), in
+    /// bytes of the whole buffer, that reads the peers' blocks straight from their memory;
+    /// `None` when none does (the default: it all-gathers in place and copies).
+    fn direct_gather_min(&self) -> Option<usize> {
+        None
+    }
+
     /// The message transport of the group (the defaults and point-to-point run on it).
     fn transport(&mut self) -> &mut dyn Transport;
 
@@ -200,6 +232,21 @@ pub trait CollectiveBackend: Send {
             let mine = buf[r * n..(r + 1) * n].to_vec();
             self.all_gather(HostSlice::new(&mine), HostBuf::new(buf))
         })
+    }
+
+    /// All-gather in place whose result the caller places where it wants it: block `rank` of
+    /// `buf` is this rank's input (only read); `place(read)` is called once and calls
+    /// `read(offset, dst)` for the ranges of the gathered buffer it wants (`offset` in
+    /// elements, `dst` bytes of whole elements), each filling `dst` with those gathered
+    /// elements. Every rank must call this (not [`all_gather_in_place`]) for the collective.
+    /// The default all-gathers `buf` in place and copies out of it ([`place_from`]); a backend
+    /// that can read its peers' memory reads their blocks straight into `dst` (one copy instead
+    /// of a gather and a copy), leaving the other blocks of `buf` unspecified.
+    ///
+    /// [`all_gather_in_place`]: CollectiveBackend::all_gather_in_place
+    fn all_gather_in_place_to(&mut self, mut buf: HostBuf<'_>, place: Place<'_>) -> Result<()> {
+        self.all_gather_in_place(buf.reborrow())?;
+        place_from(buf.bytes(), buf.dtype().size(), place)
     }
 
     /// Reduce-scatter in place: `buf` (`size` blocks) is this rank's input; afterwards block

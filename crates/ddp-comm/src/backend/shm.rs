@@ -2,7 +2,9 @@
 //! straight through the segment ([`crate::algorithms::shm_direct`]); every other collective
 //! runs the flat algorithms over the segment's message rings.
 
-use super::{flat, with_element, CollectiveBackend, HostBuf, HostSlice, Topology};
+use super::{
+    flat, place_from, with_element, CollectiveBackend, HostBuf, HostSlice, Place, Topology,
+};
 use crate::algorithms::{shm_direct, AllReduceAlgorithm};
 use crate::dtype::ReduceOp;
 use crate::transport::shm::ShmTransport;
@@ -74,5 +76,23 @@ impl CollectiveBackend for ShmBackend {
 
     fn all_gather_in_place(&mut self, buf: HostBuf<'_>) -> Result<()> {
         with_element!(buf.dtype(), T => flat::all_gather_in_place::<T>(&mut self.shm, buf.typed()))
+    }
+
+    fn all_gather_in_place_to(&mut self, mut buf: HostBuf<'_>, place: Place<'_>) -> Result<()> {
+        let (p, esz) = (self.shm.size(), buf.dtype().size());
+        flat::check_len(
+            "all_gather_in_place_to buffer",
+            buf.len(),
+            buf.len() / p * p,
+        )?;
+        if shm_direct::all_gather_to(&mut self.shm, buf.bytes(), esz, &mut *place)? {
+            return Ok(());
+        }
+        self.all_gather_in_place(buf.reborrow())?;
+        place_from(buf.bytes(), esz, place)
+    }
+
+    fn direct_gather_min(&self) -> Option<usize> {
+        shm_direct::direct_min(&self.shm)
     }
 }

@@ -10,6 +10,11 @@ use crate::transport::{Fingerprint, OpKind};
 use crate::work::Work;
 use crate::{Error, Result};
 
+/// The caller's side of [`ProcessGroup::all_gather_in_place_to`]: given `read(offset, dst)`,
+/// it reads the ranges of the gathered buffer it wants into its own memory.
+pub type Placement<'a, T> =
+    &'a mut (dyn FnMut(&mut dyn FnMut(usize, &mut [T]) -> Result<()>) -> Result<()> + Send);
+
 impl ProcessGroup {
     // ----- all_reduce -------------------------------------------------------------------------
 
@@ -140,6 +145,32 @@ impl ProcessGroup {
         let n = buf.len() / self.size();
         let fp = self.fingerprint(OpKind::AllGather, T::DTYPE, None, n, None);
         self.blocking(fp, move |b| b.all_gather_in_place(HostBuf::new(buf)))
+    }
+
+    /// [`ProcessGroup::all_gather_in_place`] whose result the caller places where it wants it:
+    /// block `rank` of `buf` is this rank's input (only read); `place(read)` is called once, on
+    /// this thread, and calls `read(offset, dst)` for the ranges of the gathered buffer it
+    /// wants, each filling `dst` with elements `offset..offset + dst.len()`. With cross-memory
+    /// attach ([`ProcessGroup::direct_gather_min`]) the other ranks' blocks are read from their
+    /// buffers straight into `dst`: one copy, where a gather then a copy out of `buf` makes
+    /// three on shared memory. Otherwise `buf` is all-gathered in place and copied from; either
+    /// way its other blocks are unspecified afterwards. Every rank must call this one (it does
+    /// not pair with `all_gather_in_place`). Blocking; an error of `place` is returned once the
+    /// collective has completed on this rank.
+    pub fn all_gather_in_place_to<T: Element>(
+        &self,
+        buf: &mut [T],
+        place: Placement<'_, T>,
+    ) -> Result<()> {
+        self.check_blocks("all_gather_in_place_to", buf.len())?;
+        let n = buf.len() / self.size();
+        let fp = self.fingerprint(OpKind::AllGather, T::DTYPE, None, n, None);
+        self.blocking(fp, move |b| {
+            let mut erased = |read: &mut dyn FnMut(usize, &mut [u8]) -> Result<()>| {
+                place(&mut |offset, dst: &mut [T]| read(offset, bytemuck::cast_slice_mut(dst)))
+            };
+            b.all_gather_in_place_to(HostBuf::new(buf), &mut erased)
+        })
     }
 
     /// Async [`ProcessGroup::all_gather_in_place`]; the work returns the buffer.

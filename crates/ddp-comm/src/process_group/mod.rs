@@ -21,6 +21,7 @@ mod init;
 
 pub use crate::backend::{Backend, Topology};
 pub use chain::Chain;
+pub use collectives::Placement;
 pub use init::{init_process_group, InitOptions, DEFAULT_TIMEOUT, SOCKET_IFNAME_ENV};
 
 use crate::backend::{select, BackendPlan, CollectiveBackend};
@@ -60,6 +61,8 @@ struct Inner {
     device_groups: AtomicU64,
     /// What the backend resolved to.
     topology: Topology,
+    /// See [`ProcessGroup::direct_gather_min`].
+    direct_gather_min: Option<usize>,
     /// Who sees this group's collectives (see [`ProcessGroup::set_observer`]).
     observer: ObserverSlot,
 }
@@ -128,6 +131,7 @@ impl ProcessGroup {
     ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         let topology = backend.topology();
+        let direct_gather_min = backend.direct_gather_min();
         let observer = ObserverSlot::default();
         let (engine, tx, thread) = Engine::start(
             backend,
@@ -150,6 +154,7 @@ impl ProcessGroup {
                 device_groups: AtomicU64::new(0),
                 plan,
                 topology,
+                direct_gather_min,
                 observer,
             }),
             timeout,
@@ -212,6 +217,14 @@ impl ProcessGroup {
     /// `hierarchical: 2 hosts x [2, 2] ranks, shm inside a host, tcp between`.
     pub fn topology(&self) -> &Topology {
         &self.inner.topology
+    }
+
+    /// The smallest [`all_gather_in_place_to`](ProcessGroup::all_gather_in_place_to) buffer, in
+    /// bytes, whose peers' blocks are read straight from their memory (shared memory with
+    /// cross-memory attach); `None` when none is (it then all-gathers in place and copies).
+    /// The same on every rank.
+    pub fn direct_gather_min(&self) -> Option<usize> {
+        self.inner.direct_gather_min
     }
 
     /// Reports every later collective of this group to `observer`, on the thread that runs it

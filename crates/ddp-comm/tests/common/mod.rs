@@ -15,6 +15,7 @@ use ddp_comm::{Element, ReduceOp};
 use ddp_comm::{InitOptions, ProcessGroup};
 use half::{bf16, f16};
 use rand::rngs::StdRng;
+use rand::seq::SliceRandom;
 use rand::{Rng, SeedableRng};
 use std::io::{BufRead, BufReader, Read};
 use std::process::{Child, Command, Stdio};
@@ -410,6 +411,30 @@ fn check_host_only<T: Num>(
         &buf,
         want,
     );
+    // in place, placed by the caller: random pieces (crossing blocks, this rank's own among
+    // them) read in random order into a separate output
+    let mut buf = vec![T::from_i(0); blk * world];
+    buf[rank * blk..(rank + 1) * blk].copy_from_slice(mine);
+    let mut rng = StdRng::seed_from_u64(case * 7 + rank as u64);
+    let total = blk * world;
+    let mut cuts = vec![0];
+    while *cuts.last().unwrap() < total {
+        let at = *cuts.last().unwrap();
+        cuts.push((at + rng.gen_range(1..=(total / 3).max(1))).min(total));
+    }
+    let mut pieces: Vec<(usize, usize)> = cuts.windows(2).map(|w| (w[0], w[1])).collect();
+    pieces.shuffle(&mut rng);
+    let mut placed = vec![T::from_i(0); total];
+    pg.all_gather_in_place_to(&mut buf, &mut |read| {
+        for &(a, b) in &pieces {
+            read(a, &mut placed[a..b])?;
+        }
+        Ok(())
+    })
+    .unwrap();
+    let what = format!("all_gather_in_place_to {dt} n={blk} world={world}");
+    assert_same(&what, &placed, want);
+    assert_same(&what, &buf[rank * blk..(rank + 1) * blk], mine);
     let ops: &[ReduceOp] = if blk * world > 100_000 {
         &[ReduceOp::Sum]
     } else {

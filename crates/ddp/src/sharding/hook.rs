@@ -276,9 +276,15 @@ pub fn gather_params(
             Ok(())
         },
         |p, _, v| write(p, v),
+        None,
     )?;
     Ok(())
 }
+
+/// A framework's parameters lent to [`gather_params_into`]: `lend(param, offset, len, f)` calls
+/// `f` with elements `offset..offset + len` of parameter `param`, mutably, and returns its result.
+pub type Lend<'a> = &'a mut (dyn FnMut(usize, usize, usize, &mut dyn FnMut(&mut [f32]) -> Result<()>) -> Result<()>
+             + Send);
 
 /// How [`gather_params_into`] runs.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -311,6 +317,12 @@ pub struct Gather {
 /// `Reducer::give_spare_buffers`), each at its bucket's index; the others were carried over to
 /// later buckets or freed, an empty vector in their place. Buckets are gathered in index order,
 /// [`Gather::lead`] (the same on every rank) first.
+///
+/// With `lend` (the parameters themselves, see [`Lend`]), a bucket of at least
+/// [`ProcessGroup::direct_gather_min`] bytes is all-gathered straight into them
+/// ([`ProcessGroup::all_gather_in_place_to`]: on shared memory each rank reads the owners'
+/// chunks from their buffers into its parameters, one copy where the gather and `write` make
+/// three), blocking, and `write` is not called for it; its buffer then goes on as any other.
 pub fn gather_params_into(
     pg: &ProcessGroup,
     layout: &ShardLayout,
@@ -318,6 +330,7 @@ pub fn gather_params_into(
     how: Gather,
     mut fill: impl FnMut(usize, &mut [f32]) -> Result<()>,
     mut write: impl FnMut(usize, usize, &[f32]) -> Result<()>,
+    mut lend: Option<Lend<'_>>,
 ) -> Result<Vec<Vec<f32>>> {
     let world = layout.world_size();
     let mine = layout.chunks();
@@ -347,42 +360,53 @@ pub fn gather_params_into(
     let mut bufs: Vec<Option<Vec<f32>>> = bufs.into_iter().map(Some).collect();
     let mut pending = std::collections::VecDeque::new();
     // Waits for bucket `i`, writes its parameters, and gives its buffer back.
-    let mut complete =
-        |i: usize, work: ddp_comm::Work<Vec<f32>>, failed: &mut Option<Error>| -> Vec<f32> {
-            let waited = {
-                let _s = crate::trace::span("wait gather", "zero");
-                work.wait()
+    // The parts of bucket `c`'s slots this rank writes, each `(param, start, end, slot start)`
+    // in bucket elements: the slot less the owned range with `skip_owned`.
+    let parts_of = |c: &super::layout::Chunk| -> Vec<(usize, usize, usize, usize)> {
+        let owned = if how.skip_owned { c.lo..c.hi } else { 0..0 };
+        let mut out = Vec::new();
+        for s in &layout.buckets()[c.bucket].slots {
+            let (lo, hi) = (s.offset, s.offset + s.numel);
+            let parts = if owned.is_empty() {
+                [(lo, hi), (hi, hi)]
+            } else {
+                [(lo, hi.min(owned.start)), (lo.max(owned.end), hi)]
             };
-            match waited {
-                Ok(full) => {
-                    if failed.is_none() {
-                        let _s = crate::trace::span("write params", "zero");
-                        let c = &mine[i];
-                        let owned = if how.skip_owned { c.lo..c.hi } else { 0..0 };
-                        'slots: for s in &layout.buckets()[c.bucket].slots {
-                            let (lo, hi) = (s.offset, s.offset + s.numel);
-                            // The slot less the owned range: the part before it and the part after.
-                            let parts = if owned.is_empty() {
-                                [(lo, hi), (hi, hi)]
-                            } else {
-                                [(lo, hi.min(owned.start)), (lo.max(owned.end), hi)]
-                            };
-                            for (a, b) in parts.into_iter().filter(|(a, b)| a < b) {
-                                if let Err(e) = write(s.param, a - lo, &full[a..b]) {
-                                    *failed = Some(e);
-                                    break 'slots;
-                                }
-                            }
+            let parts = parts.into_iter().filter(|(a, b)| a < b);
+            out.extend(parts.map(|(a, b)| (s.param, a, b, lo)));
+        }
+        out
+    };
+    let direct_min = pg.direct_gather_min();
+    let mut complete = |i: usize, work: Gathered, failed: &mut Option<Error>| -> Vec<f32> {
+        let work = match work {
+            Gathered::Placed(v) => return v,
+            Gathered::Pending(work) => work,
+        };
+        let waited = {
+            let _s = crate::trace::span("wait gather", "zero");
+            work.wait()
+        };
+        match waited {
+            Ok(full) => {
+                if failed.is_none() {
+                    let _s = crate::trace::span("write params", "zero");
+                    let c = &mine[i];
+                    for (p, a, b, lo) in parts_of(c) {
+                        if let Err(e) = write(p, a - lo, &full[a..b]) {
+                            *failed = Some(e);
+                            break;
                         }
                     }
-                    full
                 }
-                Err(e) => {
-                    failed.get_or_insert(Error::Comm(e));
-                    Vec::new()
-                }
+                full
             }
-        };
+            Err(e) => {
+                failed.get_or_insert(Error::Comm(e));
+                Vec::new()
+            }
+        }
+    };
     for i in order {
         let (mut v, c) = (bufs[i].take().expect("each bucket once"), &mine[i]);
         // The window is full: the oldest bucket completes first, so that its buffer (if
@@ -417,7 +441,43 @@ pub fn gather_params_into(
                 failed = Some(e);
             }
         }
-        pending.push_back((i, pg.all_gather_in_place_async(v)));
+        let direct = lend.is_some() && direct_min.is_some_and(|m| 4 * v.len() >= m);
+        match lend.as_deref_mut().filter(|_| direct) {
+            Some(lend) => {
+                let _s = crate::trace::span("gather into params", "zero");
+                let parts = if failed.is_none() {
+                    parts_of(c)
+                } else {
+                    Vec::new()
+                };
+                let mut lent: Option<Error> = None;
+                // A parameter that cannot be lent stops the placing, not the collective, so
+                // that the group stays in step.
+                let r = pg.all_gather_in_place_to(&mut v, &mut |read| {
+                    for &(p, a, b, lo) in &parts {
+                        let r = lend(p, a - lo, b - a, &mut |dst| {
+                            read(a, dst).map_err(Error::Comm)
+                        });
+                        if let Err(e) = r {
+                            lent = Some(e);
+                            break;
+                        }
+                    }
+                    Ok(())
+                });
+                match (lent, r) {
+                    (Some(e), _) => {
+                        failed.get_or_insert(e);
+                    }
+                    (None, Err(e)) => {
+                        failed.get_or_insert(Error::Comm(e));
+                    }
+                    (None, Ok(())) => {}
+                }
+                pending.push_back((i, Gathered::Placed(v)));
+            }
+            None => pending.push_back((i, Gathered::Pending(pg.all_gather_in_place_async(v)))),
+        }
     }
     while let Some((j, work)) = pending.pop_front() {
         kept[j] = complete(j, work, &mut failed);
@@ -426,6 +486,12 @@ pub fn gather_params_into(
         Some(e) => Err(e),
         None => Ok(kept),
     }
+}
+
+/// A bucket of [`gather_params_into`] in its window: all-gathered async, or already placed.
+enum Gathered {
+    Pending(ddp_comm::Work<Vec<f32>>),
+    Placed(Vec<f32>),
 }
 
 /// PyTorch's `clip_grad_norm_` over sharded gradients: the global L2 norm of all gradients
@@ -524,12 +590,13 @@ mod tests {
                         skip_owned: false,
                         lead,
                     };
-                    let back = gather_params_into(&pg, &layout, bufs, how, fill, |p, at, v| {
+                    let write = |p: usize, at: usize, v: &[f32]| {
                         first_written.get_or_insert(p);
                         got[p][at..at + v.len()].copy_from_slice(v);
                         Ok(())
-                    })
-                    .unwrap();
+                    };
+                    let back =
+                        gather_params_into(&pg, &layout, bufs, how, fill, write, None).unwrap();
                     for (p, g) in got.iter().enumerate() {
                         let want: Vec<f32> = (0..SIZES[p]).map(|k| value(p, k)).collect();
                         assert_eq!(g, &want, "{what}: parameter {p}");

@@ -20,7 +20,15 @@
 //!    range of the bucket's own buffer (take_shard_grads: no copy)
 //!  ─► optimizer steps its chunk only (state for Ψ/N elements) ─► gather_params_into:
 //!    all_gather per bucket, in place, async ─► every rank's parameters, bit-identical
+//!    (on shared memory, a bucket of 1 MiB or more straight into the parameters instead:
+//!    all_gather_in_place_to, each rank reading the owners' chunks from their buffers)
 //! ```
+//!
+//! On shared memory with cross-memory attach the all-gather into a bucket and the copy out of
+//! it into the parameters copy every received byte three times (into the segment, out of it,
+//! into the parameter); reading it from the owner's buffer straight into the parameter copies
+//! it once. Measured on the benchmark MLP (16 MB, world 2, SGD, trace medians): the gather
+//! phase of a step from 3.8 to 2.1 ms at stage 1 and 4.8 to 3.3 ms at stage 2.
 //!
 //! Stage 2's hook keeps only the owned chunk of each bucket (`ReduceScatterHook::shard_only`):
 //! the full bucket is freed on the communication thread once reduced, so with a backward that
@@ -43,7 +51,7 @@ pub use checkpoint::{
 };
 pub use hook::{
     bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_params,
-    take_shard_grads, Gather, ReduceScatterHook, ShardGrads,
+    take_shard_grads, Gather, Lend, ReduceScatterHook, ShardGrads,
 };
 pub use layout::{BucketSlot, Chunk, Piece, ShardBucket, ShardLayout};
 pub use units::{stage3_bytes_per_step, unit_layout, UnitComm};

@@ -409,10 +409,15 @@ pub fn gather_params_into(
     };
     for i in order {
         let (mut v, c) = (bufs[i].take().expect("each bucket once"), &mine[i]);
+        let len = padded(c);
+        let direct = lend.is_some() && direct_min.is_some_and(|m| 4 * len >= m);
         // The window is full: the oldest bucket completes first, so that its buffer (if
-        // allocated here) can carry this one and no more than the window is ever alive.
+        // allocated here) can carry this one and no more than the window is ever alive. A
+        // bucket placed straight into the parameters is complete already: its buffer carries
+        // the next such bucket at once (one full-size buffer alive, not the window's).
         let mut freed = None;
-        if how.window > 0 && pending.len() >= how.window {
+        let placed = matches!(pending.front(), Some((_, Gathered::Placed(_))));
+        if (placed && direct) || (how.window > 0 && pending.len() >= how.window) {
             let (j, work) = pending.pop_front().expect("the window is full");
             let full = complete(j, work, &mut failed);
             if carries(j) {
@@ -421,7 +426,6 @@ pub fn gather_params_into(
                 kept[j] = full;
             }
         }
-        let len = padded(c);
         if !given[i] {
             v = match freed.take() {
                 // Any values: the fill and the gather write every element.
@@ -441,7 +445,6 @@ pub fn gather_params_into(
                 failed = Some(e);
             }
         }
-        let direct = lend.is_some() && direct_min.is_some_and(|m| 4 * v.len() >= m);
         match lend.as_deref_mut().filter(|_| direct) {
             Some(lend) => {
                 let _s = crate::trace::span("gather into params", "zero");
@@ -547,9 +550,22 @@ mod tests {
 
     #[test]
     fn the_lead_bucket_is_gathered_first_and_its_buffer_carries_later_ones() {
+        // Tiny buckets over TCP (the async window), then buckets of 1 MiB and more over shared
+        // memory with the parameters lent (each placed straight into them, blocking).
+        check_gather(1, ddp_comm::testing::LocalGroup::default(), false);
+        let shm = ddp_comm::testing::LocalGroup {
+            backend: ddp_comm::Backend::Shm,
+            ..Default::default()
+        };
+        check_gather(70_000, shm, true);
+    }
+
+    /// [`gather_params_into`] at world 3 with the parameters `SIZES` times `scale`.
+    fn check_gather(scale: usize, group: ddp_comm::testing::LocalGroup, lent: bool) {
         const W: usize = 3;
-        ddp_comm::testing::run_ranks(W, |pg| {
-            let specs: Vec<ParamSpec> = SIZES
+        let sizes: Vec<usize> = SIZES.iter().map(|n| n * scale).collect();
+        ddp_comm::testing::run_local_group(W, group, |pg| {
+            let specs: Vec<ParamSpec> = sizes
                 .iter()
                 .enumerate()
                 .map(|(i, &n)| ParamSpec::new(format!("p{i}"), vec![n], DType::F32))
@@ -559,7 +575,7 @@ mod tests {
                 .map(|ps| BucketInfo {
                     dtype: DType::F32,
                     params: ps.to_vec(),
-                    numel: ps.iter().map(|&p| SIZES[p]).sum(),
+                    numel: ps.iter().map(|&p| sizes[p]).sum(),
                 })
                 .collect();
             let layout = ShardLayout::new(&specs, &infos, W, pg.rank()).unwrap();
@@ -574,6 +590,10 @@ mod tests {
                 Ok(())
             };
             let padded = |b: usize| layout.buckets()[b].chunk_len(W) * W;
+            let direct = pg
+                .direct_gather_min()
+                .is_some_and(|m| (0..BUCKETS.len()).all(|b| 4 * padded(b) >= m));
+            assert_eq!(direct, lent, "every bucket placed directly");
             for lead in [None, Some(1)] {
                 for window in [0, 1, 2] {
                     let what = format!("rank {}, lead {lead:?}, window {window}", pg.rank());
@@ -583,39 +603,53 @@ mod tests {
                         bufs[l] = vec![f32::NAN; padded(l)];
                         bufs[l].as_ptr()
                     });
-                    let mut got: Vec<Vec<f32>> = SIZES.iter().map(|&n| vec![f32::NAN; n]).collect();
-                    let mut first_written = None;
+                    let got = std::sync::Mutex::new(
+                        sizes.iter().map(|&n| vec![f32::NAN; n]).collect::<Vec<_>>(),
+                    );
+                    let first_written = std::sync::Mutex::new(None);
                     let how = Gather {
                         window,
                         skip_owned: false,
                         lead,
                     };
                     let write = |p: usize, at: usize, v: &[f32]| {
-                        first_written.get_or_insert(p);
-                        got[p][at..at + v.len()].copy_from_slice(v);
+                        first_written.lock().unwrap().get_or_insert(p);
+                        got.lock().unwrap()[p][at..at + v.len()].copy_from_slice(v);
                         Ok(())
                     };
+                    let mut lend =
+                        |p: usize,
+                         at: usize,
+                         n: usize,
+                         f: &mut dyn FnMut(&mut [f32]) -> Result<()>| {
+                            first_written.lock().unwrap().get_or_insert(p);
+                            f(&mut got.lock().unwrap()[p][at..at + n])
+                        };
+                    let lend: Option<Lend<'_>> = if lent { Some(&mut lend) } else { None };
                     let back =
-                        gather_params_into(&pg, &layout, bufs, how, fill, write, None).unwrap();
-                    for (p, g) in got.iter().enumerate() {
-                        let want: Vec<f32> = (0..SIZES[p]).map(|k| value(p, k)).collect();
-                        assert_eq!(g, &want, "{what}: parameter {p}");
+                        gather_params_into(&pg, &layout, bufs, how, fill, write, lend).unwrap();
+                    for (p, g) in got.lock().unwrap().iter().enumerate() {
+                        let ok = g.iter().enumerate().all(|(k, &x)| x == value(p, k));
+                        assert!(ok, "{what}: parameter {p}");
                     }
-                    let first = first_written.unwrap();
+                    let first = first_written.lock().unwrap().unwrap();
                     let lead_bucket = BUCKETS[lead.unwrap_or(0)];
                     assert!(
                         lead_bucket.contains(&first),
                         "{what}: first written p{first}"
                     );
                     let alive = back.iter().filter(|v| !v.is_empty()).count();
-                    if window > 0 {
+                    if lent {
+                        // Each placed bucket's buffer carries the next one at once.
+                        assert_eq!(alive, 1, "{what}: {alive} buffers came back");
+                    } else if window > 0 {
                         assert!(alive <= window, "{what}: {alive} buffers came back");
                     } else {
                         assert_eq!(alive, BUCKETS.len(), "{what}");
                     }
                     if let (Some(l), Some(ptr)) = (lead, lead_at) {
                         let at = back.iter().position(|v| v.as_ptr() == ptr && !v.is_empty());
-                        if window > 0 {
+                        if window > 0 || lent {
                             // Carried on to a later bucket rather than back at its index.
                             assert!(
                                 at.is_some_and(|j| j != l),

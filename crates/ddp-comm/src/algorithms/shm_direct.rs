@@ -59,11 +59,11 @@
 //! against 64-250 ms, medians; below 512 KiB it was slower).
 
 use super::segment;
-use crate::backend::Place;
+use crate::backend::{placed_range, Place};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::transport::shm::{Counter, Geometry, ShmTransport};
 use crate::transport::Transport;
-use crate::{Error, Result};
+use crate::Result;
 use half::slice::HalfFloatSliceExt;
 use half::{bf16, f16};
 
@@ -174,14 +174,8 @@ pub fn all_gather_to(
         peers.push(addr);
     }
     let placed = place(&mut |offset, dst| {
-        let (mut start, n) = (offset * esz, dst.len());
-        if start + n > buf.len() || !n.is_multiple_of(esz) {
-            return Err(Error::InvalidArgument(format!(
-                "all_gather_in_place_to: {n} bytes at element {offset} asked of a gathered \
-                 buffer of {} elements",
-                buf.len() / esz
-            )));
-        }
+        let n = dst.len();
+        let mut start = placed_range(offset, n, buf.len(), esz)?;
         let mut at = 0;
         while start < offset * esz + n {
             let owner = start / block;

@@ -62,20 +62,24 @@ pub type Place<'a> =
 /// (elements of `esz` bytes); a range outside it is an error naming it.
 pub fn place_from(bytes: &[u8], esz: usize, place: Place<'_>) -> Result<()> {
     place(&mut |offset, dst| {
-        let start = offset * esz;
-        match bytes.get(start..start + dst.len()) {
-            Some(src) if dst.len().is_multiple_of(esz) => {
-                dst.copy_from_slice(src);
-                Ok(())
-            }
-            _ => Err(Error::InvalidArgument(format!(
-                "all_gather_in_place_to: {} bytes at element {offset} asked of a gathered \
-                 buffer of {} elements",
-                dst.len(),
-                bytes.len() / esz
-            ))),
-        }
+        let start = placed_range(offset, dst.len(), bytes.len(), esz)?;
+        dst.copy_from_slice(&bytes[start..start + dst.len()]);
+        Ok(())
     })
+}
+
+/// The first byte of a `read(offset, dst)` of `n` bytes out of a gathered buffer of `len`
+/// bytes (elements of `esz`), or the error naming a range outside it or not whole elements.
+pub(crate) fn placed_range(offset: usize, n: usize, len: usize, esz: usize) -> Result<usize> {
+    let start = offset * esz;
+    if start + n > len || !n.is_multiple_of(esz) {
+        return Err(Error::InvalidArgument(format!(
+            "all_gather_in_place_to: {n} bytes at element {offset} asked of a gathered buffer \
+             of {} elements",
+            len / esz
+        )));
+    }
+    Ok(start)
 }
 
 /// Which backend the user asked for ([`crate::InitOptions::backend`], env `DDP_BACKEND`).

@@ -535,8 +535,7 @@ pub fn bytes_per_step(layout: &ShardLayout) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::reducer::{BucketInfo, ParamSpec};
-    use ddp_comm::DType;
+    use crate::sharding::layout::tests::layout;
 
     /// Element `k` of parameter `p`, as its owner holds it.
     fn value(p: usize, k: usize) -> f32 {
@@ -565,20 +564,7 @@ mod tests {
         const W: usize = 3;
         let sizes: Vec<usize> = SIZES.iter().map(|n| n * scale).collect();
         ddp_comm::testing::run_local_group(W, group, |pg| {
-            let specs: Vec<ParamSpec> = sizes
-                .iter()
-                .enumerate()
-                .map(|(i, &n)| ParamSpec::new(format!("p{i}"), vec![n], DType::F32))
-                .collect();
-            let infos: Vec<BucketInfo> = BUCKETS
-                .iter()
-                .map(|ps| BucketInfo {
-                    dtype: DType::F32,
-                    params: ps.to_vec(),
-                    numel: ps.iter().map(|&p| sizes[p]).sum(),
-                })
-                .collect();
-            let layout = ShardLayout::new(&specs, &infos, W, pg.rank()).unwrap();
+            let layout = layout(&sizes, &BUCKETS, W, pg.rank());
             let chunks = layout.chunks();
             let fill = |i: usize, dst: &mut [f32]| {
                 dst.fill(f32::NAN); // the padding

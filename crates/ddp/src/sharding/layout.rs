@@ -196,10 +196,17 @@ impl ShardLayout {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
-    fn layout(sizes: &[usize], buckets: &[&[usize]], world: usize, rank: usize) -> ShardLayout {
+    /// The layout of f32 parameters `p{i}` of `sizes[i]` elements in `buckets` (parameter
+    /// indices, in fill order) for `rank` of `world`.
+    pub(crate) fn layout(
+        sizes: &[usize],
+        buckets: &[&[usize]],
+        world: usize,
+        rank: usize,
+    ) -> ShardLayout {
         let specs: Vec<ParamSpec> = sizes
             .iter()
             .enumerate()

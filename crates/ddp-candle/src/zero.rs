@@ -201,6 +201,12 @@ impl ZeroDdp {
             (Shard::empty(layout), make_opt(ddp.named_vars().to_vec())?)
         } else {
             let n = layout.buckets().len();
+            if stage == ZeroStage::Two {
+                // A bucket is filled once the one before it is cut to its shard: one bucket
+                // of gradients beyond the shards in a staged backward, not two.
+                let cap = ddp.reducer().bucket_cap_bytes();
+                ddp.reducer_mut().set_max_bucket_bytes_alive(Some(cap));
+            }
             ddp.register_comm_hook(match (stage, keep_whole) {
                 (ZeroStage::One, _) => sharding::ReduceScatterHook::in_place(),
                 (_, None) => sharding::ReduceScatterHook::shard_only(),

@@ -36,6 +36,7 @@ use ddp_comm::{DType, Element, ProcessGroup};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+mod alive;
 mod handover;
 use handover::reallocate_released;
 
@@ -153,6 +154,14 @@ pub struct Reducer {
     step: u64,
     /// Payload bytes handed to collectives by the hook, summed over synchronized steps.
     sent_bytes: u64,
+    /// [`set_max_bucket_bytes_alive`](Reducer::set_max_bucket_bytes_alive).
+    alive_limit: Option<usize>,
+    /// `ReducerOptions::bucket_cap_mb` in bytes.
+    bucket_cap: usize,
+    /// Buckets below this index (and below `next_launch`) were waited for before `finish`.
+    waited_upto: usize,
+    /// Time spent in those early waits this step (part of `StepStats::comm_wait`).
+    early_wait: Duration,
 }
 
 impl Reducer {
@@ -256,6 +265,10 @@ impl Reducer {
             local_nonfinite: None,
             step: 0,
             sent_bytes: 0,
+            alive_limit: None,
+            bucket_cap: (opts.bucket_cap_mb.max(0.0) * 1024.0 * 1024.0) as usize,
+            waited_upto: 0,
+            early_wait: Duration::ZERO,
         })
     }
 
@@ -470,6 +483,11 @@ impl Reducer {
             )));
         }
         self.begin();
+        if self.current == Some(true)
+            && self.buckets[slot.bucket].pending == self.buckets[slot.bucket].params.len()
+        {
+            self.limit_alive(slot.bucket);
+        }
         let bucket = &mut self.buckets[slot.bucket];
         let BucketState::Idle(buf) = &mut bucket.state else {
             unreachable!("a bucket with unmarked gradients is never in flight");
@@ -600,7 +618,7 @@ impl Reducer {
             b.pending = 0;
         }
         self.launch_ready();
-        let mut comm_wait = Duration::ZERO;
+        let mut comm_wait = std::mem::take(&mut self.early_wait);
         let mut bytes = 0;
         for bi in 0..self.buckets.len() {
             let b = &mut self.buckets[bi];
@@ -686,6 +704,7 @@ impl Reducer {
             b.pending = b.params.len();
         }
         self.next_launch = 0;
+        self.waited_upto = 0;
         let launched_for = std::mem::replace(&mut self.divisor, self.pg.size());
         if late_divisor {
             return Err(Error::InvalidArgument(format!(

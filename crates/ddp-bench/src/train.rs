@@ -118,6 +118,10 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let pg = init_process_group(InitOptions::default())?;
     let rank = pg.rank();
     let dev = ddp_candle::device::worker_device(args.device)?;
+    let stage = ZeroStage::from_level(args.zero)?;
+    if stage == ZeroStage::Three {
+        return run_fsdp(args, &pg);
+    }
     // Initialized on the host (no device RNG), then the variables are copied to the device.
     let host_map = VarMap::new();
     build(
@@ -139,10 +143,6 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             on_dev
         }
     };
-    let stage = ZeroStage::from_level(args.zero)?;
-    if stage == ZeroStage::Three {
-        return run_fsdp(args, &pg, varmap);
-    }
     let blocks = build(args, VarBuilder::from_varmap(&varmap, DType::F32, &dev))?;
     let opts = DdpOptions {
         bucket_cap_mb: args.bucket_cap_mb,
@@ -259,8 +259,9 @@ fn optimizer(args: &TrainArgs) -> ShardOptimizer {
 }
 
 /// `--zero 3`: the parameters sharded over the ranks, one unit per layer (`ddp_candle::Fsdp`).
-/// The full model exists only until the shards are cut from it.
-fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup, varmap: VarMap) -> Result<(), Error> {
+/// The model is built one unit at a time, each cut to its shard before the next is built
+/// (`Fsdp::from_unit_init`): it never exists whole.
+fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup) -> Result<(), Error> {
     if args.staged {
         return Err("--staged does not apply to --zero 3: its backward is staged by unit".into());
     }
@@ -275,12 +276,16 @@ fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup, varmap: VarMap) -> Re
         .into());
     }
     let rank = pg.rank();
-    let params: usize = varmap.all_vars().iter().map(|v| v.elem_count()).sum();
     let opt = optimizer(args);
-    let mut fsdp = Fsdp::from_varmap(&varmap, units(args), pg, |vars| opt.build(vars))?;
-    drop(varmap);
-    // The full model existed only to be cut into shards: give its memory back (the retained
-    // heap would otherwise keep it resident for good).
+    let ls = layers(args);
+    let init = |u: usize, vb: VarBuilder| {
+        let (name, i, o, _) = &ls[u];
+        Dense::new(&args.weight_layout, *i, *o, vb.pp(name)).map(drop)
+    };
+    let mut fsdp = Fsdp::from_unit_init(units(args), pg, init, |vars| opt.build(vars))?;
+    let params: usize = fsdp.layout().numel();
+    // Each unit existed whole only to be cut into its shard: give that memory back (the
+    // retained heap would otherwise keep it resident for good).
     ddp_candle::alloc::release_freed_memory();
     let x = Tensor::randn(0f32, 1.0, (args.batch, 784), &Device::Cpu)?
         .affine(1.0, rank as f64 * 0.01)?;

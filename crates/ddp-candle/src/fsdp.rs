@@ -54,6 +54,7 @@ use crate::optim::DynOptimizer;
 use crate::params::CandleParams;
 use crate::shard::Shard;
 use crate::{tensors, Error, Result};
+use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
 use ddp::adapter::{self, ParamAccess};
@@ -141,6 +142,76 @@ impl Fsdp {
         Self::new(vars, units, pg, make_opt)
     }
 
+    /// Builds the model one unit at a time, never whole (as FSDP's deferred initialization):
+    /// `init(u, vb)` creates unit `u`'s parameters through `vb` (a builder over a fresh
+    /// `VarMap`, e.g. `candle_nn::linear(i, o, vb.pp("l1"))`), each rank keeps its chunk of
+    /// rank 0's values and the unit is dropped before the next is built, so construction holds
+    /// the shards plus one unit. Every parameter `init(u, ..)` creates must belong to unit `u`
+    /// (an error names it); each unit's names, shapes and dtypes are checked across ranks
+    /// before its values are sent. Equal to [`from_varmap`](Self::from_varmap) over the same
+    /// variables (the same order and layout). A collective.
+    pub fn from_unit_init(
+        units: Vec<Unit>,
+        pg: &ProcessGroup,
+        mut init: impl FnMut(usize, VarBuilder<'_>) -> candle_core::Result<()>,
+        make_opt: impl FnOnce(Vec<(String, Var)>) -> Result<Box<dyn DynOptimizer>>,
+    ) -> Result<Self> {
+        let (world, rank) = (pg.size(), pg.rank());
+        let mut unit_specs = Vec::with_capacity(units.len());
+        let mut values = Vec::with_capacity(units.len());
+        for (u, unit) in units.iter().enumerate() {
+            let vm = candle_nn::VarMap::new();
+            init(u, VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+            let params = CandleParams::from_varmap(&vm)?;
+            drop(vm);
+            if let Some((name, _)) = params.vars().iter().find(|(n, _)| !unit.owns(n)) {
+                return Err(Error::Unsupported(format!(
+                    "ZeRO stage 3: unit {u}'s init created `{name}`, which is not among its \
+                     prefixes {:?}",
+                    unit.prefixes
+                )));
+            }
+            if !params.device()?.is_cpu() {
+                return Err(Error::Unsupported(
+                    "ZeRO stage 3 keeps its shards in host memory: the parameters must be on \
+                     the CPU"
+                        .into(),
+                ));
+            }
+            let specs = adapter::param_specs(&params)?;
+            verify_param_specs(pg, &specs)?;
+            let one = sharding::unit_layout(&specs, &[(0..specs.len()).collect()], world, rank)?;
+            values.push(rank0_chunk(
+                pg,
+                &params,
+                &one.buckets()[0],
+                &one.chunks()[0],
+            )?);
+            unit_specs.push(specs);
+        }
+        // The registration order of `new`: every parameter sorted by name. A unit's slots
+        // keep their order (sorted within the unit), so the chunks cut above are the layout's.
+        let mut specs: Vec<ParamSpec> = unit_specs.iter().flatten().cloned().collect();
+        specs.sort_by(|a, b| a.name.cmp(&b.name));
+        if let Some(w) = specs.windows(2).find(|w| w[0].name == w[1].name) {
+            return Err(Error::Unsupported(format!(
+                "ZeRO stage 3: parameter `{}` is created by two units",
+                w[0].name
+            )));
+        }
+        let names: Vec<String> = specs.iter().map(|s| s.name.clone()).collect();
+        let lists: Vec<Vec<usize>> = units
+            .iter()
+            .map(|u| (0..names.len()).filter(|&p| u.owns(&names[p])).collect())
+            .collect();
+        let layout = sharding::unit_layout(&specs, &lists, world, rank)?;
+        for ((b, us), c) in layout.buckets().iter().zip(&unit_specs).zip(&values) {
+            debug_assert_eq!(b.slots.len(), us.len());
+            debug_assert_eq!(b.owned(world, rank).1 - b.owned(world, rank).0, c.len());
+        }
+        Self::assemble(pg, names, specs, units, layout, values, make_opt)
+    }
+
     /// Shards the named variables over the ranks of `pg` along `units` (every parameter in
     /// exactly one unit; an error names the first that is not). Checks that every rank has the
     /// same parameters and takes rank 0's values (as DDP does); `make_opt` builds the optimizer
@@ -171,24 +242,21 @@ impl Fsdp {
         // each rank keeps the part that falls in its chunks.
         let mut values = Vec::with_capacity(lists.len());
         for (c, b) in layout.chunks().iter().zip(layout.buckets()) {
-            let mut out = vec![0f32; c.len()];
-            for s in &b.slots {
-                let mut v = params
-                    .read_param(s.param)?
-                    .as_slice::<f32>()
-                    .map(<[f32]>::to_vec)
-                    .ok_or_else(|| {
-                        Error::Unsupported(format!("parameter `{}` is not f32", names[s.param]))
-                    })?;
-                pg.broadcast(&mut v, 0)?;
-                let (lo, hi) = (c.lo.max(s.offset), c.hi.min(s.offset + s.numel));
-                if lo < hi {
-                    out[lo - c.lo..hi - c.lo].copy_from_slice(&v[lo - s.offset..hi - s.offset]);
-                }
-            }
-            values.push(out);
+            values.push(rank0_chunk(pg, &params, b, c)?);
         }
         drop(params);
+        Self::assemble(pg, names, specs, units, layout, values, make_opt)
+    }
+
+    fn assemble(
+        pg: &ProcessGroup,
+        names: Vec<String>,
+        specs: Vec<ParamSpec>,
+        units: Vec<Unit>,
+        layout: ShardLayout,
+        values: Vec<Vec<f32>>,
+        make_opt: impl FnOnce(Vec<(String, Var)>) -> Result<Box<dyn DynOptimizer>>,
+    ) -> Result<Self> {
         let (shard, named) = Shard::new(layout, values)?;
         let opt = make_opt(named)?;
         Ok(Fsdp {
@@ -327,9 +395,68 @@ impl Fsdp {
         Ok(out)
     }
 
-    fn unit_forward(&self, u: usize, flat: &Tensor, x: &Tensor) -> Result<Tensor> {
-        let vb = VarBuilder::from_tensors(self.views(u, flat)?, DType::F32, &Device::Cpu);
+    fn unit_forward(
+        &self,
+        u: usize,
+        params: HashMap<String, Tensor>,
+        x: &Tensor,
+    ) -> Result<Tensor> {
+        let vb = VarBuilder::from_tensors(params, DType::F32, &Device::Cpu);
         Ok((self.units[u].forward)(vb, x)?)
+    }
+
+    /// Unit `u`'s gathered values `flat` as one variable per parameter (in slot order): the
+    /// largest parameter keeps `flat`'s allocation (moved to its front and cut), the others are
+    /// copied out first, so the unit is never held twice.
+    fn unit_vars(&self, u: usize, mut flat: Vec<f32>) -> Result<Vec<Var>> {
+        let slots = &self.shard.layout.buckets()[u].slots;
+        let big = (0..slots.len())
+            .max_by_key(|&i| slots[i].numel)
+            .unwrap_or(0);
+        let shape = |i: usize| self.specs[slots[i].param].shape.as_slice();
+        let mut vars: Vec<Option<Var>> = Vec::with_capacity(slots.len());
+        for (i, s) in slots.iter().enumerate() {
+            vars.push(match i == big {
+                true => None,
+                false => Some(Var::from_slice(
+                    &flat[s.offset..s.offset + s.numel],
+                    shape(i),
+                    &Device::Cpu,
+                )?),
+            });
+        }
+        if let Some(s) = slots.get(big) {
+            flat.truncate(s.offset + s.numel);
+            flat.drain(..s.offset);
+            flat.shrink_to_fit();
+            vars[big] = Some(Var::from_vec(flat, shape(big), &Device::Cpu)?);
+        }
+        Ok(vars.into_iter().flatten().collect())
+    }
+
+    /// `(name, tensor)` of unit `u`'s per-parameter variables, for its forward.
+    fn var_tensors(&self, u: usize, vars: &[Var]) -> HashMap<String, Tensor> {
+        let slots = &self.shard.layout.buckets()[u].slots;
+        slots
+            .iter()
+            .zip(vars)
+            .map(|(s, v)| (self.names[s.param].clone(), v.as_tensor().clone()))
+            .collect()
+    }
+
+    /// Unit `u`'s flat gradient (slot order) from `grads`, each parameter's gradient freed once
+    /// copied; a parameter without one (unused) counts as zero.
+    fn flat_grad(&self, u: usize, vars: &[Var], mut grads: GradStore) -> Result<Vec<f32>> {
+        let b = &self.shard.layout.buckets()[u];
+        let mut flat = Vec::with_capacity(b.numel);
+        for (s, v) in b.slots.iter().zip(vars) {
+            debug_assert_eq!(flat.len(), s.offset, "slots are contiguous, in order");
+            match grads.remove(v.as_tensor()) {
+                Some(g) => tensors::with_flat::<f32, _>(&g, |x| flat.extend_from_slice(x))?,
+                None => flat.resize(s.offset + s.numel, 0.0),
+            }
+        }
+        Ok(flat)
     }
 
     /// One step's forward and backward; `batch` is `None` for a Join shadow rank.
@@ -372,7 +499,7 @@ impl Fsdp {
             comm.prefetch(u + 1, shard.chunk(u + 1)?)?;
             if let Some(xu) = x.take() {
                 let flat = Tensor::from_vec(v, numel(u), &Device::Cpu)?;
-                let out = self.unit_forward(u, &flat, &xu)?.detach();
+                let out = self.unit_forward(u, self.views(u, &flat)?, &xu)?.detach();
                 inputs.push(xu);
                 x = Some(out);
             }
@@ -394,11 +521,13 @@ impl Fsdp {
             let numel = numel(u);
             let mut grad = match inputs.get(u) {
                 Some(xu) => {
-                    let flat = Var::from_vec(v, numel, &Device::Cpu)?;
+                    // One variable per parameter (not views of one flat variable, whose
+                    // backward would widen every parameter's gradient to the unit's size).
+                    let vars = self.unit_vars(u, v)?;
                     let input = (u > 0).then(|| Var::from_tensor(xu)).transpose()?;
                     let xin = input.as_ref().map_or(xu, Var::as_tensor);
-                    let out = self.unit_forward(u, flat.as_tensor(), xin)?;
-                    let grads = if u == n - 1 {
+                    let out = self.unit_forward(u, self.var_tensors(u, &vars), xin)?;
+                    let mut grads = if u == n - 1 {
                         let l = loss_fn.take().expect("the last unit runs once");
                         let loss = l(&out)?;
                         let g = loss.backward()?;
@@ -411,11 +540,9 @@ impl Fsdp {
                             None => Default::default(),
                         }
                     };
-                    grad_out = input.and_then(|v| grads.get(v.as_tensor()).cloned());
-                    match grads.get(flat.as_tensor()) {
-                        Some(g) => g.to_vec1::<f32>()?,
-                        None => vec![0.0; numel],
-                    }
+                    drop(out);
+                    grad_out = input.and_then(|v| grads.remove(v.as_tensor()));
+                    self.flat_grad(u, &vars, grads)?
                 }
                 None => vec![0.0; numel],
             };
@@ -493,10 +620,8 @@ impl Fsdp {
             if u + 1 < n {
                 comm.prefetch(u + 1, self.shard.chunk(u + 1)?)?;
             }
-            let len = v.len();
-            x = self
-                .unit_forward(u, &Tensor::from_vec(v, len, &Device::Cpu)?, &x)?
-                .detach();
+            let flat = Tensor::from_vec(v, self.shard.layout.buckets()[u].numel, &Device::Cpu)?;
+            x = self.unit_forward(u, self.views(u, &flat)?, &x)?.detach();
         }
         Ok(x)
     }
@@ -619,4 +744,33 @@ impl Fsdp {
         self.accum = None;
         Ok(())
     }
+}
+
+/// This rank's chunk `c` of bucket `b` (whose slots index `params`), from rank 0's values
+/// broadcast one parameter at a time.
+fn rank0_chunk(
+    pg: &ProcessGroup,
+    params: &CandleParams,
+    b: &sharding::ShardBucket,
+    c: &sharding::Chunk,
+) -> Result<Vec<f32>> {
+    let mut out = vec![0f32; c.len()];
+    for s in &b.slots {
+        let mut v = params
+            .read_param(s.param)?
+            .as_slice::<f32>()
+            .map(<[f32]>::to_vec)
+            .ok_or_else(|| {
+                Error::Unsupported(format!(
+                    "parameter `{}` is not f32",
+                    params.vars()[s.param].0
+                ))
+            })?;
+        pg.broadcast(&mut v, 0)?;
+        let (lo, hi) = (c.lo.max(s.offset), c.hi.min(s.offset + s.numel));
+        if lo < hi {
+            out[lo - c.lo..hi - c.lo].copy_from_slice(&v[lo - s.offset..hi - s.offset]);
+        }
+    }
+    Ok(out)
 }

@@ -8,6 +8,8 @@ use ddp_candle::{Ddp, DdpOptions};
 use ddp_comm::ProcessGroup;
 use rand::{Rng, SeedableRng};
 
+pub mod zero;
+
 pub const IN: usize = 12;
 pub const HID: usize = 24;
 pub const OUT: usize = 5;

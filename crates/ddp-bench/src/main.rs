@@ -137,6 +137,11 @@ pub struct TrainArgs {
     /// faster, up to K buckets of memory beyond stage 2's formula).
     #[arg(long, default_value_t = 0)]
     pub zero_keep_buckets: usize,
+    /// With `--zero 3`: when the backward gathers the next unit (PyTorch FSDP's
+    /// `backward_prefetch`): `pre` before the current unit's gradient (overlaps it; two units
+    /// gathered at the peak), `post` after it (one unit less memory), `none` (no overlap).
+    #[arg(long, default_value = "pre", value_parser = ["pre", "post", "none"])]
+    pub backward_prefetch: String,
     /// Optimizer: sgd (lr 0.01) or adamw (lr 1e-3, candle's defaults otherwise).
     #[arg(long, default_value = "sgd", value_parser = ["sgd", "adamw"])]
     pub optimizer: String,

@@ -12,7 +12,7 @@ use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
 use ddp::sharding::ZeroStage;
 use ddp::trace;
 use ddp_candle::optim::ParamsSgd;
-use ddp_candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, Unit, ZeroDdp};
+use ddp_candle::{BackwardPrefetch, Ddp, DdpOptions, Fsdp, ShardOptimizer, Unit, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
 use std::time::Instant;
 
@@ -283,6 +283,11 @@ fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup) -> Result<(), Error> 
         Dense::new(&args.weight_layout, *i, *o, vb.pp(name)).map(drop)
     };
     let mut fsdp = Fsdp::from_unit_init(units(args), pg, init, |vars| opt.build(vars))?;
+    fsdp.set_backward_prefetch(match args.backward_prefetch.as_str() {
+        "pre" => Some(BackwardPrefetch::BackwardPre),
+        "post" => Some(BackwardPrefetch::BackwardPost),
+        _ => None,
+    });
     let params: usize = fsdp.layout().numel();
     // Each unit existed whole only to be cut into its shard: give that memory back (the
     // retained heap would otherwise keep it resident for good).
@@ -307,8 +312,8 @@ fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup) -> Result<(), Error> 
     let timing = measure(args, pg, &mut step, || Ok(()))?;
     let diff = fsdp.replica_max_diff()?;
     let label = format!(
-        "device cpu  units (one per layer)  weights {}  zero 3  {}",
-        args.weight_layout, args.optimizer
+        "device cpu  units (one per layer)  weights {}  zero 3  {}  backward prefetch {}",
+        args.weight_layout, args.optimizer, args.backward_prefetch
     );
     let extra = serde_json::json!({
         "hook": args.hook.to_string(),
@@ -317,6 +322,7 @@ fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup) -> Result<(), Error> 
         "params": params,
         "bytes_per_step": per_step as f64,
         "largest_unit_params": fsdp.largest_unit_numel(),
+        "backward_prefetch": args.backward_prefetch,
     });
     report(args, pg, &label, &timing, diff, extra)
 }

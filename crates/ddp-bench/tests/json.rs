@@ -131,6 +131,32 @@ fn train_with_zero_stages_reports_memory_and_bytes() {
         bytes[3] > bytes[1] && bytes[3] <= 1.5 * bytes[1] * 1.01,
         "{bytes:?}"
     );
+    // Stage 3's backward prefetch moves when gathers start, not what is sent.
+    for prefetch in ["post", "none"] {
+        let rows = json_lines(&[
+            "train",
+            "--nproc",
+            "2",
+            "--hidden",
+            "32",
+            "--layers",
+            "2",
+            "--batch",
+            "4",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--zero",
+            "3",
+            "--json",
+            "--backward-prefetch",
+            prefetch,
+        ]);
+        let last = rows.last().expect("a JSON line");
+        assert_eq!(last["backward_prefetch"], prefetch);
+        assert_eq!(last["bytes_per_step"].as_f64(), Some(bytes[3]));
+    }
 }
 
 /// `--framework burn`, plain and with comm hooks: the hook runs (PowerSGD and local SGD send

@@ -22,8 +22,9 @@
 //!  step       the owner steps its chunks (Sgd, AdamW: element-wise); nothing is gathered
 //! ```
 //!
-//! Memory per rank: the shards (16Ψ/N with AdamW), at most two gathered units and one unit's
-//! gradient (plus at most `ddp::sharding::units::MAX_SCATTERS_IN_FLIGHT` gradients waiting to
+//! Memory per rank: the shards (16Ψ/N with AdamW), at most two gathered units (one at the
+//! backward's peak with [`BackwardPrefetch::BackwardPost`] or without backward prefetch, at the
+//! cost of overlap) and one unit's gradient (plus at most `ddp::sharding::units::MAX_SCATTERS_IN_FLIGHT` gradients waiting to
 //! be reduce-scattered), the units' inputs (activations) and one unit's graph. Communication: the
 //! all-gathers (every unit in forward, all but the last again in backward) and the gradient
 //! reduce-scatters, at most 1.5× DDP's all-reduce ([`Fsdp::bytes_per_step`]).
@@ -113,6 +114,22 @@ pub struct FsdpOutput {
     pub stats: StepStats,
 }
 
+/// When the backward starts gathering the next unit (the one before, in model order), as
+/// PyTorch FSDP's `backward_prefetch`: the gather then overlaps this unit's work instead of
+/// waiting at the next unit's start, at the cost of holding two gathered units at once.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum BackwardPrefetch {
+    /// Before this unit's recomputation and gradient (the default, as PyTorch's
+    /// `BACKWARD_PRE`): the gather overlaps the unit's whole backward, and the next unit's
+    /// parameters are alive next to this unit's gradient computation, the peak.
+    #[default]
+    BackwardPre,
+    /// After this unit's gradient is computed (PyTorch's `BACKWARD_POST`): the gather overlaps
+    /// only the gradient's copy and reduce-scatter start, and the peak holds one gathered unit
+    /// fewer (one unit's size less memory, for less overlap).
+    BackwardPost,
+}
+
 /// ZeRO stage 3 (see the module doc).
 pub struct Fsdp {
     pg: ProcessGroup,
@@ -126,6 +143,8 @@ pub struct Fsdp {
     /// Under `no_sync`: each unit's local gradient, accumulated in full.
     accum: Option<Vec<Vec<f32>>>,
     sync: bool,
+    /// `None`: each unit's gather starts when the backward reaches it (no overlap).
+    backward_prefetch: Option<BackwardPrefetch>,
     last: Option<StepStats>,
     totals: TotalStats,
 }
@@ -269,6 +288,7 @@ impl Fsdp {
             grads: None,
             accum: None,
             sync: true,
+            backward_prefetch: Some(BackwardPrefetch::BackwardPre),
             last: None,
             totals: TotalStats::default(),
         })
@@ -329,6 +349,18 @@ impl Fsdp {
     /// the sum. Do not step until then.
     pub fn set_require_backward_grad_sync(&mut self, sync: bool) {
         self.sync = sync;
+    }
+
+    /// When the backward prefetches the next unit's parameters (see [`BackwardPrefetch`];
+    /// `None`: not at all, each gather waited for where it is needed). Every rank must use the
+    /// same setting (it orders the collectives). Values are the same for every setting.
+    pub fn set_backward_prefetch(&mut self, prefetch: Option<BackwardPrefetch>) {
+        self.backward_prefetch = prefetch;
+    }
+
+    /// The current [`set_backward_prefetch`](Self::set_backward_prefetch) setting.
+    pub fn backward_prefetch(&self) -> Option<BackwardPrefetch> {
+        self.backward_prefetch
     }
 
     /// Forward and backward of one batch (see the module doc); the gradients are averaged over
@@ -513,11 +545,19 @@ impl Fsdp {
         let mut grad_out: Option<Tensor> = None;
         let mut result = None;
         let mut accum = self.accum.take();
-        for u in (0..n).rev() {
-            let v = gathered(&mut comm, u)?;
-            if u > 0 {
+        let prefetch = self.backward_prefetch;
+        let prefetch_at = |when: BackwardPrefetch, comm: &mut UnitComm, u: usize| -> Result<()> {
+            if u > 0 && prefetch == Some(when) {
                 comm.prefetch(u - 1, shard.chunk(u - 1)?)?;
             }
+            Ok(())
+        };
+        for u in (0..n).rev() {
+            if !comm.in_flight(u) {
+                comm.prefetch(u, shard.chunk(u)?)?;
+            }
+            let v = gathered(&mut comm, u)?;
+            prefetch_at(BackwardPrefetch::BackwardPre, &mut comm, u)?;
             let numel = numel(u);
             let mut grad = match inputs.get(u) {
                 Some(xu) => {
@@ -546,6 +586,7 @@ impl Fsdp {
                 }
                 None => vec![0.0; numel],
             };
+            prefetch_at(BackwardPrefetch::BackwardPost, &mut comm, u)?;
             if let Some(acc) = &mut accum {
                 for (g, a) in grad.iter_mut().zip(&acc[u]) {
                     *g += *a;

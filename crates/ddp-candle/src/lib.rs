@@ -72,7 +72,7 @@ pub mod zero;
 
 pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutput};
 pub use ddp_comm::ProcessGroup;
-pub use fsdp::{Fsdp, FsdpOutput, Unit};
+pub use fsdp::{BackwardPrefetch, Fsdp, FsdpOutput, Unit};
 pub use params::CandleParams;
 pub use zero::{ShardOptimizer, ZeroDdp, ZeroOptions};
 

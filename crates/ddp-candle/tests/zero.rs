@@ -799,6 +799,43 @@ fn stage_3_holds_its_shard_only_and_sends_at_most_one_and_a_half_ddp() {
 }
 
 /// A unit layout that leaves a parameter out, or names one twice, is refused naming it.
+/// `Fsdp::set_backward_prefetch`: before the unit's gradient (the default), after it, or not at
+/// all, stage 3 trains as DDP does, with and without `no_sync` accumulation (the settings only
+/// move when each unit's gather starts; a wrong unit or a missing gather fails or hangs here).
+#[test]
+fn every_backward_prefetch_setting_equals_ddp() {
+    use ddp_candle::BackwardPrefetch::{BackwardPost, BackwardPre};
+    for world in [2, 3, 4] {
+        for opt in [Opt::SgdMomentum, Opt::AdamW] {
+            let body = |z: &mut Trainer, rank: usize, pg: &ddp_comm::ProcessGroup| {
+                for k in 0..4 {
+                    z.set_sync(k != 1);
+                    z.backward(k, rank, pg.size());
+                    if k != 1 {
+                        z.step();
+                    }
+                }
+            };
+            let want = run_zero(world, ZeroStage::Ddp, opt, Sizes::Tiny, body);
+            for prefetch in [Some(BackwardPre), Some(BackwardPost), None] {
+                let got = run_zero(world, ZeroStage::Three, opt, Sizes::Tiny, |z, rank, pg| {
+                    let Trainer::Fsdp(f) = z else {
+                        unreachable!("stage 3 is Fsdp")
+                    };
+                    f.set_backward_prefetch(prefetch);
+                    assert_eq!(f.backward_prefetch(), prefetch);
+                    body(z, rank, pg)
+                });
+                for r in 0..world {
+                    assert_eq!(got[r], got[0], "{prefetch:?}: ranks are bit-identical");
+                }
+                let what = format!("world {world}, {opt:?}, backward prefetch {prefetch:?}");
+                assert_close(&got[0], &want[0], 1e-6, &what);
+            }
+        }
+    }
+}
+
 #[test]
 fn stage_3_refuses_units_that_do_not_cover_the_model() {
     let errors = run_ranks(2, |_, pg| {

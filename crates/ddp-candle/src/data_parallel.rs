@@ -1,7 +1,7 @@
 //! [`DistributedDataParallel`]: the candle-facing wrapper around `ddp::reducer::Reducer`.
 
 use crate::params::CandleParams;
-use crate::staged::staged_forward_backward;
+use crate::staged::staged_backward;
 use crate::tensors;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
@@ -198,10 +198,11 @@ impl DistributedDataParallel {
     /// not kept next to the averaged ones (4Ψ bytes less at the peak for f32 parameters).
     fn local_backward(&mut self, loss: &Tensor) -> Result<GradStore> {
         self.reducer.prepare_for_backward()?;
-        let mut grads = loss.backward()?;
+        let vars = self.params.vars();
+        let weights: Vec<&Tensor> = vars.iter().map(|(_, v)| v.as_tensor()).collect();
+        let mut grads = crate::nn::backward_capturing(loss, &weights)?;
         let mut local = GradStore::default();
         let keep = !self.reducer.require_backward_grad_sync();
-        let vars = self.params.vars();
         adapter::mark_grads(&self.params, &mut self.reducer, &mut grads, |i, grads| {
             let t = vars[i].1.as_tensor();
             if let (true, Some(g)) = (keep, grads.get(t)) {
@@ -311,7 +312,8 @@ impl DistributedDataParallel {
         let mut marked = vec![false; self.params.param_count()];
         let params = &self.params;
         let reducer = &mut self.reducer;
-        let (loss, output) = staged_forward_backward(stages, input, loss_fn, |stage, grads| {
+        let weights: Vec<&Tensor> = params.vars().iter().map(|(_, v)| v.as_tensor()).collect();
+        let on_stage = |stage, grads: &mut GradStore| {
             adapter::mark_grads(params, reducer, grads, |i, grads| {
                 let (name, var) = &params.vars()[i];
                 if marked[i] {
@@ -327,7 +329,8 @@ impl DistributedDataParallel {
                 }
                 Ok(())
             })
-        })?;
+        };
+        let (loss, output) = staged_backward(stages, input, loss_fn, &weights, on_stage)?;
         Ok((loss, output, local))
     }
 

@@ -54,7 +54,7 @@
 use crate::optim::DynOptimizer;
 use crate::params::CandleParams;
 use crate::shard::Shard;
-use crate::{tensors, Error, Result};
+use crate::{nn, tensors, Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
@@ -476,14 +476,14 @@ impl Fsdp {
             .collect()
     }
 
-    /// Unit `u`'s flat gradient (slot order) from `grads`, each parameter's gradient freed once
-    /// copied; a parameter without one (unused) counts as zero.
-    fn flat_grad(&self, u: usize, vars: &[Var], mut grads: GradStore) -> Result<Vec<f32>> {
+    /// Unit `u`'s flat gradient (slot order) from its parameters' gradients `pieces`, each freed
+    /// once copied; a parameter without one (unused) counts as zero.
+    fn flat_grad(&self, u: usize, pieces: Vec<Option<Tensor>>) -> Result<Vec<f32>> {
         let b = &self.shard.layout.buckets()[u];
         let mut flat = Vec::with_capacity(b.numel);
-        for (s, v) in b.slots.iter().zip(vars) {
+        for (s, g) in b.slots.iter().zip(pieces) {
             debug_assert_eq!(flat.len(), s.offset, "slots are contiguous, in order");
-            match grads.remove(v.as_tensor()) {
+            match g {
                 Some(g) => tensors::with_flat::<f32, _>(&g, |x| flat.extend_from_slice(x))?,
                 None => flat.resize(s.offset + s.numel, 0.0),
             }
@@ -566,23 +566,37 @@ impl Fsdp {
                     let vars = self.unit_vars(u, v)?;
                     let input = (u > 0).then(|| Var::from_tensor(xu)).transpose()?;
                     let xin = input.as_ref().map_or(xu, Var::as_tensor);
-                    let out = self.unit_forward(u, self.var_tensors(u, &vars), xin)?;
-                    let mut grads = if u == n - 1 {
-                        let l = loss_fn.take().expect("the last unit runs once");
-                        let loss = l(&out)?;
-                        let g = loss.backward()?;
-                        result = Some((loss.detach(), out.detach()));
-                        g
-                    } else {
-                        match grad_out.take() {
-                            Some(g) => (&out * g.detach())?.sum_all()?.backward()?,
-                            // The later unit ignored its input: nothing reaches this one.
-                            None => Default::default(),
-                        }
-                    };
-                    drop(out);
+                    // The weights' gradients come straight from `ddp_candle::nn::Linear`
+                    // where the unit uses it (candle's GradStore would hold each twice).
+                    let weights: Vec<&Tensor> = vars.iter().map(Var::as_tensor).collect();
+                    let upstream = grad_out.take();
+                    let (grads, captured) = nn::capture_grads(&weights, || -> Result<_> {
+                        let out = self.unit_forward(u, self.var_tensors(u, &vars), xin)?;
+                        Ok(if u == n - 1 {
+                            let l = loss_fn.take().expect("the last unit runs once");
+                            let loss = l(&out)?;
+                            let g = loss.backward()?;
+                            result = Some((loss.detach(), out.detach()));
+                            g
+                        } else {
+                            match upstream {
+                                Some(g) => (&out * g.detach())?.sum_all()?.backward()?,
+                                // The later unit ignored its input: nothing reaches this one.
+                                None => GradStore::default(),
+                            }
+                        })
+                    })?;
+                    let mut grads = grads?;
                     grad_out = input.and_then(|v| grads.remove(v.as_tensor()));
-                    self.flat_grad(u, &vars, grads)?
+                    let pieces: Vec<Option<Tensor>> = captured
+                        .into_iter()
+                        .zip(&weights)
+                        .map(|(c, w)| c.or_else(|| grads.remove(w)))
+                        .collect();
+                    // The unit's values are not needed for its flat gradient: free them first.
+                    drop((grads, weights));
+                    drop(vars);
+                    self.flat_grad(u, pieces)?
                 }
                 None => vec![0.0; numel],
             };

@@ -21,8 +21,13 @@
 //! ```
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor};
+use candle_core::backprop::GradStore;
+use candle_core::{
+    CpuStorage, CustomOp2, CustomOp3, Layout, Module, Result, Shape, Tensor, TensorId,
+};
 use candle_nn::VarBuilder;
+use std::cell::RefCell;
+use std::collections::HashMap;
 
 /// `candle_nn::Linear` with a weight gradient computed in the weight's own layout (module doc).
 #[derive(Clone, Debug)]
@@ -112,11 +117,99 @@ fn matmul_wt(
 /// `zeros + gw` with that graph attached, keeping every weight gradient's addends alive as long
 /// as the gradient (measured: 8Ψ instead of 4Ψ bytes of gradients after `backward()` on the
 /// 52 M-parameter benchmark MLP).
+///
+/// A weight under [`capture_grads`] has its gradient delivered there instead (none returned).
 fn grads_xw(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
     let (xd, wd) = (x.detach(), w.detach());
     let gx = x.track_op().then(|| g.matmul(&wd)).transpose()?;
     let gw = w.track_op().then(|| g.t()?.matmul(&xd)).transpose()?;
+    let gw = match gw {
+        Some(gw) => deliver(w, gw)?,
+        None => None,
+    };
     Ok((gx, gw))
+}
+
+/// The weights whose gradients [`capture_grads`] takes on this thread, and what it took.
+struct Capture {
+    grads: HashMap<TensorId, Option<Tensor>>,
+}
+
+thread_local! {
+    static CAPTURE: RefCell<Option<Capture>> = const { RefCell::new(None) };
+}
+
+/// `gw` for `w`: kept by the capture if `w` is one of its weights (summed with what it already
+/// holds, as candle sums a variable used twice; `None` returned), else handed back.
+fn deliver(w: &Tensor, gw: Tensor) -> Result<Option<Tensor>> {
+    CAPTURE.with(|c| {
+        let mut c = c.borrow_mut();
+        let Some(slot) = c.as_mut().and_then(|c| c.grads.get_mut(&w.id())) else {
+            return Ok(Some(gw));
+        };
+        *slot = Some(match slot.take() {
+            Some(prev) => (prev + gw)?,
+            None => gw,
+        });
+        Ok(None)
+    })
+}
+
+/// `loss.backward()`, with the gradients of `weights` that a [`Linear`] of this module computes
+/// put into the returned store as they are ([`capture_grads`]) rather than as candle's
+/// `zeros + g`: the same store, bit for bit, without a second buffer and an extra pass over
+/// each weight gradient. What `Ddp`'s backward runs.
+pub(crate) fn backward_capturing(loss: &Tensor, weights: &[&Tensor]) -> Result<GradStore> {
+    let (grads, captured) = capture_grads(weights, || loss.backward())?;
+    let mut grads = grads?;
+    for (w, g) in weights.iter().zip(captured) {
+        if let Some(g) = g {
+            grads.insert(w, g);
+        }
+    }
+    Ok(grads)
+}
+
+/// Runs `f` (a backward) with the gradients of `weights`, where a [`Linear`] of this module
+/// computes them, delivered straight to the caller instead of through candle's `GradStore`.
+/// candle stores a variable's gradient as `zeros + g`, a second buffer of the weight's size
+/// allocated while `g` is alive; the captured gradient is `g` itself, bit for bit what the
+/// `GradStore` would have held. Returns `f`'s result and, for each weight in order, its
+/// gradient (`None`: no [`Linear`] of this crate used it, so look in the `GradStore`).
+/// Weights used by other ops still get their gradients through the `GradStore`, as do biases.
+/// Captures do not nest (an inner one is an error); they are per thread, as candle's backward.
+pub(crate) fn capture_grads<R>(
+    weights: &[&Tensor],
+    f: impl FnOnce() -> R,
+) -> Result<(R, Vec<Option<Tensor>>)> {
+    CAPTURE.with(|c| {
+        let mut c = c.borrow_mut();
+        if c.is_some() {
+            candle_core::bail!("capture_grads: a capture is already running on this thread");
+        }
+        *c = Some(Capture {
+            grads: weights.iter().map(|w| (w.id(), None)).collect(),
+        });
+        Ok(())
+    })?;
+    /// Ends the capture even if `f` panics.
+    struct End;
+    impl Drop for End {
+        fn drop(&mut self) {
+            CAPTURE.with(|c| c.borrow_mut().take());
+        }
+    }
+    let end = End;
+    let r = f();
+    let mut cap = CAPTURE
+        .with(|c| c.borrow_mut().take())
+        .expect("the capture is set until `end` drops");
+    drop(end);
+    let grads = weights
+        .iter()
+        .map(|w| cap.grads.remove(&w.id()).flatten())
+        .collect();
+    Ok((r, grads))
 }
 
 impl CustomOp2 for LinearOp {
@@ -305,6 +398,57 @@ mod tests {
         // d(sum(x Wᵀ))/dW[j, :] = column sums of x.
         let want = x.sum_keepdim(0).unwrap().broadcast_as((2, 3)).unwrap();
         assert!(max_rel(gw, &want.to_dtype(DType::F32).unwrap()) < 1e-6);
+    }
+
+    /// Under `capture_grads` a captured weight's gradient is the `GradStore`'s bit for bit and
+    /// absent from the `GradStore`; a weight used by two layers gets the sum, as candle sums
+    /// it; a weight not captured, the biases and the input keep theirs in the `GradStore`;
+    /// after the capture (also after a panic inside it) backward is candle's again; captures
+    /// do not nest.
+    #[test]
+    fn captured_weight_gradients_equal_the_grad_store_and_leave_it() {
+        let x = Var::from_tensor(&rand(&[6, 4], 21)).unwrap();
+        let w1 = Var::from_tensor(&rand(&[4, 4], 22)).unwrap();
+        let w2 = Var::from_tensor(&rand(&[3, 4], 23)).unwrap();
+        let b2 = Var::from_tensor(&rand(&[3], 24)).unwrap();
+        // w1 twice (tied), then w2 with a bias.
+        let l1 = Linear::new(w1.as_tensor().clone(), None);
+        let l2 = Linear::new(w2.as_tensor().clone(), Some(b2.as_tensor().clone()));
+        let loss = || {
+            let h = l1.forward(x.as_tensor())?.tanh()?;
+            let h = l1.forward(&h)?.tanh()?;
+            l2.forward(&h)?.sqr()?.sum_all()
+        };
+        let plain = loss().unwrap().backward().unwrap();
+        let bits = |t: &Tensor| t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+        let (got, caught) =
+            capture_grads(&[w1.as_tensor()], || loss().unwrap().backward().unwrap()).unwrap();
+        let caught_w1 = caught[0].as_ref().expect("w1 captured");
+        assert_eq!(bits(caught_w1), bits(plain.get(w1.as_tensor()).unwrap()));
+        assert!(got.get(w1.as_tensor()).is_none(), "w1 also in the GradStore");
+        for (name, v) in [("x", &x), ("w2", &w2), ("b2", &b2)] {
+            let (a, e) = (got.get(v).unwrap(), plain.get(v).unwrap());
+            assert_eq!(bits(a), bits(e), "{name}");
+        }
+        // A weight no Linear of this crate uses is left to the GradStore (reported `None`).
+        let other = Var::from_tensor(&rand(&[3], 25)).unwrap();
+        let (g, caught) = capture_grads(&[other.as_tensor()], || {
+            other.as_tensor().sqr().unwrap().sum_all().unwrap().backward().unwrap()
+        })
+        .unwrap();
+        assert!(caught[0].is_none() && g.get(other.as_tensor()).is_some());
+        let nested = capture_grads(&[w1.as_tensor()], || {
+            capture_grads(&[w2.as_tensor()], || ()).map(|_| ())
+        })
+        .unwrap()
+        .0;
+        assert!(nested.unwrap_err().to_string().contains("already running"));
+        let panicked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            capture_grads(&[w1.as_tensor()], || panic!("inside")).ok();
+        }));
+        assert!(panicked.is_err());
+        let after = loss().unwrap().backward().unwrap();
+        assert_eq!(bits(after.get(w1.as_tensor()).unwrap()), bits(caught_w1));
     }
 
     #[test]

@@ -16,7 +16,7 @@
 //! The result equals a plain `loss.backward()` bit for bit: `d sum(o * g) / d o` is computed as
 //! `1 * g`, which is exact.
 
-use crate::{Error, Result};
+use crate::{nn, Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Module, Tensor, Var};
 
@@ -30,6 +30,23 @@ pub fn staged_forward_backward<L, F>(
     stages: &[&dyn Module],
     input: &Tensor,
     loss_fn: L,
+    on_stage_grads: F,
+) -> Result<(Tensor, Tensor)>
+where
+    L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
+    F: FnMut(usize, &mut GradStore) -> Result<()>,
+{
+    staged_backward(stages, input, loss_fn, &[], on_stage_grads)
+}
+
+/// [`staged_forward_backward`] whose backwards take the gradients of `weights` straight from
+/// `ddp_candle::nn::Linear` (`nn::backward_capturing`: the same stores, without candle's
+/// `zeros + g` copy of each).
+pub(crate) fn staged_backward<L, F>(
+    stages: &[&dyn Module],
+    input: &Tensor,
+    loss_fn: L,
+    weights: &[&Tensor],
     mut on_stage_grads: F,
 ) -> Result<(Tensor, Tensor)>
 where
@@ -60,7 +77,7 @@ where
     }
     let output = outputs[n - 1].clone();
     let loss = loss_fn(&output)?;
-    let mut grads = loss.backward()?;
+    let mut grads = nn::backward_capturing(&loss, weights)?;
     let mut grad_in = take_input_grad(&mut grads, &inputs[n - 1]);
     on_stage_grads(n - 1, &mut grads)?;
     drop(grads);
@@ -68,7 +85,7 @@ where
         // The later stage does not depend on its input: no gradient reaches earlier stages.
         let Some(g) = grad_in.take() else { break };
         let surrogate = (&outputs[i] * g.detach())?.sum_all()?;
-        let mut grads = surrogate.backward()?;
+        let mut grads = nn::backward_capturing(&surrogate, weights)?;
         grad_in = take_input_grad(&mut grads, &inputs[i]);
         on_stage_grads(i, &mut grads)?;
     }

@@ -117,6 +117,43 @@ fn staged_and_plain_backward_give_identical_gradients() {
     });
 }
 
+/// `Ddp`'s backward takes `ddp_candle::nn::Linear`'s weight gradients straight from the layer
+/// instead of candle's `GradStore` copy of them: the plain and the staged backward both give,
+/// bit for bit, the average of the two ranks' own `loss.backward()` gradients.
+#[test]
+fn our_linear_weight_gradients_reach_the_buckets_bit_for_bit() {
+    let (x, y) = dataset(32);
+    run_ranks(2, |rank, pg| {
+        let (vm, m) = model(3, HID);
+        let ours = [&m.l1, &m.l2, &m.l3].map(|l| ddp_candle::nn::Linear::from(l.clone()));
+        let s1 = |t: &Tensor| ours[0].forward(t)?.relu();
+        let s2 = |t: &Tensor| ours[1].forward(t)?.tanh();
+        let s3 = |t: &Tensor| ours[2].forward(t);
+        let loss_of = |r: usize| {
+            let (xs, ys) = batch(&x, &y, r * 16..r * 16 + 16);
+            let o = s3(&s2(&s1(&xs).unwrap()).unwrap()).unwrap();
+            candle_nn::loss::cross_entropy(&o, &ys).unwrap()
+        };
+        let mut ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
+        let own: Vec<Vec<Vec<f32>>> = (0..2)
+            .map(|r| grads_of(&ddp, &loss_of(r).backward().unwrap()))
+            .collect();
+        let want: Vec<Vec<f32>> = own[0]
+            .iter()
+            .zip(&own[1])
+            .map(|(a, b)| a.iter().zip(b).map(|(a, b)| (a + b) / 2.0).collect())
+            .collect();
+        let plain = ddp.backward(&loss_of(rank)).unwrap();
+        assert_eq!(grads_of(&ddp, &plain), want, "rank {rank}: plain backward");
+        let (xs, ys) = batch(&x, &y, rank * 16..rank * 16 + 16);
+        let stages: [&dyn Module; 3] = [&s1, &s2, &s3];
+        let out = ddp
+            .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .unwrap();
+        assert_eq!(grads_of(&ddp, &out.grads), want, "rank {rank}: staged backward");
+    });
+}
+
 #[test]
 fn no_sync_accumulation_equals_one_big_batch() {
     const K: usize = 3; // micro-batches per rank

@@ -73,8 +73,9 @@ pub fn loss_at(m: &Mlp, k: usize, rank: usize, world: usize) -> Tensor {
     candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap()
 }
 
-/// The units of the test MLP for stage 3: one per layer (`Sizes::Tiny`) or the whole model as
-/// one unit (`Sizes::Default`).
+/// A layer of the test MLP as a stage-3 unit's function: `ddp_candle::nn::Linear` (the same
+/// parameters and values as the reference model's `candle_nn::Linear`), whose weight gradients
+/// reach `Fsdp` without candle's `GradStore` (`Sizes::Uneven` keeps a unit that goes through it).
 pub fn layer(
     name: &'static str,
     i: usize,
@@ -82,9 +83,11 @@ pub fn layer(
     act: fn(&Tensor) -> candle_core::Result<Tensor>,
 ) -> impl Fn(VarBuilder<'_>, &Tensor) -> candle_core::Result<Tensor> + Send + Sync + Clone + 'static
 {
-    move |vb, x| act(&candle_nn::linear(i, o, vb.pp(name))?.forward(x)?)
+    move |vb, x| act(&ddp_candle::nn::linear(i, o, vb.pp(name))?.forward(x)?)
 }
 
+/// The units of the test MLP for stage 3: one per layer (`Sizes::Tiny`) or the whole model as
+/// one unit (`Sizes::Default`).
 pub fn mlp_units(hidden: usize, sizes: Sizes) -> Vec<Unit> {
     let l1 = layer("l1", IN, hidden, |t| t.relu());
     let l2 = layer("l2", hidden, hidden, |t| t.tanh());

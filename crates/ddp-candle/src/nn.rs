@@ -425,7 +425,10 @@ mod tests {
             capture_grads(&[w1.as_tensor()], || loss().unwrap().backward().unwrap()).unwrap();
         let caught_w1 = caught[0].as_ref().expect("w1 captured");
         assert_eq!(bits(caught_w1), bits(plain.get(w1.as_tensor()).unwrap()));
-        assert!(got.get(w1.as_tensor()).is_none(), "w1 also in the GradStore");
+        assert!(
+            got.get(w1.as_tensor()).is_none(),
+            "w1 also in the GradStore"
+        );
         for (name, v) in [("x", &x), ("w2", &w2), ("b2", &b2)] {
             let (a, e) = (got.get(v).unwrap(), plain.get(v).unwrap());
             assert_eq!(bits(a), bits(e), "{name}");
@@ -433,7 +436,14 @@ mod tests {
         // A weight no Linear of this crate uses is left to the GradStore (reported `None`).
         let other = Var::from_tensor(&rand(&[3], 25)).unwrap();
         let (g, caught) = capture_grads(&[other.as_tensor()], || {
-            other.as_tensor().sqr().unwrap().sum_all().unwrap().backward().unwrap()
+            other
+                .as_tensor()
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap()
         })
         .unwrap();
         assert!(caught[0].is_none() && g.get(other.as_tensor()).is_some());

@@ -150,7 +150,11 @@ fn our_linear_weight_gradients_reach_the_buckets_bit_for_bit() {
         let out = ddp
             .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
             .unwrap();
-        assert_eq!(grads_of(&ddp, &out.grads), want, "rank {rank}: staged backward");
+        assert_eq!(
+            grads_of(&ddp, &out.grads),
+            want,
+            "rank {rank}: staged backward"
+        );
     });
 }
 

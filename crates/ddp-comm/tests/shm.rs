@@ -328,6 +328,19 @@ fn worker() {
                 expect_error(pg.all_gather(&buf, &mut out));
             }
         }
+        "mismatch_placed" => {
+            // Rank 1 gathers with the caller-placed all-gather (cross-memory reads on this
+            // machine), the others with the plain in-place one: two protocols, one count.
+            let mut ok = vec![0.0f32; 8];
+            pg.all_reduce(&mut ok, ReduceOp::Sum).unwrap();
+            let mut buf = vec![1.0f32; 300_000 * pg.size()];
+            if rank == 1 {
+                let mut out = vec![0.0f32; buf.len()];
+                expect_error(pg.all_gather_in_place_to(&mut buf, &mut |read| read(0, &mut out)));
+            } else {
+                expect_error(pg.all_gather_in_place(&mut buf));
+            }
+        }
         "fallback" => {
             let mut v = vec![pg.rank() as i64 + 1; 100_000];
             pg.all_reduce(&mut v, ReduceOp::Sum).unwrap();
@@ -435,6 +448,16 @@ fn mismatched_collectives_fail_on_every_rank_naming_both_sides() {
             "mismatch",
             "all_reduce(sum, f32 x 12)",
             "all_gather(f32 x 12)",
+        ],
+    );
+    expect_all_fail(
+        "shm",
+        "mismatch_placed",
+        3,
+        &[
+            "mismatch",
+            "all_gather(f32 x 300000)",
+            "all_gather_in_place_to(f32 x 300000)",
         ],
     );
 }

@@ -155,7 +155,8 @@ impl ProcessGroup {
     /// buffers straight into `dst`: one copy, where a gather then a copy out of `buf` makes
     /// three on shared memory. Otherwise `buf` is all-gathered in place and copied from; either
     /// way its other blocks are unspecified afterwards. Every rank must call this one (it does
-    /// not pair with `all_gather_in_place`). Blocking; an error of `place` is returned once the
+    /// not pair with `all_gather_in_place`: a rank calling that one fails with a mismatch
+    /// naming both). Blocking; an error of `place` is returned once the
     /// collective has completed on this rank.
     pub fn all_gather_in_place_to<T: Element>(
         &self,
@@ -164,7 +165,7 @@ impl ProcessGroup {
     ) -> Result<()> {
         self.check_blocks("all_gather_in_place_to", buf.len())?;
         let n = buf.len() / self.size();
-        let fp = self.fingerprint(OpKind::AllGather, T::DTYPE, None, n, None);
+        let fp = self.fingerprint(OpKind::AllGatherPlaced, T::DTYPE, None, n, None);
         self.blocking(fp, move |b| {
             let mut erased = |read: &mut dyn FnMut(usize, &mut [u8]) -> Result<()>| {
                 place(&mut |offset, dst: &mut [T]| read(offset, bytemuck::cast_slice_mut(dst)))

@@ -42,6 +42,11 @@ pub enum OpKind {
     Barrier,
     SendRecv,
     Rendezvous,
+    /// [`crate::ProcessGroup::all_gather_in_place_to`]: an all-gather whose caller places the
+    /// result. On shared memory it runs another protocol than [`OpKind::AllGather`] (each rank
+    /// reads the peers' buffers), so it has its own code: a rank calling one while a peer calls
+    /// the other gets a mismatch naming both, not a wait until the timeout.
+    AllGatherPlaced,
 }
 
 impl OpKind {
@@ -59,6 +64,7 @@ impl OpKind {
             Barrier,
             SendRecv,
             Rendezvous,
+            AllGatherPlaced,
         ]
         .get(code as usize)
         .copied()
@@ -79,6 +85,7 @@ impl OpKind {
             Barrier => "barrier",
             SendRecv => "send/recv",
             Rendezvous => "rendezvous",
+            AllGatherPlaced => "all_gather_in_place_to",
         }
     }
 }

@@ -588,11 +588,11 @@ impl Fsdp {
                     })?;
                     let mut grads = grads?;
                     grad_out = input.and_then(|v| grads.remove(v.as_tensor()));
-                    let pieces: Vec<Option<Tensor>> = captured
+                    let pieces = captured
                         .into_iter()
                         .zip(&weights)
-                        .map(|(c, w)| c.or_else(|| grads.remove(w)))
-                        .collect();
+                        .map(|(c, w)| nn::merge_captured(c, grads.remove(w)))
+                        .collect::<candle_core::Result<Vec<_>>>()?;
                     // The unit's values are not needed for its flat gradient: free them first.
                     drop((grads, weights));
                     drop(vars);

@@ -266,12 +266,13 @@ fn recycled_buffers_carry_the_next_backward_whatever_they_hold() {
     });
 }
 
-/// Spare buffers (any values: NaN here; in any order) go to the buckets that lack one, in the
-/// order the backward fills them, each bucket the smallest of its dtype with room for the
-/// bucket padded to the world size; the others are dropped. The next backward averages as on
-/// fresh buffers, including a bucket left without a spare.
+/// Spare buffers (any values: NaN here; in any order) go to the buckets that lack one: one of
+/// a bucket's own padded size to that bucket (not to an earlier, smaller one it would also
+/// fit), otherwise, in the order the backward fills them, each bucket the smallest of its dtype
+/// with room for the bucket padded to the world size; the others are dropped. The next
+/// backward averages as on fresh buffers, including a bucket left without a spare.
 #[test]
-fn spare_buffers_carry_the_next_backward_smallest_fitting_first() {
+fn spare_buffers_carry_the_next_backward_own_size_then_smallest_fitting_first() {
     const W: usize = 3;
     run_ranks(W, T, |rank, pg| {
         let mut red = Reducer::new(&pg, mixed_specs(), small()).unwrap();
@@ -323,6 +324,18 @@ fn spare_buffers_carry_the_next_backward_smallest_fitting_first() {
                 let first = infos.iter().position(|b| b.dtype == DType::F64).unwrap();
                 let took = red.give_spare_buffers(vec![nan(DType::F64, big)]).unwrap();
                 assert_eq!(took, vec![first]);
+            } else if step == 2 {
+                // One spare of the size of an f32 bucket that an earlier, smaller f32 bucket
+                // (the first, capped lower) would fit in: the bucket of its size takes it.
+                let f32s: Vec<usize> = (0..n).filter(|&b| infos[b].dtype == DType::F32).collect();
+                let later = *f32s
+                    .iter()
+                    .find(|&&b| f32s.iter().any(|&e| e < b && room(e) < room(b)))
+                    .expect("an f32 bucket after a smaller one");
+                let took = red
+                    .give_spare_buffers(vec![nan(DType::F32, room(later))])
+                    .unwrap();
+                assert_eq!(took, vec![later]);
             } else {
                 // A buffer of each bucket's padded size (in reverse), a decoy bigger than all
                 // and one too small for any.

@@ -314,7 +314,9 @@ pub struct Gather {
 /// error is returned. The buffers that were given come back (each a whole bucket, padded,
 /// holding the gathered parameters; e.g. for `Reducer::recycle_buffers`), and so do those
 /// allocated here that carried the last buckets (at most the window's worth: e.g. for
-/// `Reducer::give_spare_buffers`), each at its bucket's index; the others were carried over to
+/// `Reducer::give_spare_buffers`), each at its bucket's index (a buffer that carried buckets
+/// placed straight into the parameters keeps the length of the largest of them, so that its
+/// next user need not zero-fill it again); the others were carried over to
 /// later buckets or freed, an empty vector in their place. Buckets are gathered in index order,
 /// [`Gather::lead`] (the same on every rank) first.
 ///
@@ -429,6 +431,10 @@ pub fn gather_params_into(
         if !given[i] {
             v = match freed.take() {
                 // Any values: the fill and the gather write every element.
+                // Placed straight into the parameters, a bucket uses the first `len` elements
+                // of a longer buffer, which keeps its length: the bucket of that size reuses
+                // it next without zero-filling the rest again.
+                Some(w) if direct && w.len() >= len => w,
                 Some(mut w) if w.capacity() >= len => {
                     w.resize(len, 0.0);
                     w
@@ -456,7 +462,7 @@ pub fn gather_params_into(
                 let mut lent: Option<Error> = None;
                 // A parameter that cannot be lent stops the placing, not the collective, so
                 // that the group stays in step.
-                let r = pg.all_gather_in_place_to(&mut v, &mut |read| {
+                let r = pg.all_gather_in_place_to(&mut v[..len], &mut |read| {
                     for &(p, a, b, lo) in &parts {
                         let r = lend(p, a - lo, b - a, &mut |dst| {
                             read(a, dst).map_err(Error::Comm)
@@ -641,6 +647,12 @@ mod tests {
                                 at.is_some_and(|j| j != l),
                                 "{what}: lead's buffer at {at:?}"
                             );
+                            if lent {
+                                // Placed buckets use a prefix: the lead's length is kept.
+                                let lead_len = layout.buckets()[l].chunk_len(pg.size()) * pg.size();
+                                let got = back[at.unwrap()].len();
+                                assert_eq!(got, lead_len, "{what}: length of the lead's buffer");
+                            }
                         } else {
                             assert_eq!(at, Some(l), "{what}");
                         }

@@ -9,6 +9,10 @@ use crate::error::{Error, Result};
 use crate::reducer::buffer::{BucketBuffer, HostBuffer};
 use ddp_comm::DType;
 
+/// A spare "nearly" fits a bucket when its capacity exceeds the bucket's room by at most
+/// `room / NEAR_FIT`.
+const NEAR_FIT: usize = 16;
+
 impl Reducer {
     /// Frees every host bucket buffer until the next backward needs it (ZeRO stage 2, which
     /// keeps only its gradient shard between steps): a released bucket is reallocated, zeroed,
@@ -118,10 +122,15 @@ impl Reducer {
 
     /// Gives spare buffers of any origin (e.g. the parameter all-gather's, ZeRO stage 2) to the
     /// host buckets that lack one (emptied by [`take_averaged_buffers`](Self::take_averaged_buffers)
-    /// or [`release_buffers`](Self::release_buffers)), in the order the backward fills them
-    /// (bucket 0 first), each bucket the smallest spare of its dtype with room for the bucket
-    /// padded to a multiple of the world size; spares that no such bucket takes are dropped
-    /// here. Returns the buckets that took one. As with
+    /// or [`release_buffers`](Self::release_buffers)): first each spare of nearly a bucket's own
+    /// size (room for the bucket padded to a multiple of the world size, at most 1/16 more) to
+    /// such a bucket, then, in the order the backward fills them (bucket 0 first), each bucket
+    /// still without one the smallest spare of its dtype with that room; spares that no bucket
+    /// takes are dropped here. A buffer that fits nearly exactly costs that bucket nothing beyond
+    /// its own size and spares it the zero-filling of a fresh one, where given to a smaller
+    /// bucket it would leave the bucket of its size to allocate (ZeRO stage 2 on the benchmark
+    /// MLP: 11.4 M elements zero-filled per step, 4% of the CPU time). Returns the buckets that
+    /// took one, in order. As with
     /// [`recycle_buffers`](Self::recycle_buffers), any values may be in them, and the buffer
     /// is cut to the bucket's length; refused, changing nothing, while a backward is in
     /// progress.
@@ -133,27 +142,32 @@ impl Reducer {
         }
         let world = self.pg.size();
         let mut took = Vec::new();
-        for (i, b) in self.buckets.iter_mut().enumerate() {
-            let BucketState::Idle(BucketBuffer::Host(h)) = &mut b.state else {
-                continue;
-            };
-            if b.numel == 0 || !h.is_empty() {
-                continue;
-            }
-            let room = b.numel.next_multiple_of(world);
-            let best = spares
-                .iter()
-                .enumerate()
-                .filter(|(_, s)| s.dtype() == b.dtype && s.capacity() >= room)
-                .min_by_key(|(_, s)| s.capacity())
-                .map(|(j, _)| j);
-            if let Some(j) = best {
-                let mut new = spares.swap_remove(j);
-                new.resize(b.numel);
-                *h = new;
-                took.push(i);
+        // First the spares of (nearly) a bucket's own size, then the smallest that fits.
+        for near_fit in [true, false] {
+            for (i, b) in self.buckets.iter_mut().enumerate() {
+                let BucketState::Idle(BucketBuffer::Host(h)) = &mut b.state else {
+                    continue;
+                };
+                if b.numel == 0 || !h.is_empty() {
+                    continue;
+                }
+                let room = b.numel.next_multiple_of(world);
+                let best = spares
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, s)| s.dtype() == b.dtype && s.capacity() >= room)
+                    .filter(|(_, s)| !near_fit || s.capacity() <= room + room / NEAR_FIT)
+                    .min_by_key(|(_, s)| s.capacity())
+                    .map(|(j, _)| j);
+                if let Some(j) = best {
+                    let mut new = spares.swap_remove(j);
+                    new.resize(b.numel);
+                    *h = new;
+                    took.push(i);
+                }
             }
         }
+        took.sort_unstable();
         Ok(took)
     }
 }

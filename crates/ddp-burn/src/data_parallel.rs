@@ -303,6 +303,38 @@ impl<M: Module> DistributedDataParallel<M> {
         self.reduced_grads(stats, local)
     }
 
+    /// ZeRO's backward: this rank's gradients handed to the reducer and reduced; the reduced
+    /// buckets stay in the reducer (for `sharding::take_shard_grads`).
+    pub(crate) fn reduce_backward<const D: usize>(&mut self, loss: Tensor<D>) -> Result<StepStats> {
+        self.local_backward(loss)?;
+        Ok(self.reducer.finish()?)
+    }
+
+    /// [`reduce_backward`](Self::reduce_backward) under [`Join`] (`loss` checked by the caller).
+    pub(crate) fn reduce_backward_join<const D: usize>(
+        &mut self,
+        loss: Option<Tensor<D>>,
+        join: &Join,
+        step: &JoinStep,
+    ) -> Result<StepStats> {
+        self.reducer.set_divisor(step.divisor)?;
+        if let Some(loss) = loss {
+            self.local_backward(loss)?;
+        }
+        Ok(join.sync_gradients(&mut self.reducer, step)?)
+    }
+
+    /// Stages new values of parameter `index` for [`apply_staged`](Self::apply_staged).
+    pub(crate) fn stage_param(&self, index: usize, values: &[f32]) -> Result<()> {
+        self.params
+            .write_param(index, ddp::reducer::HostSlice::of(values))
+    }
+
+    /// Writes the staged parameter values into the module.
+    pub(crate) fn apply_staged(&mut self) -> Result<()> {
+        self.update(|m| Ok(m), |params, m| params.apply(m))
+    }
+
     fn finish(&mut self, local: GradientsParams) -> Result<GradientsParams> {
         let stats = self.reducer.finish()?;
         self.reduced_grads(stats, local)

@@ -71,6 +71,7 @@ mod data_parallel;
 #[cfg(feature = "learner")]
 pub mod learner;
 pub mod params;
+pub mod zero;
 
 pub use data::ShardedDataset;
 pub use data_parallel::{DdpOptions, DistributedDataParallel, ModuleLearningRate, NoSync};
@@ -78,6 +79,7 @@ pub use ddp_comm::ProcessGroup;
 #[cfg(feature = "learner")]
 pub use learner::{DdpLearningStrategy, FitSummary, QuietRenderer};
 pub use params::BurnParams;
+pub use zero::ZeroDdp;
 
 /// Short alias of [`DistributedDataParallel`].
 pub type Ddp<M> = DistributedDataParallel<M>;

@@ -309,6 +309,39 @@ impl BurnParams {
         self.taken.borrow_mut().iter_mut().for_each(|t| *t = None);
     }
 
+    /// The device of parameter `index`'s gradient (its device without autodiff).
+    pub(crate) fn grad_device(&self, index: usize) -> &Device {
+        &self.entries[index].grad_device
+    }
+
+    /// PyTorch's `clip_grad_norm_` over whole gradients (every rank holds them all): scales
+    /// them by `max_norm / (norm + 1e-6)` when that is below 1; returns the global L2 norm.
+    pub(crate) fn clip_grad_norm(&self, grads: &mut GradientsParams, max_norm: f64) -> Result<f64> {
+        let mut sq = 0f64;
+        for i in 0..self.entries.len() {
+            self.with_grad(grads, i, |s| {
+                sq += match (s.get::<f32>(), s.get::<f64>()) {
+                    (Some(v), _) => v.iter().map(|&x| f64::from(x) * f64::from(x)).sum(),
+                    (_, Some(v)) => v.iter().map(|&x| x * x).sum(),
+                    _ => 0.0,
+                }
+            })?;
+        }
+        let norm = sq.sqrt();
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            for e in &self.entries {
+                with_rank!(e.shape.len(), e.path, |D| {
+                    if let Some(g) = grads.remove::<D>(e.id) {
+                        grads.register::<D>(e.id, g.mul_scalar(coef));
+                    }
+                    Ok(())
+                })?;
+            }
+        }
+        Ok(norm)
+    }
+
     /// The parameter paths, in order.
     pub fn names(&self) -> Vec<&str> {
         self.entries.iter().map(|e| e.path.as_str()).collect()

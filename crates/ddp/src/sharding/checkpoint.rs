@@ -221,8 +221,9 @@ fn check_model(index: &Index, specs: &[ParamSpec], origin: &Path) -> Result<()> 
     )))
 }
 
-/// Every rank's `result` agreed on: an error on any rank fails every rank, naming the ranks.
-fn agree<T>(pg: &ProcessGroup, what: &str, result: Result<T>) -> Result<T> {
+/// Every rank's `result` agreed on: an error on any rank fails every rank, naming the ranks (a
+/// collective).
+pub fn agree<T>(pg: &ProcessGroup, what: &str, result: Result<T>) -> Result<T> {
     let mut flags = vec![0u8; pg.size()];
     flags[pg.rank()] = result.is_err() as u8;
     pg.all_reduce(&mut flags, ReduceOp::Max)?;

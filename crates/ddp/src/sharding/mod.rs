@@ -47,7 +47,7 @@ pub mod layout;
 pub mod units;
 
 pub use checkpoint::{
-    consolidate, import, latest_set, load_sharded, save_sharded, ChunkState, ShardState,
+    agree, consolidate, import, latest_set, load_sharded, save_sharded, ChunkState, ShardState,
 };
 pub use hook::{
     bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_params,

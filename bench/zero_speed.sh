@@ -5,8 +5,8 @@
 # alike. Prints, per stage, the median samples/s, the ratio of medians against stage 0 and the
 # median (and quartiles) of the per-round ratios against stage 0 of the same round.
 #   bench/zero_speed.sh [NPROC] [RUNS]     BACKEND=shm|tcp (default shm), OPTIM=sgd|adamw
-#   (default sgd), STEPS (default 150), STAGES="0 1 2"; BIN=path/to/ddp-bench uses that binary
-#   instead of a release build.
+#   (default sgd), STEPS (default 150), STAGES="0 1 2", FRAMEWORK=candle|burn (default candle);
+#   BIN=path/to/ddp-bench uses that binary instead of a release build.
 set -euo pipefail
 NPROC=${1:-2}
 RUNS=${2:-9}
@@ -14,6 +14,7 @@ BACKEND=${BACKEND:-shm}
 OPTIM=${OPTIM:-sgd}
 STEPS=${STEPS:-150}
 STAGES=${STAGES:-0 1 2}
+FRAMEWORK=${FRAMEWORK:-candle}
 cd "$(dirname "$0")/.."
 if [ -z "${BIN:-}" ]; then
   cargo build --release -q -p ddp-bench
@@ -22,7 +23,7 @@ fi
 out=$(mktemp)
 for run in $(seq "$RUNS"); do
   for z in $(printf '%s\n' $STAGES | shuf); do
-    line=$("$BIN" train --nproc "$NPROC" --backend "$BACKEND" --optimizer "$OPTIM" \
+    line=$("$BIN" train --framework "$FRAMEWORK" --nproc "$NPROC" --backend "$BACKEND" --optimizer "$OPTIM" \
       --zero "$z" --steps "$STEPS" --json | tail -n 1)
     echo "$run $line" >>"$out"
   done

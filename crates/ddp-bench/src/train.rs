@@ -340,7 +340,7 @@ pub(crate) struct Timing {
     step_ms: f64,
     comm_wait_ms: f64,
     /// This rank's mean payload bytes per timed step.
-    bytes_per_step: f64,
+    pub(crate) bytes_per_step: f64,
 }
 
 /// Times `args.steps` calls of `step` after `args.warmup` untimed ones (the slowest rank's

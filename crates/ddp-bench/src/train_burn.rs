@@ -3,16 +3,19 @@
 //! [`crate::train`], on Burn's pure-Rust CPU backend (`burn-flex`, one rayon thread per rank by
 //! default), data-parallel with `ddp_burn::Ddp` (plain backward, then the bucketed all-reduce),
 //! with `--hook` as for candle (post-local SGD averages through `Ddp::average_parameters`).
+//! `--optimizer sgd|adamw` picks Burn's `SgdConfig` (lr 0.01) or `AdamWConfig` (lr 1e-3, Burn's
+//! defaults); `--zero 1|2` shards optimizer state (and gradients) with `ddp_burn::ZeroDdp`.
 
 use crate::train::{measure, report, Error, StepCost};
 use crate::TrainArgs;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
-use burn::optim::SgdConfig;
+use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::{activation, Device, Distribution, Int, Tensor, TensorData};
 use ddp::hooks::PeriodicModelAverager;
-use ddp_burn::{Ddp, DdpOptions};
+use ddp::sharding::ZeroStage;
+use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions};
 
 #[derive(Module, Debug)]
@@ -35,8 +38,14 @@ impl Mlp {
 pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let pg = init_process_group(InitOptions::default())?;
     let rank = pg.rank();
-    if args.device != ddp_candle::device::DeviceKind::Cpu || args.zero != 0 {
-        return Err("--framework burn runs DDP on burn-flex (CPU): --device and --zero are candle's for now".into());
+    if args.device != ddp_candle::device::DeviceKind::Cpu {
+        return Err(
+            "--framework burn runs on burn-flex (CPU): --device is candle's for now".into(),
+        );
+    }
+    let stage = ZeroStage::from_level(args.zero)?;
+    if stage == ZeroStage::Three {
+        return Err("--zero 3 is candle's (ddp_candle::Fsdp); Burn has stages 0-2".into());
     }
     let dev = Device::flex().autodiff();
     let mut width = 784;
@@ -54,18 +63,39 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ..Default::default()
     };
     let mut ddp = Ddp::new(model, &pg, opts)?;
-    if let Some(hook) = args.hook.hook()? {
-        ddp.register_comm_hook(hook)?;
-    }
-    let mut averager = args.hook.averager()?;
-    let mut opt = SgdConfig::new().init();
     let loss_fn = CrossEntropyLossConfig::new().init(&dev);
-
     // Synthetic data, different on every rank.
     let x = Tensor::<2>::random([args.batch, 784], Distribution::Normal(0.0, 1.0), &dev)
         .add_scalar(rank as f64 * 0.01);
     let labels: Vec<i64> = (0..args.batch).map(|i| ((i + rank) % 10) as i64).collect();
     let y = Tensor::<1, Int>::from_data(TensorData::new(labels, [args.batch]), &dev);
+    let (lr, adamw) = match args.optimizer.as_str() {
+        "adamw" => (1e-3, true),
+        _ => (0.01, false),
+    };
+    if stage != ZeroStage::Ddp {
+        if args.hook.hook()?.is_some() || args.hook.averager()?.is_some() {
+            return Err(format!(
+                "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
+                 itself",
+                args.hook, args.zero
+            )
+            .into());
+        }
+        let batch = Batch { x, y, loss_fn };
+        return match adamw {
+            true => run_zero(args, &pg, ddp, stage, AdamWConfig::new().build(), lr, batch),
+            false => run_zero(args, &pg, ddp, stage, SgdConfig::new().build(), lr, batch),
+        };
+    }
+    if let Some(hook) = args.hook.hook()? {
+        ddp.register_comm_hook(hook)?;
+    }
+    let mut averager = args.hook.averager()?;
+    let mut opt: ModuleOptimizer = match adamw {
+        true => AdamWConfig::new().init(),
+        false => SgdConfig::new().init(),
+    };
 
     let timing = measure(
         args,
@@ -75,7 +105,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             let before = ddp.reducer().bytes_sent() + sent(&averager);
             let loss = loss_fn.forward(ddp.module().forward(x.clone()), y.clone());
             let grads = ddp.backward(loss)?;
-            ddp.step(&mut opt, 0.01, grads);
+            ddp.step(&mut opt, lr, grads);
             if let Some(a) = &mut averager {
                 ddp.average_parameters(a)?;
             }
@@ -93,7 +123,70 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ddp.average_parameters_now(a)?;
     }
     let diff = ddp.replica_max_diff()?;
-    let extra = serde_json::json!({ "optimizer": "sgd", "hook": args.hook.to_string() });
-    let label = format!("plain path  burn-flex  hook {}", args.hook);
+    let extra = serde_json::json!({
+        "optimizer": args.optimizer,
+        "hook": args.hook.to_string(),
+        "zero": 0,
+        "params": param_count(&ddp),
+        "bytes_per_step": timing.bytes_per_step,
+    });
+    let label = format!(
+        "plain path  burn-flex  hook {}  zero 0  {}",
+        args.hook, args.optimizer
+    );
     report(args, &pg, &label, &timing, diff, extra)
+}
+
+/// The benchmark's fixed batch and loss.
+struct Batch {
+    x: Tensor<2>,
+    y: Tensor<1, Int>,
+    loss_fn: burn::nn::loss::CrossEntropyLoss,
+}
+
+fn param_count(ddp: &Ddp<Mlp>) -> usize {
+    ddp.reducer().specs().iter().map(|s| s.numel()).sum()
+}
+
+/// `--zero 1|2`: `ddp_burn::ZeroDdp` with Burn's bare optimizer `optim`.
+fn run_zero<O: Optimizer>(
+    args: &TrainArgs,
+    pg: &ddp_comm::ProcessGroup,
+    ddp: Ddp<Mlp>,
+    stage: ZeroStage,
+    optim: O,
+    lr: f64,
+    b: Batch,
+) -> Result<(), Error> {
+    let params = param_count(&ddp);
+    let mut zero = ZeroDdp::new(ddp, stage, optim)?;
+    let timing = measure(
+        args,
+        pg,
+        || {
+            let loss = b
+                .loss_fn
+                .forward(zero.module().forward(b.x.clone()), b.y.clone());
+            let stats = zero.backward(loss)?;
+            zero.step(lr)?;
+            Ok(StepCost {
+                wait_s: stats.comm_wait.as_secs_f64(),
+                bytes: zero.bytes_per_step(),
+            })
+        },
+        || Ok(()),
+    )?;
+    let diff = zero.replica_max_diff()?;
+    let extra = serde_json::json!({
+        "optimizer": args.optimizer,
+        "hook": args.hook.to_string(),
+        "zero": args.zero,
+        "params": params,
+        "bytes_per_step": zero.bytes_per_step() as f64,
+    });
+    let label = format!(
+        "plain path  burn-flex  zero {}  {}",
+        args.zero, args.optimizer
+    );
+    report(args, pg, &label, &timing, diff, extra)
 }

@@ -290,14 +290,20 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             .shard_grads
             .take()
             .ok_or_else(|| self.no_grads("step"))?;
-        let parts = grads.into_parts();
+        let mut parts = grads.into_parts();
         {
             let _s = ddp::trace::span("shard step", "zero");
-            for (i, (buf, range)) in parts.iter().enumerate() {
+            for (i, (buf, range)) in parts.iter_mut().enumerate() {
                 let Some(chunk) = self.chunks[i].take() else {
                     continue;
                 };
-                let grad = self.chunk_tensor(buf[range.clone()].to_vec());
+                // A chunk alone (stage 2) becomes the gradient tensor as it is; a whole
+                // bucket (stage 1) keeps its buffer for the all-gather and lends a copy.
+                let grad = match range.len() == buf.len() {
+                    true => std::mem::take(buf),
+                    false => buf[range.clone()].to_vec(),
+                };
+                let grad = self.chunk_tensor(grad);
                 let (new, state) = self.optim.step(lr, chunk, grad, self.states[i].take());
                 self.chunks[i] = Some(new);
                 self.states[i] = state;
@@ -311,7 +317,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         let whole: Vec<bool> = parts
             .iter()
             .zip(self.layout.buckets())
-            .map(|((v, _), b)| v.len() == b.numel)
+            .map(|((v, _), b)| v.len() == b.numel && b.numel > 0)
             .collect();
         let bufs: Vec<Vec<f32>> = parts
             .into_iter()

@@ -392,6 +392,20 @@ impl<M: Module> DistributedDataParallel<M> {
 
     /// Checks across ranks that every replica holds bit-identical parameters (a collective).
     pub fn verify_replicas(&self) -> Result<ReplicaReport> {
+        self.params.capture(self.module())?;
+        let staged = self.params.take_staged();
+        // In the parameters' own dtype (no f64 copy of an f32 model) when they share one.
+        let f32s: Option<Vec<&[f32]>> = staged
+            .iter()
+            .map(|b| match b {
+                Some(HostBuffer::F32(v)) => Some(v.as_slice()),
+                _ => None,
+            })
+            .collect();
+        if let Some(slices) = f32s {
+            return Ok(ddp::verify::verify_replicas(&self.pg, &slices)?);
+        }
+        drop(staged);
         let values = self.param_values_f64()?;
         let slices: Vec<&[f64]> = values.iter().map(Vec::as_slice).collect();
         Ok(ddp::verify::verify_replicas(&self.pg, &slices)?)

@@ -3,28 +3,32 @@
 //! `ddp_candle::ZeroDdp` runs on too).
 //!
 //! ```text
-//!  loss.backward() ─► Reducer (buckets, last parameter first) ─► ReduceScatterHook: each bucket
-//!    reduce-scattered in place ─► this rank's averaged chunk of every bucket (ShardGrads)
-//!  ─► Burn's optimizer (`Optimizer::step`, the per-tensor API that ModuleOptimizer maps over a
-//!    module) steps one 1-D tensor per chunk, with the chunk's own state ─► sharding::
-//!    gather_params_into: every bucket all-gathered ─► the module's parameters, bit-identical
-//!    on every rank
+//!  loss.backward() ─► Reducer (buckets, last parameter first; each Burn gradient dropped once
+//!    in its bucket) ─► ReduceScatterHook: each bucket reduce-scattered in place ─► this rank's
+//!    averaged chunk of every bucket (ShardGrads)
+//!  ─► step: sharding::gather_params_into, bucket by bucket: this rank's block is filled by
+//!    Burn's optimizer (`Optimizer::step`, the per-tensor API that ModuleOptimizer maps over a
+//!    module) stepping the chunk as one 1-D tensor (values read from the module, the chunk's
+//!    own state), then the bucket is all-gathered while the next chunk steps ─► the module's
+//!    parameters, bit-identical on every rank
 //! ```
 //!
 //! Any Burn optimizer whose update is element-wise works unchanged (`SgdConfig`,
 //! `AdamConfig`, `AdamWConfig`, ... `.build()`): stepping a chunk is then exactly stepping those
 //! elements of the whole model, so a run equals DDP with the same optimizer's `.init()`. Each
-//! rank keeps optimizer state for its chunks only (`8Ψ/N` bytes for Adam's two moments) and, at
-//! stage 2, only its gradient chunks between steps. Gradient clipping by global norm is
+//! rank keeps optimizer state for its chunks only (`8Ψ/N` bytes for Adam's two moments), and
+//! nothing else between steps: the chunks' values are read from the module when stepped, and
+//! the bucket buffers are freed after the all-gather. Gradient clipping by global norm is
 //! [`ZeroDdp::clip_grad_norm`] (the norm all-reduced from the shards); Burn's own per-parameter
 //! `grad_clipping` of `.init()` is not element-wise and is not applied.
 //!
-//! What Burn's design adds to the formulas (`8Ψ + 8Ψ/N` at stage 1, `4Ψ + 12Ψ/N` at stage 2 for
-//! fp32 Adam): the chunks are tensors of their own beside the module (4Ψ/N: Burn's parameters
-//! are immutable values, so the optimizer cannot update the owned elements inside them), and
-//! Burn's backward returns every gradient at once, so the backward's peak holds the full
-//! gradients (4Ψ) whatever the stage; stage 2 frees them as the buckets are reduce-scattered,
-//! not before they exist.
+//! Memory per rank, fp32 AdamW: stage 1 holds ZeRO's `8Ψ + 8Ψ/N` (parameters, gradient buckets
+//! from the backward to the step, moments). Stage 2 cannot reach its `4Ψ + 12Ψ/N`: Burn's
+//! backward returns every gradient at once (Burn 0.22 has no per-gradient hook), so its peak
+//! holds them whole (4Ψ) once, and they leave for the buckets and their shards only
+//! afterwards; stage 2 then holds `4Ψ + 12Ψ/N` from the reduce-scatter on. Measured, 52 M
+//! parameters, world 2 (`ddp-bench train --framework burn`, see the README): DDP 841 MiB
+//! (16Ψ: 1.06), stage 1 660 (1.11), stage 2 628 (1.27 of 10Ψ; 1.06 of `8Ψ + 8Ψ/N`).
 //!
 //! Checkpoints are `ddp::sharding`'s: each rank writes its chunks (values and every tensor of
 //! the optimizer state, by Burn's `RecordState` names), rank 0 the index with the state's scalars
@@ -52,7 +56,7 @@ use burn::tensor::{Device, Tensor, TensorData};
 use burn_pack::Scalar;
 use ddp::checkpoint::{Checkpoint, CheckpointMeta, OptimizerRecord};
 use ddp::join::{Join, JoinStep};
-use ddp::reducer::{HostBuffer, StepStats};
+use ddp::reducer::StepStats;
 use ddp::sharding::{self, ChunkState, ShardGrads, ShardLayout, ShardState, ZeroStage};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -71,9 +75,8 @@ pub struct ZeroDdp<M: Module, O: Optimizer> {
     optim: O,
     /// Stage 0: `optim` over the whole module.
     module_optim: Option<ModuleOptimizer>,
-    /// This rank's chunk values, one per chunk of `layout` (`None`: empty).
-    chunks: Vec<Option<Tensor<1>>>,
-    /// Their optimizer states (`None` before the first step).
+    /// The optimizer states of this rank's chunks, one per chunk of `layout` (`None` before
+    /// the first step). The chunks' values are the module's own (read when stepped).
     states: Vec<Option<O::State<1>>>,
     /// The device the chunks live on (the parameters' without autodiff).
     device: Device,
@@ -113,7 +116,6 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         };
         let mut z = ZeroDdp {
             stage,
-            chunks: Vec::new(),
             states: Vec::new(),
             module_optim: None,
             device,
@@ -137,27 +139,8 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             ZeroStage::One => sharding::ReduceScatterHook::in_place(),
             _ => sharding::ReduceScatterHook::shard_only(),
         })?;
-        z.ddp.params().capture(z.ddp.module())?;
-        let mut full = z.ddp.params().take_staged();
-        // A parameter lies in one bucket, hence in at most one chunk of this rank: taken once.
-        let values = sharding::shard_params(&z.layout, |p| match full[p].take() {
-            Some(HostBuffer::F32(v)) => Ok(v),
-            _ => Err(ddp::Error::InvalidArgument(format!(
-                "parameter {p} was not captured as f32"
-            ))),
-        })?;
-        drop(full);
-        z.chunks = values
-            .into_iter()
-            .map(|v| (!v.is_empty()).then(|| z.chunk_tensor(v)))
-            .collect();
-        z.states = vec![None; z.chunks.len()];
+        z.states = vec![None; z.layout.chunks().len()];
         Ok(z)
-    }
-
-    fn chunk_tensor(&self, v: Vec<f32>) -> Tensor<1> {
-        let n = v.len();
-        Tensor::from_data(TensorData::new(v, [n]), &self.device)
     }
 
     pub fn stage(&self) -> ZeroStage {
@@ -290,64 +273,53 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             .shard_grads
             .take()
             .ok_or_else(|| self.no_grads("step"))?;
-        let mut parts = grads.into_parts();
-        {
-            let _s = ddp::trace::span("shard step", "zero");
-            for (i, (buf, range)) in parts.iter_mut().enumerate() {
-                let Some(chunk) = self.chunks[i].take() else {
-                    continue;
-                };
-                // A chunk alone (stage 2) becomes the gradient tensor as it is; a whole
-                // bucket (stage 1) keeps its buffer for the all-gather and lends a copy.
-                let grad = match range.len() == buf.len() {
-                    true => std::mem::take(buf),
-                    false => buf[range.clone()].to_vec(),
-                };
-                let grad = self.chunk_tensor(grad);
-                let (new, state) = self.optim.step(lr, chunk, grad, self.states[i].take());
-                self.chunks[i] = Some(new);
-                self.states[i] = state;
-            }
-        }
-        self.steps += 1;
-        // Stage 1's buffers are whole buckets: they carry the all-gather and go back to the
-        // reducer. Stage 2's are the chunks alone: the gather allocates its window's buffers,
-        // which become the next backward's first buckets.
-        let n = self.layout.buckets().len();
-        let whole: Vec<bool> = parts
-            .iter()
-            .zip(self.layout.buckets())
-            .map(|((v, _), b)| v.len() == b.numel && b.numel > 0)
-            .collect();
-        let bufs: Vec<Vec<f32>> = parts
-            .into_iter()
-            .zip(&whole)
-            .map(|((v, _), &w)| if w { v } else { Vec::new() })
-            .collect();
-        let _s = ddp::trace::span("gather params", "zero");
-        let bufs = self.gather(bufs)?;
-        let mut own = Vec::with_capacity(n);
-        let mut spares = Vec::new();
-        for (v, w) in bufs.into_iter().zip(whole) {
-            let v = (!v.is_empty()).then_some(HostBuffer::F32(v));
-            if w {
-                own.push(v);
+        // Stage 1: a whole bucket's buffer, its averaged chunk inside, carries the bucket's
+        // all-gather (the chunk is stepped in place of its gradient). Stage 2: the chunk alone
+        // becomes its gradient tensor, and the gather allocates its window's buffers.
+        let mut bufs = Vec::with_capacity(self.layout.buckets().len());
+        let mut shards = Vec::with_capacity(bufs.capacity());
+        for ((v, _), b) in grads.into_parts().into_iter().zip(self.layout.buckets()) {
+            if v.len() == b.numel && b.numel > 0 {
+                bufs.push(v);
+                shards.push(None);
             } else {
-                own.push(None);
-                spares.extend(v);
+                bufs.push(Vec::new());
+                shards.push(Some(v));
             }
         }
-        let reducer = self.ddp.reducer_mut();
-        reducer.recycle_buffers(own)?;
-        reducer.give_spare_buffers(spares)?;
+        self.gather(bufs, Fill::Step { lr, shards })?;
+        self.steps += 1;
         Ok(())
     }
 
-    /// Every rank's parameters all-gathered from the owners' chunks in `bufs` (fresh ones where
-    /// empty) and written into the module, a bucket at a time (each bucket's parameters are
-    /// staged, then applied: at most a bucket of parameters staged at once). The buffers come
-    /// back (see `sharding::gather_params_into`).
-    fn gather(&mut self, bufs: Vec<Vec<f32>>) -> Result<Vec<Vec<f32>>> {
+    /// The values of this rank's chunk `i`, read from the module's parameters.
+    fn read_chunk(
+        ddp: &DistributedDataParallel<M>,
+        layout: &ShardLayout,
+        i: usize,
+    ) -> Result<Vec<f32>> {
+        let c = &layout.chunks()[i];
+        let pieces = layout.pieces(c);
+        let want: Vec<_> = pieces
+            .iter()
+            .map(|p| (p.param, p.param_offset, p.len))
+            .collect();
+        let parts = ddp.params().read_ranges(ddp.module(), &want)?;
+        let mut out = vec![0f32; c.len()];
+        for (p, v) in pieces.iter().zip(parts) {
+            out[p.chunk_offset..p.chunk_offset + p.len].copy_from_slice(&v);
+        }
+        Ok(out)
+    }
+
+    /// Every rank's parameters all-gathered from the owners' chunks and written into the
+    /// module, a bucket at a time (each bucket's parameters are staged, then applied). This
+    /// rank's block of bucket `i` is filled just before its all-gather starts, while the
+    /// buckets before it are in flight: by [`Fill`], stepping the chunk (its values read from
+    /// the module, its gradient from the block or the shard), so that one chunk's values,
+    /// gradient and update exist at a time, or from a checkpoint. `bufs`: one per bucket, used
+    /// where big enough; nothing is kept between steps (see the module doc).
+    fn gather(&mut self, bufs: Vec<Vec<f32>>, mut fill: Fill) -> Result<()> {
         let pg = self.ddp.process_group().clone();
         let last_of_bucket: Vec<usize> = self
             .layout
@@ -363,44 +335,69 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             },
             ..Default::default()
         };
-        let chunks = &self.chunks;
-        let ddp = &mut self.ddp;
-        let mut apply_error = None;
-        let out = sharding::gather_params_into(
+        let layout = &self.layout;
+        let (optim, device) = (&self.optim, &self.device);
+        let states = &mut self.states;
+        let ddp = std::cell::RefCell::new(&mut self.ddp);
+        // The first error of ours, kept whole (the gather carries a message).
+        let first = std::cell::RefCell::new(None);
+        let keep = |e: Error| {
+            let msg = e.to_string();
+            first.borrow_mut().get_or_insert(e);
+            ddp::Error::InvalidArgument(msg)
+        };
+        let tensor = |v: Vec<f32>| {
+            let n = v.len();
+            Tensor::<1>::from_data(TensorData::new(v, [n]), device)
+        };
+        let gathered = sharding::gather_params_into(
             &pg,
-            &self.layout,
+            layout,
             bufs,
             how,
             |i, dst| {
-                let Some(c) = &chunks[i] else {
+                if dst.is_empty() {
                     return Ok(());
+                }
+                let values = match &mut fill {
+                    Fill::Values(v) => v[i].take().unwrap_or_default(),
+                    Fill::Step { lr, shards } => {
+                        let _s = ddp::trace::span("shard step", "zero");
+                        let grad = shards[i].take().unwrap_or_else(|| dst.to_vec());
+                        let chunk = Self::read_chunk(&ddp.borrow(), layout, i).map_err(keep)?;
+                        let (new, state) =
+                            optim.step(*lr, tensor(chunk), tensor(grad), states[i].take());
+                        states[i] = state;
+                        f32_vec(new.into_data(), "the stepped chunk")?
+                    }
                 };
-                let data = c.clone().into_data();
-                let v = data.as_slice::<f32>().map_err(|e| {
-                    ddp::Error::InvalidArgument(format!("chunk {i} is not f32: {e:?}"))
-                })?;
-                dst.copy_from_slice(v);
+                if values.len() != dst.len() {
+                    return Err(ddp::Error::InvalidArgument(format!(
+                        "chunk {i} has {} values for a block of {}",
+                        values.len(),
+                        dst.len()
+                    )));
+                }
+                dst.copy_from_slice(&values);
                 Ok(())
             },
             |p, _, v| {
+                let mut ddp = ddp.borrow_mut();
                 let staged =
                     ddp.stage_param(p, v)
                         .and_then(|()| match last_of_bucket.contains(&p) {
                             true => ddp.apply_staged(),
                             false => Ok(()),
                         });
-                staged.map_err(|e| {
-                    let msg = e.to_string();
-                    apply_error.get_or_insert(e);
-                    ddp::Error::InvalidArgument(msg)
-                })
+                staged.map_err(keep)
             },
             None,
         );
-        if let Some(e) = apply_error {
+        if let Some(e) = first.into_inner() {
             return Err(e);
         }
-        Ok(out?)
+        gathered?;
+        Ok(())
     }
 
     fn require_sharded(&self, what: &str) -> Result<()> {
@@ -425,11 +422,11 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     pub fn shard_state(&self) -> Result<ShardState> {
         self.require_sharded("shard_state")?;
         let mut scalars: Option<(usize, Vec<(String, Scalar)>)> = None;
-        let mut chunks = Vec::with_capacity(self.chunks.len());
-        for (i, (c, s)) in self.chunks.iter().zip(&self.states).enumerate() {
+        let mut chunks = Vec::with_capacity(self.states.len());
+        for (i, (c, s)) in self.layout.chunks().iter().zip(&self.states).enumerate() {
             let mut cs = ChunkState::default();
-            if let Some(c) = c {
-                cs.params = f32_vec(c.clone().into_data(), "a chunk")?;
+            if !c.is_empty() {
+                cs.params = Self::read_chunk(&self.ddp, &self.layout, i)?;
             }
             if let Some(s) = s {
                 let mut sink = StateSink::default();
@@ -554,7 +551,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             steps: rec.step,
         };
         for (i, cs) in state.chunks.into_iter().enumerate() {
-            let present = self.chunks.get(i).is_some_and(Option::is_some);
+            let present = self.layout.chunks().get(i).is_some_and(|c| !c.is_empty());
             if !present {
                 out.chunks.push(None);
                 out.states.push(None);
@@ -578,26 +575,36 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                     ))
                 })?)
             };
-            out.chunks.push(Some(self.chunk_tensor(cs.params)));
+            out.chunks.push(Some(cs.params));
             out.states.push(st);
         }
         Ok(out)
     }
 
     fn apply(&mut self, d: Decoded<O>) -> Result<()> {
-        self.chunks = d.chunks;
         self.states = d.states;
         self.steps = d.steps;
         self.shard_grads = None;
         let n = self.layout.buckets().len();
-        self.gather(vec![Vec::new(); n])?;
-        Ok(())
+        self.gather(vec![Vec::new(); n], Fill::Values(d.chunks))
     }
+}
+
+/// What fills this rank's block of each bucket in [`ZeroDdp::gather`].
+enum Fill {
+    /// The optimizer step of each chunk; its averaged gradient is the block itself (stage 1)
+    /// or its shard (stage 2).
+    Step {
+        lr: f64,
+        shards: Vec<Option<Vec<f32>>>,
+    },
+    /// Values (from a checkpoint).
+    Values(Vec<Option<Vec<f32>>>),
 }
 
 /// A checkpoint's cut for this rank, decoded (see [`ZeroDdp::decode`]).
 struct Decoded<O: Optimizer> {
-    chunks: Vec<Option<Tensor<1>>>,
+    chunks: Vec<Option<Vec<f32>>>,
     states: Vec<Option<O::State<1>>>,
     steps: u64,
 }

@@ -205,16 +205,16 @@ fn walk<M: Module>(module: &M, with_values: bool) -> Walk {
     w
 }
 
-/// Reads ranges of the trainable parameters' flat values, in walk order (see
-/// [`BurnParams::read_ranges`]).
-struct ReadRanges<'a> {
+/// Views of ranges of the trainable parameters' flat values, in walk order (see
+/// [`BurnParams::ranges`]).
+struct Ranges<'a> {
     /// `(parameter, first element, elements)`.
     want: &'a [(usize, usize, usize)],
     next: usize,
-    out: Vec<Option<Result<Vec<f32>>>>,
+    out: Vec<Option<Tensor<1>>>,
 }
 
-impl ModuleVisitor for ReadRanges<'_> {
+impl ModuleVisitor for Ranges<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
         if !param.is_require_grad() {
             return;
@@ -222,16 +222,11 @@ impl ModuleVisitor for ReadRanges<'_> {
         let i = self.next;
         self.next += 1;
         for (k, &(p, offset, len)) in self.want.iter().enumerate() {
-            if p != i {
-                continue;
+            if p == i {
+                let t = param.val().inner();
+                let n = t.dims().iter().product::<usize>();
+                self.out[k] = Some(t.reshape([n]).narrow(0, offset, len));
             }
-            let t = param.val().inner();
-            let n = t.dims().iter().product::<usize>();
-            // A view of the range: only its elements are copied out.
-            let data = t.reshape([n]).narrow(0, offset, len).into_data();
-            self.out[k] = Some(data.try_into_vec::<f32>().map_err(|e| {
-                Error::Unsupported(format!("parameter {p}: cannot read it as f32: {e:?}"))
-            }));
         }
     }
 }
@@ -445,27 +440,25 @@ impl BurnParams {
         Ok(())
     }
 
-    /// Elements `offset..offset + len` of each `(parameter, offset, len)` of `want`, flat, read
-    /// from `module` (f32 parameters; only those elements are copied).
-    pub(crate) fn read_ranges<M: Module>(
+    /// Elements `offset..offset + len` of each `(parameter, offset, len)` of `want` in
+    /// `module`, flat, as views without autodiff (nothing is copied).
+    pub(crate) fn ranges<M: Module>(
         &self,
         module: &M,
         want: &[(usize, usize, usize)],
-    ) -> Result<Vec<Vec<f32>>> {
-        let mut r = ReadRanges {
+    ) -> Result<Vec<Tensor<1>>> {
+        let mut r = Ranges {
             want,
             next: 0,
-            out: (0..want.len()).map(|_| None).collect(),
+            out: vec![None; want.len()],
         };
         module.visit(&mut r);
         r.out
             .into_iter()
             .zip(want)
             .map(|(v, (p, _, _))| {
-                v.unwrap_or_else(|| {
-                    Err(Error::Unsupported(format!(
-                        "the module has no trainable parameter {p}"
-                    )))
+                v.ok_or_else(|| {
+                    Error::Unsupported(format!("the module has no trainable parameter {p}"))
                 })
             })
             .collect()

@@ -172,6 +172,11 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         self.steps
     }
 
+    /// The run's step count, for the reducer's messages (e.g. after resuming).
+    pub fn set_step(&mut self, step: u64) {
+        self.ddp.reducer_mut().set_step(step);
+    }
+
     /// Bytes this rank sends per synchronized step (ring model; DDP's volume).
     pub fn bytes_per_step(&self) -> u64 {
         sharding::bytes_per_step(&self.layout)
@@ -292,24 +297,24 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         Ok(())
     }
 
-    /// The values of this rank's chunk `i`, read from the module's parameters.
+    /// This rank's chunk `i` of the module's parameters, as one tensor: a view when it lies in
+    /// one parameter, else the views joined (one copy).
     fn read_chunk(
         ddp: &DistributedDataParallel<M>,
         layout: &ShardLayout,
         i: usize,
-    ) -> Result<Vec<f32>> {
-        let c = &layout.chunks()[i];
-        let pieces = layout.pieces(c);
+    ) -> Result<Tensor<1>> {
+        let mut pieces = layout.pieces(&layout.chunks()[i]);
+        pieces.sort_by_key(|p| p.chunk_offset);
         let want: Vec<_> = pieces
             .iter()
             .map(|p| (p.param, p.param_offset, p.len))
             .collect();
-        let parts = ddp.params().read_ranges(ddp.module(), &want)?;
-        let mut out = vec![0f32; c.len()];
-        for (p, v) in pieces.iter().zip(parts) {
-            out[p.chunk_offset..p.chunk_offset + p.len].copy_from_slice(&v);
-        }
-        Ok(out)
+        let mut views = ddp.params().ranges(ddp.module(), &want)?;
+        Ok(match views.len() {
+            1 => views.pop().expect("one view"),
+            _ => Tensor::cat(views, 0),
+        })
     }
 
     /// Every rank's parameters all-gathered from the owners' chunks and written into the
@@ -365,8 +370,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                         let _s = ddp::trace::span("shard step", "zero");
                         let grad = shards[i].take().unwrap_or_else(|| dst.to_vec());
                         let chunk = Self::read_chunk(&ddp.borrow(), layout, i).map_err(keep)?;
-                        let (new, state) =
-                            optim.step(*lr, tensor(chunk), tensor(grad), states[i].take());
+                        let (new, state) = optim.step(*lr, chunk, tensor(grad), states[i].take());
                         states[i] = state;
                         f32_vec(new.into_data(), "the stepped chunk")?
                     }
@@ -426,7 +430,8 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         for (i, (c, s)) in self.layout.chunks().iter().zip(&self.states).enumerate() {
             let mut cs = ChunkState::default();
             if !c.is_empty() {
-                cs.params = Self::read_chunk(&self.ddp, &self.layout, i)?;
+                let chunk = Self::read_chunk(&self.ddp, &self.layout, i)?;
+                cs.params = f32_vec(chunk.into_data(), "a chunk")?;
             }
             if let Some(s) = s {
                 let mut sink = StateSink::default();

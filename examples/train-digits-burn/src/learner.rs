@@ -67,10 +67,11 @@ pub fn run(args: &Args) -> BoxResult<()> {
     if args.hook != ddp::hooks::HookSpec::None
         || args.max_steps.is_some()
         || args.target_accuracy.is_some()
+        || args.zero != 0
     {
         return Err(
-            "--learner runs Burn's epoch loop with plain DDP: --hook, --max-steps and \
-             --target-accuracy are the plain loop's"
+            "--learner runs Burn's epoch loop with plain DDP: --hook, --max-steps, \
+             --target-accuracy and --zero are the plain loop's"
                 .into(),
         );
     }

@@ -95,6 +95,10 @@ pub struct Args {
     /// train-digits (reports `time_to_target_s`, training time excluding evaluations).
     #[arg(long)]
     pub target_accuracy: Option<f64>,
+    /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over the ranks), 2 (+ gradients), with
+    /// `ddp_burn::ZeroDdp`; its checkpoints are sharded sets (one shard per rank).
+    #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 2))]
+    pub zero: u8,
     /// Train through Burn's own loop (`burn-train`'s `SupervisedTraining` / `Learner`) with
     /// ddp-rs as its training strategy; with --checkpoint-dir Burn's checkpointer writes there.
     #[arg(long)]

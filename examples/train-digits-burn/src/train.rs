@@ -10,12 +10,13 @@ use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
 use burn::data::dataset::InMemDataset;
 use burn::optim::momentum::MomentumConfig;
-use burn::optim::{AdamWConfig, ModuleOptimizer, SgdConfig};
+use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::{Device, Int, Tensor};
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
 use ddp::hooks::PeriodicModelAverager;
+use ddp::sharding::ZeroStage;
 use ddp::DistributedSampler;
-use ddp_burn::{Ddp, DdpOptions, ShardedDataset};
+use ddp_burn::{Ddp, DdpOptions, ShardedDataset, ZeroDdp};
 use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
 use std::error::Error;
@@ -34,15 +35,17 @@ impl Batcher<usize, (Tensor<2>, Tensor<1, Int>)> for Rows {
     }
 }
 
+fn sgd(args: &Args) -> SgdConfig {
+    SgdConfig::new().with_momentum((args.momentum > 0.0).then(|| {
+        MomentumConfig::new()
+            .with_momentum(args.momentum)
+            .with_dampening(0.0)
+    }))
+}
+
 pub fn optimizer(args: &Args) -> ModuleOptimizer {
     match args.optimizer {
-        OptimizerKind::Sgd => SgdConfig::new()
-            .with_momentum((args.momentum > 0.0).then(|| {
-                MomentumConfig::new()
-                    .with_momentum(args.momentum)
-                    .with_dampening(0.0)
-            }))
-            .init(),
+        OptimizerKind::Sgd => sgd(args).init(),
         OptimizerKind::Adamw => AdamWConfig::new().init(),
     }
 }
@@ -63,6 +66,7 @@ fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan
             "hidden": args.hidden,
             "seed": args.seed,
             "hook": args.hook.to_string(),
+            "zero": args.zero,
         }),
         rng_state: args.seed,
     }
@@ -146,6 +150,252 @@ pub fn setup(args: &Args) -> BoxResult<Setup> {
 }
 
 pub fn run(args: &Args) -> BoxResult<()> {
+    let stage = ZeroStage::from_level(args.zero)?;
+    if stage == ZeroStage::Three {
+        return Err(
+            "--zero 3 (parameters sharded) is train-digits' (candle's Fsdp); Burn \
+                    has stages 0-2"
+                .into(),
+        );
+    }
+    if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
+        return Err(format!(
+            "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
+             itself",
+            args.hook, args.zero
+        )
+        .into());
+    }
+    let s = setup(args)?;
+    let plan = run_plan(args, s.pg.size(), s.samples_per_epoch);
+    // Plain DDP: rank 0 reads the checkpoint and shares it (before the model is built).
+    let resumed = match &args.checkpoint_dir {
+        Some(dir) if stage == ZeroStage::Ddp => {
+            checkpoint::resume_or_start(&s.pg, dir, args.resume, &plan)?
+        }
+        _ => None,
+    };
+    let opts = DdpOptions {
+        check_finite: !args.no_check_finite,
+        ..Default::default()
+    };
+    let ddp = Ddp::new(Mlp::new(args.hidden, args.seed, &s.device), &s.pg, opts)?;
+    let mut pos = TrainingState::default();
+    match (stage, args.optimizer) {
+        (ZeroStage::Ddp, _) => {
+            let mut t = DdpStepper {
+                ddp,
+                opt: optimizer(args),
+                averager: args.hook.averager()?,
+            };
+            if let Some(hook) = args.hook.hook()? {
+                t.ddp.register_comm_hook(hook)?;
+            }
+            if let Some(r) = &resumed {
+                t.resume(r, s.pg.rank())?;
+                pos = r.state;
+                announce(&s.pg, &r.path.display().to_string(), &pos);
+            } else {
+                no_checkpoint(args, &s.pg);
+            }
+            train_loop(args, &s, &plan, t, pos)
+        }
+        (_, OptimizerKind::Sgd) => {
+            let zero = ZeroDdp::new(ddp, stage, sgd(args).build())?;
+            train_loop(args, &s, &plan, resume_zero(args, &s.pg, &plan, zero)?, pos)
+        }
+        (_, OptimizerKind::Adamw) => {
+            let zero = ZeroDdp::new(ddp, stage, AdamWConfig::new().build())?;
+            train_loop(args, &s, &plan, resume_zero(args, &s.pg, &plan, zero)?, pos)
+        }
+    }
+}
+
+fn announce(pg: &ProcessGroup, from: &str, pos: &TrainingState) {
+    if pg.rank() == 0 {
+        println!(
+            "resuming from {from} at step {}, epoch {}, {} samples into the epoch",
+            pos.step, pos.epoch, pos.consumed
+        );
+    }
+}
+
+fn no_checkpoint(args: &Args, pg: &ProcessGroup) {
+    if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, pg.rank()) {
+        println!("no checkpoint in {}: starting fresh", dir.display());
+    }
+}
+
+/// With `--resume`, every rank loads its cut of the sharded set (a collective). The position
+/// travels in [`ZeroResume`].
+fn resume_zero<O: Optimizer>(
+    args: &Args,
+    pg: &ProcessGroup,
+    plan: &RunPlan,
+    mut zero: ZeroDdp<Mlp, O>,
+) -> BoxResult<ZeroResume<O>> {
+    let mut pos = None;
+    if let (Some(dir), true) = (&args.checkpoint_dir, args.resume) {
+        match zero.load(dir)? {
+            Some(meta) => {
+                let p = plan.check(&meta)?;
+                announce(pg, &format!("the sharded set in {}", dir.display()), &p);
+                pos = Some(p);
+            }
+            None => no_checkpoint(args, pg),
+        }
+    }
+    Ok(ZeroResume { zero, pos })
+}
+
+/// A [`ZeroDdp`] and the position its checkpoint was at.
+struct ZeroResume<O: Optimizer> {
+    zero: ZeroDdp<Mlp, O>,
+    pos: Option<TrainingState>,
+}
+
+/// What the epoch loop drives: plain DDP with Burn's optimizer (and a comm hook), or ZeRO.
+trait Stepper {
+    fn ddp(&self) -> &Ddp<Mlp>;
+    /// Where a resumed run starts (`None`: at `pos` as given).
+    fn resumed_at(&self) -> Option<TrainingState> {
+        None
+    }
+    /// The run's step count (for the reducer's messages).
+    fn set_step(&mut self, step: u64);
+    /// Backward of `loss`, the gradients' synchronization and one optimizer step.
+    fn train_step(&mut self, loss: Tensor<1>, lr: f64) -> BoxResult<()>;
+    /// A checkpoint at `pos` (a collective).
+    fn save(
+        &self,
+        pg: &ProcessGroup,
+        args: &Args,
+        plan: &RunPlan,
+        pos: &TrainingState,
+    ) -> BoxResult<()>;
+    /// After the last step (e.g. local SGD's last averaging); the bytes this rank sent in this
+    /// run of `steps_run` steps.
+    fn finish(&mut self, steps_run: u64) -> BoxResult<u64>;
+}
+
+/// `Ddp` with Burn's `ModuleOptimizer` and, for local SGD, the model averager.
+struct DdpStepper {
+    ddp: Ddp<Mlp>,
+    opt: ModuleOptimizer,
+    averager: Option<PeriodicModelAverager>,
+}
+
+impl DdpStepper {
+    fn resume(&mut self, r: &checkpoint::Resumed, rank: usize) -> BoxResult<()> {
+        let opt = std::mem::replace(&mut self.opt, optimizer_placeholder());
+        self.opt = self.ddp.load_records(&r.checkpoint, opt)?;
+        let kind = self.ddp.reducer().comm_hook_state().kind;
+        let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
+        self.ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
+        if let Some(a) = &mut self.averager {
+            a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
+        }
+        Ok(())
+    }
+}
+
+/// Stands in for the optimizer while its record loads.
+fn optimizer_placeholder() -> ModuleOptimizer {
+    SgdConfig::new().init()
+}
+
+impl Stepper for DdpStepper {
+    fn ddp(&self) -> &Ddp<Mlp> {
+        &self.ddp
+    }
+
+    fn set_step(&mut self, step: u64) {
+        self.ddp.reducer_mut().set_step(step);
+    }
+
+    fn train_step(&mut self, loss: Tensor<1>, lr: f64) -> BoxResult<()> {
+        let grads = self.ddp.backward(loss)?;
+        self.ddp.step(&mut self.opt, lr, grads);
+        if let Some(a) = &mut self.averager {
+            self.ddp.average_parameters(a)?;
+        }
+        Ok(())
+    }
+
+    fn save(
+        &self,
+        pg: &ProcessGroup,
+        args: &Args,
+        plan: &RunPlan,
+        pos: &TrainingState,
+    ) -> BoxResult<()> {
+        save(
+            pg,
+            args,
+            plan,
+            &self.ddp,
+            &self.opt,
+            self.averager.as_ref(),
+            pos,
+        )
+    }
+
+    fn finish(&mut self, _steps_run: u64) -> BoxResult<u64> {
+        // Local SGD: replicas differ between averagings; average once more at the end.
+        if let Some(a) = &mut self.averager {
+            self.ddp.average_parameters_now(a)?;
+        }
+        Ok(self.ddp.reducer().bytes_sent() + self.averager.as_ref().map_or(0, |a| a.bytes_sent()))
+    }
+}
+
+impl<O: Optimizer> Stepper for ZeroResume<O> {
+    fn ddp(&self) -> &Ddp<Mlp> {
+        self.zero.ddp()
+    }
+
+    fn resumed_at(&self) -> Option<TrainingState> {
+        self.pos
+    }
+
+    fn set_step(&mut self, step: u64) {
+        self.zero.set_step(step);
+    }
+
+    fn train_step(&mut self, loss: Tensor<1>, lr: f64) -> BoxResult<()> {
+        self.zero.backward(loss)?;
+        self.zero.step(lr)?;
+        Ok(())
+    }
+
+    fn save(
+        &self,
+        _pg: &ProcessGroup,
+        args: &Args,
+        plan: &RunPlan,
+        pos: &TrainingState,
+    ) -> BoxResult<()> {
+        if let Some(dir) = &args.checkpoint_dir {
+            // Every rank writes its shard; rank 0 the index (loadable at any world size).
+            self.zero.save(dir, &plan.meta(pos))?;
+        }
+        Ok(())
+    }
+
+    fn finish(&mut self, steps_run: u64) -> BoxResult<u64> {
+        // Reduce-scatter plus all-gather: the ring model's bytes (DDP's volume).
+        Ok(self.zero.bytes_per_step() * steps_run)
+    }
+}
+
+/// The epochs from `pos` (or where the stepper resumed) to the end, then the summary.
+fn train_loop(
+    args: &Args,
+    s: &Setup,
+    plan: &RunPlan,
+    mut t: impl Stepper,
+    mut pos: TrainingState,
+) -> BoxResult<()> {
     let Setup {
         pg,
         train,
@@ -153,52 +403,17 @@ pub fn run(args: &Args) -> BoxResult<()> {
         device,
         shard,
         loader,
-        samples_per_epoch,
-    } = setup(args)?;
+        ..
+    } = s;
     let (rank, world) = (pg.rank(), pg.size());
-    let plan = run_plan(args, world, samples_per_epoch);
-    let resumed = match &args.checkpoint_dir {
-        Some(dir) => checkpoint::resume_or_start(&pg, dir, args.resume, &plan)?,
-        None => None,
-    };
-
-    let opts = DdpOptions {
-        check_finite: !args.no_check_finite,
-        ..Default::default()
-    };
-    let mut ddp = Ddp::new(Mlp::new(args.hidden, args.seed, &device), &pg, opts)?;
-    if let Some(hook) = args.hook.hook()? {
-        ddp.register_comm_hook(hook)?;
+    if let Some(p) = t.resumed_at() {
+        pos = p;
     }
-    let mut averager = args.hook.averager()?;
-    let mut opt = optimizer(args);
-    let mut pos = TrainingState::default();
-    if let Some(r) = &resumed {
-        opt = ddp.load_records(&r.checkpoint, opt)?;
-        let kind = ddp.reducer().comm_hook_state().kind;
-        let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
-        ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
-        if let Some(a) = &mut averager {
-            a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
-        }
-        pos = r.state;
-        if rank == 0 {
-            println!(
-                "resuming from {} at step {}, epoch {}, {} samples into the epoch",
-                r.path.display(),
-                pos.step,
-                pos.epoch,
-                pos.consumed
-            );
-        }
-    } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
-        println!("no checkpoint in {}: starting fresh", dir.display());
-    }
-    ddp.reducer_mut().set_step(pos.step);
+    t.set_step(pos.step); // non-finite errors name the run's step
     if rank == 0 {
         println!(
             "train-digits-burn: world_size {world}, {} train / {} test images, batch {} per rank \
-             (global {}), {} steps per epoch, {} lr {}, {} parameters",
+             (global {}), {} steps per epoch, {} lr {}, zero {}, {} parameters",
             train.len(),
             test.len(),
             args.batch_size,
@@ -206,7 +421,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
             plan.steps_per_epoch(),
             args.optimizer_name(),
             args.lr(),
-            ddp.reducer()
+            args.zero,
+            t.ddp()
+                .reducer()
                 .specs()
                 .iter()
                 .map(|s| s.numel())
@@ -232,13 +449,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
             }
             let (x, y) = b?;
             let n = y.dims()[0];
-            let loss = ddp.module().loss(x, y);
+            let loss = t.ddp().module().loss(x, y);
             loss_sum += loss.clone().into_scalar::<f64>();
-            let grads = ddp.backward(loss)?;
-            ddp.step(&mut opt, args.lr(), grads);
-            if let Some(a) = &mut averager {
-                ddp.average_parameters(a)?;
-            }
+            t.train_step(loss, args.lr())?;
             pos.step += 1;
             pos.consumed += n;
             steps_run += 1;
@@ -247,12 +460,12 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
         pos.epoch += 1;
         pos.consumed = 0;
-        save(&pg, args, &plan, &ddp, &opt, averager.as_ref(), &pos)?;
+        t.save(pg, args, plan, &pos)?;
         if let Some(target) = args.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
-            let reached = ddp::join::rank0_decides(&pg, || -> BoxResult<bool> {
-                Ok(evaluate(ddp.module(), &test, &device).0 >= target)
+            let reached = ddp::join::rank0_decides(pg, || -> BoxResult<bool> {
+                Ok(evaluate(t.ddp().module(), test, device).0 >= target)
             })?;
             eval_time += paused.elapsed();
             if reached {
@@ -264,7 +477,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
             && args.log_every > 0
             && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
         {
-            let (acc, _) = evaluate(ddp.module(), &test, &device);
+            let (acc, _) = evaluate(t.ddp().module(), test, device);
             println!(
                 "epoch {:>3}/{}  step {:>5}  train_loss(rank0) {:.4}  test_acc {:.4}  {:.1}s",
                 pos.epoch,
@@ -278,14 +491,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     }
     let train_time = start.elapsed() - eval_time;
     if pos.epoch < args.epochs && time_to_target.is_none() {
-        save(&pg, args, &plan, &ddp, &opt, averager.as_ref(), &pos)?;
+        t.save(pg, args, plan, &pos)?;
     }
-
-    // Local SGD: replicas differ between averagings; average once more at the end.
-    if let Some(a) = &mut averager {
-        ddp.average_parameters_now(a)?;
-    }
-    let bytes_sent = ddp.reducer().bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent());
+    let bytes_sent = t.finish(steps_run)?;
     let run = RunCounts {
         steps: pos.step,
         steps_run,
@@ -294,7 +502,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         time_to_target,
         bytes_sent,
     };
-    report(args, &pg, &ddp, &train, &test, &device, run)
+    report(args, pg, t.ddp(), train, test, device, run)
 }
 
 /// What a finished run did, for [`report`].

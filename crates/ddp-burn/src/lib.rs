@@ -37,6 +37,10 @@
 //!   checksummed blobs of a `ddp::Checkpoint` beside our metadata, written atomically by rank 0;
 //!   `ddp::checkpoint::resume_or_start` resumes exactly.
 //!
+//! - **ZeRO** (module [`zero`]): [`ZeroDdp`] shards the optimizer state (stage 1) and the
+//!   gradients (stage 2) over the ranks on `ddp::sharding`, stepping each owned chunk with Burn's
+//!   own optimizer; its sharded checkpoints resume at any world size.
+//!
 //! ## Burn's `Learner`
 //! A Burn user who trains with `burn-train`'s `SupervisedTraining` keeps it, with its metrics,
 //! loggers, checkpointer, LR schedulers, gradient accumulation and early stopping: module

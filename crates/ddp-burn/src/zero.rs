@@ -27,8 +27,9 @@
 //! backward returns every gradient at once (Burn 0.22 has no per-gradient hook), so its peak
 //! holds them whole (4Ψ) once, and they leave for the buckets and their shards only
 //! afterwards; stage 2 then holds `4Ψ + 12Ψ/N` from the reduce-scatter on. Measured, 52 M
-//! parameters, world 2 (`ddp-bench train --framework burn`, see the README): DDP 841 MiB
-//! (16Ψ: 1.06), stage 1 660 (1.11), stage 2 628 (1.27 of 10Ψ; 1.06 of `8Ψ + 8Ψ/N`).
+//! parameters (`ddp-bench train --framework burn`, see the README), peak RSS at world 2 / 4:
+//! DDP 842 / 843 MiB (1.06 of 16Ψ), stage 1 661 / 546 (1.11 / 1.10), stage 2 629 / 530 (1.06 /
+//! 1.07 of `8Ψ + 8Ψ/N`).
 //!
 //! Checkpoints are `ddp::sharding`'s: each rank writes its chunks (values and every tensor of
 //! the optimizer state, by Burn's `RecordState` names), rank 0 the index with the state's scalars

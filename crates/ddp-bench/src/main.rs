@@ -151,7 +151,7 @@ pub struct TrainArgs {
     #[arg(long, default_value = "cpu")]
     pub device: ddp_candle::device::DeviceKind,
     /// Framework of the model: candle (`ddp-candle`) or burn (`ddp-burn`, Burn's `Linear` on
-    /// the burn-flex CPU backend; `--staged` and `--weight-layout` are candle's).
+    /// the burn-flex CPU backend; `--weight-layout` is candle's).
     #[arg(long, default_value = "candle", value_parser = ["candle", "burn"])]
     pub framework: String,
     /// Record every rank's timeline of the timed steps; rank 0 merges them into DIR/trace.json

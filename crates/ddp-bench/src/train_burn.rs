@@ -4,7 +4,8 @@
 //! default), data-parallel with `ddp_burn::Ddp` (plain backward, then the bucketed all-reduce),
 //! with `--hook` as for candle (post-local SGD averages through `Ddp::average_parameters`).
 //! `--optimizer sgd|adamw` picks Burn's `SgdConfig` (lr 0.01) or `AdamWConfig` (lr 1e-3, Burn's
-//! defaults); `--zero 1|2` shards optimizer state (and gradients) with `ddp_burn::ZeroDdp`.
+//! defaults); `--zero 1|2` shards optimizer state (and gradients) with `ddp_burn::ZeroDdp`;
+//! `--staged` runs the backward one layer at a time (`forward_backward_staged`).
 
 use crate::train::{measure, report, Error, StepCost};
 use crate::TrainArgs;
@@ -82,7 +83,12 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             )
             .into());
         }
-        let batch = Batch { x, y, loss_fn };
+        let batch = Batch {
+            x,
+            y,
+            loss_fn,
+            stages: layer_stages(args.layers),
+        };
         return match adamw {
             true => run_zero(args, &pg, ddp, stage, AdamWConfig::new().build(), lr, batch),
             false => run_zero(args, &pg, ddp, stage, SgdConfig::new().build(), lr, batch),
@@ -92,6 +98,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ddp.register_comm_hook(hook)?;
     }
     let mut averager = args.hook.averager()?;
+    let stages = layer_stages(args.layers);
     let mut opt: ModuleOptimizer = match adamw {
         true => AdamWConfig::new().init(),
         false => SgdConfig::new().init(),
@@ -103,8 +110,14 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         || {
             let sent = |a: &Option<PeriodicModelAverager>| a.as_ref().map_or(0, |a| a.bytes_sent());
             let before = ddp.reducer().bytes_sent() + sent(&averager);
-            let loss = loss_fn.forward(ddp.module().forward(x.clone()), y.clone());
-            let grads = ddp.backward(loss)?;
+            let grads = if args.staged {
+                let stages = stages.iter().map(|s| &**s).collect::<Vec<_>>();
+                let loss = |o| loss_fn.forward(o, y.clone());
+                ddp.forward_backward_staged(&stages, x.clone(), loss)?.0
+            } else {
+                let loss = loss_fn.forward(ddp.module().forward(x.clone()), y.clone());
+                ddp.backward(loss)?
+            };
             ddp.step(&mut opt, lr, grads);
             if let Some(a) = &mut averager {
                 ddp.average_parameters(a)?;
@@ -137,11 +150,23 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     report(args, &pg, &label, &timing, diff, extra)
 }
 
-/// The benchmark's fixed batch and loss.
+/// The benchmark's fixed batch and loss, and its stages for `--staged`.
 struct Batch {
     x: Tensor<2>,
     y: Tensor<1, Int>,
     loss_fn: burn::nn::loss::CrossEntropyLoss,
+    stages: Vec<BoxedStage>,
+}
+
+type BoxedStage = Box<dyn Fn(&Mlp, Tensor<2>) -> Tensor<2>>;
+
+/// `--staged`: one stage per layer.
+fn layer_stages(layers: usize) -> Vec<BoxedStage> {
+    let mut stages: Vec<BoxedStage> = (0..layers)
+        .map(|i| Box::new(move |m: &Mlp, h| activation::relu(m.hidden[i].forward(h))) as BoxedStage)
+        .collect();
+    stages.push(Box::new(|m: &Mlp, h| m.out.forward(h)));
+    stages
 }
 
 fn param_count(ddp: &Ddp<Mlp>) -> usize {
@@ -164,10 +189,16 @@ fn run_zero<O: Optimizer>(
         args,
         pg,
         || {
-            let loss = b
-                .loss_fn
-                .forward(zero.module().forward(b.x.clone()), b.y.clone());
-            let stats = zero.backward(loss)?;
+            let stats = if args.staged {
+                let stages = b.stages.iter().map(|s| &**s).collect::<Vec<_>>();
+                let loss = |o| b.loss_fn.forward(o, b.y.clone());
+                zero.forward_backward_staged(&stages, b.x.clone(), loss)?.0
+            } else {
+                let loss = b
+                    .loss_fn
+                    .forward(zero.module().forward(b.x.clone()), b.y.clone());
+                zero.backward(loss)?
+            };
             zero.step(lr)?;
             Ok(StepCost {
                 wait_s: stats.comm_wait.as_secs_f64(),

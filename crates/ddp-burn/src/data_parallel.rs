@@ -47,10 +47,11 @@ impl Default for DdpOptions {
 /// value); see the crate documentation.
 pub struct DistributedDataParallel<M: Module> {
     pg: ProcessGroup,
-    params: BurnParams,
-    reducer: Reducer,
-    /// Always `Some` between calls (taken only while an optimizer maps it).
-    module: Option<M>,
+    pub(crate) params: BurnParams,
+    pub(crate) reducer: Reducer,
+    /// Always `Some` between calls (taken only while an optimizer maps it, or a staged backward
+    /// runs).
+    pub(crate) module: Option<M>,
 }
 
 impl<M: Module> DistributedDataParallel<M> {
@@ -235,16 +236,21 @@ impl<M: Module> DistributedDataParallel<M> {
             .expect("the module is present between calls");
         self.params.refresh_ids(module)?;
         let mut grads = grads(module);
+        self.hand_over(&mut grads)?;
+        Ok(grads)
+    }
+
+    /// Hands every gradient in `grads` to the reducer (last parameter first); for a
+    /// synchronized step they are taken out of `grads` (owned: no copy), else left there.
+    pub(crate) fn hand_over(&mut self, grads: &mut GradientsParams) -> Result<()> {
         // A synchronized step returns the averaged gradients, not these: hand them over owned.
         let take = self.reducer.require_backward_grad_sync();
         if take {
-            self.params.take_grads(&mut grads)?;
+            self.params.take_grads(grads)?;
         }
-        let marked =
-            adapter::mark_grads(&self.params, &mut self.reducer, &mut grads, |_, _| Ok(()));
+        let marked = adapter::mark_grads(&self.params, &mut self.reducer, grads, |_, _| Ok(()));
         self.params.clear_taken();
-        marked?;
-        Ok(grads)
+        marked
     }
 
     /// One step under [`Join`] (uneven inputs, PyTorch's `model.join()`): `loss` is this rank's
@@ -340,7 +346,7 @@ impl<M: Module> DistributedDataParallel<M> {
         self.reduced_grads(stats, local)
     }
 
-    fn reduced_grads(
+    pub(crate) fn reduced_grads(
         &mut self,
         stats: StepStats,
         local: GradientsParams,

@@ -75,6 +75,7 @@ mod data_parallel;
 #[cfg(feature = "learner")]
 pub mod learner;
 pub mod params;
+pub mod staged;
 pub mod zero;
 
 pub use data::ShardedDataset;
@@ -83,6 +84,7 @@ pub use ddp_comm::ProcessGroup;
 #[cfg(feature = "learner")]
 pub use learner::{DdpLearningStrategy, FitSummary, QuietRenderer};
 pub use params::BurnParams;
+pub use staged::Stage;
 pub use zero::ZeroDdp;
 
 /// Short alias of [`DistributedDataParallel`].

@@ -343,6 +343,27 @@ impl BurnParams {
         Ok(out)
     }
 
+    /// Moves every parameter's gradient in `from` into `into` (added to one already there).
+    pub(crate) fn merge_grads(
+        &self,
+        mut from: GradientsParams,
+        into: &mut GradientsParams,
+    ) -> Result<()> {
+        for e in &self.entries {
+            with_rank!(e.shape.len(), e.path, |D| {
+                if let Some(g) = from.remove::<D>(e.id) {
+                    let g = match into.remove::<D>(e.id) {
+                        Some(prev) => prev + g,
+                        None => g,
+                    };
+                    into.register::<D>(e.id, g);
+                }
+                Ok(())
+            })?;
+        }
+        Ok(())
+    }
+
     /// Empties the hand-over slots filled by [`take_grads`](Self::take_grads).
     pub(crate) fn clear_taken(&self) {
         self.taken.borrow_mut().iter_mut().for_each(|t| *t = None);

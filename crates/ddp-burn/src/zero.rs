@@ -202,6 +202,27 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         self.after_reduce(stats)
     }
 
+    /// The staged path ([`DistributedDataParallel::forward_backward_staged`]): forward through
+    /// `stages`, `loss_fn` on the last output, then the backward one stage at a time, each
+    /// stage's buckets reduce-scattered while earlier stages compute. At stage 2 this is what
+    /// keeps the gradients at their shard: a plain `loss.backward()` holds every gradient at
+    /// once. Returns the statistics and the loss (detached).
+    pub fn forward_backward_staged<const D: usize, const L: usize>(
+        &mut self,
+        stages: &[crate::Stage<'_, M, D>],
+        input: Tensor<D>,
+        loss_fn: impl FnOnce(Tensor<D>) -> Tensor<L>,
+    ) -> Result<(StepStats, Tensor<L>)> {
+        if self.stage == ZeroStage::Ddp {
+            let (grads, loss) = self.ddp.forward_backward_staged(stages, input, loss_fn)?;
+            let stats = self.ddp.last_step_stats().unwrap_or_default();
+            self.full_grads = stats.synced.then_some(grads);
+            return Ok((stats, loss));
+        }
+        let (stats, loss) = self.ddp.reduce_staged(stages, input, loss_fn)?;
+        Ok((self.after_reduce(stats)?, loss))
+    }
+
     /// [`backward`](Self::backward) under [`Join`] (uneven inputs): `loss` is `None` once this
     /// rank has run out of data; gradients are averaged over the ranks that had data.
     pub fn backward_join<const D: usize>(

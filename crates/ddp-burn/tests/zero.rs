@@ -5,6 +5,7 @@
 
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
+use burn::tensor::Tensor;
 use ddp::checkpoint::CheckpointMeta;
 use ddp::sharding::{self, ZeroStage};
 use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
@@ -402,4 +403,136 @@ fn stage_3_and_stage_0_checkpoints_are_refused_with_the_way_out() {
         z.save(dir.path(), &meta(0, 1)).unwrap_err().to_string()
     });
     assert!(e.contains("ddp_burn::checkpoint"), "{e}");
+}
+
+/// The staged backward's stages for the test MLP: one per layer.
+fn stage0(m: &Mlp, x: Tensor<2>) -> Tensor<2> {
+    burn::tensor::activation::relu(m.l1.forward(x))
+}
+
+fn stage1(m: &Mlp, h: Tensor<2>) -> Tensor<2> {
+    m.l2.forward(h).tanh()
+}
+
+fn stage2(m: &Mlp, h: Tensor<2>) -> Tensor<2> {
+    m.l3.forward(h)
+}
+
+/// [`train`] through `forward_backward_staged`, `K` micro-batches per step (the first `K - 1`
+/// under no_sync, losses scaled by `1/K`).
+fn train_staged<O: Optimizer, const K: usize>(
+    z: &mut ZeroDdp<Mlp, O>,
+    rank: usize,
+    world: usize,
+    steps: usize,
+) -> History {
+    let (x, y) = data();
+    let stages: [ddp_burn::Stage<'_, Mlp, 2>; 3] = [&stage0, &stage1, &stage2];
+    let mut history = Vec::new();
+    for k in 0..steps {
+        for j in 0..K {
+            z.set_require_backward_grad_sync(j == K - 1);
+            let (xs, ys) = part(&x, &y, k * K + j, rank, world);
+            let loss_fn = |out: Tensor<2>| {
+                burn::nn::loss::CrossEntropyLossConfig::new()
+                    .init(&out.device())
+                    .forward(out, ys)
+                    / K as f32
+            };
+            let (stats, _) = z.forward_backward_staged(&stages, xs, loss_fn).unwrap();
+            assert_eq!(stats.synced, j == K - 1);
+        }
+        z.step(LR).unwrap();
+        assert_eq!(
+            z.replica_max_diff().unwrap(),
+            0.0,
+            "step {k}: replicas differ"
+        );
+        history.push(z.module().params());
+    }
+    history
+}
+
+/// One stage at a time (each stage's gradients reduced before the stage before it computes)
+/// trains as the plain backward does: DDP and ZeRO stages 1 and 2, with and without no_sync.
+#[test]
+fn the_staged_backward_equals_the_plain_one() {
+    let world = 2;
+    let want = ddp_history(world, &adamw(), tiny(), 3);
+    for stage in [ZeroStage::Ddp, ZeroStage::One, ZeroStage::Two] {
+        let got = on_ranks(world, stage, &adamw(), tiny(), HID, |rank, z| {
+            train_staged::<_, 1>(z, rank, world, 3)
+        });
+        assert_histories(&got, &want, 1e-6, &format!("staged, {stage:?}"));
+    }
+    // Two micro-batches per step, the first under no_sync: the plain path on the same schedule.
+    let plain = on_ranks(
+        world,
+        ZeroStage::Ddp,
+        &sgd_momentum(),
+        tiny(),
+        HID,
+        |rank, z| {
+            let (x, y) = data();
+            let mut history = Vec::new();
+            for k in 0..2 {
+                for j in 0..2 {
+                    z.set_require_backward_grad_sync(j == 1);
+                    let (xs, ys) = part(&x, &y, k * 2 + j, rank, world);
+                    z.backward(z.module().loss(xs, ys) / 2.0).unwrap();
+                }
+                z.step(LR).unwrap();
+                history.push(z.module().params());
+            }
+            history
+        },
+    );
+    for stage in [ZeroStage::Ddp, ZeroStage::Two] {
+        let got = on_ranks(world, stage, &sgd_momentum(), tiny(), HID, |rank, z| {
+            train_staged::<_, 2>(z, rank, world, 2)
+        });
+        assert_histories(&got, &plain, 1e-6, &format!("staged no_sync, {stage:?}"));
+    }
+}
+
+/// Under no_sync the staged backward returns this rank's own gradients of every stage, as the
+/// plain backward does.
+#[test]
+fn the_staged_backward_under_no_sync_returns_every_local_gradient() {
+    let (x, y) = data();
+    let got = run_ranks(2, |rank, pg| {
+        let mut ddp = Ddp::new(model(7, HID), &pg, tiny()).unwrap();
+        let (xs, ys) = part(&x, &y, 0, rank, 2);
+        let mut guard = ddp.no_sync();
+        let loss = guard.module().loss(xs.clone(), ys.clone());
+        let plain = guard.backward(loss).unwrap();
+        let stages: [ddp_burn::Stage<'_, Mlp, 2>; 3] = [&stage0, &stage1, &stage2];
+        let loss_fn = |out: Tensor<2>| {
+            burn::nn::loss::CrossEntropyLossConfig::new()
+                .init(&out.device())
+                .forward(out, ys)
+        };
+        let (staged, _) = guard.forward_backward_staged(&stages, xs, loss_fn).unwrap();
+        let m = guard.module();
+        let ids2 = [m.l1.weight.id, m.l2.weight.id, m.l3.weight.id];
+        let ids1 = [m.l1.bias.id, m.l2.bias.id, m.l3.bias.id];
+        let both = |g: &burn::optim::GradientsParams| {
+            let mut v: Vec<Vec<f32>> = ids2
+                .iter()
+                .map(|&i| values(g.get::<2>(i).unwrap()))
+                .collect();
+            v.extend(ids1.iter().map(|&i| values(g.get::<1>(i).unwrap())));
+            v
+        };
+        (both(&plain), both(&staged))
+    });
+    for (plain, staged) in got {
+        for (p, s) in plain.iter().zip(&staged) {
+            assert!(
+                rel_diff(s, p) <= 1e-6,
+                "staged local gradient differs: {}",
+                rel_diff(s, p)
+            );
+        }
+    }
 }

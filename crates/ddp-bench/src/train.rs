@@ -341,6 +341,9 @@ pub(crate) struct Timing {
     comm_wait_ms: f64,
     /// This rank's mean payload bytes per timed step.
     pub(crate) bytes_per_step: f64,
+    /// This rank's peak resident memory once the timed steps are done (before the replica
+    /// check, whose copy of the parameters, where a framework needs one, is not training's).
+    peak_rss: u64,
 }
 
 /// Times `args.steps` calls of `step` after `args.warmup` untimed ones (the slowest rank's
@@ -368,6 +371,7 @@ pub(crate) fn measure(
     }
     sync()?;
     let elapsed = t.elapsed().as_secs_f64();
+    let peak_rss = peak_rss_bytes();
     if let Some(path) = ddp::trace::finish(pg)? {
         println!("# timeline of every rank: {}", path.display());
     }
@@ -379,11 +383,12 @@ pub(crate) fn measure(
         step_ms: elapsed / args.steps as f64 * 1e3,
         comm_wait_ms: wait / args.steps as f64 * 1e3,
         bytes_per_step: bytes as f64 / args.steps as f64,
+        peak_rss,
     })
 }
 
 /// Rank 0 prints the run (and with `--json` a last line with the common keys plus `extra`'s,
-/// and `peak_rss_bytes`, the largest over the ranks); every rank fails when the replicas differ.
+/// and `peak_rss_bytes`, the largest over the ranks, as of the end of the timed steps); every rank fails when the replicas differ.
 pub(crate) fn report(
     args: &TrainArgs,
     pg: &ddp_comm::ProcessGroup,
@@ -393,7 +398,7 @@ pub(crate) fn report(
     extra: serde_json::Value,
 ) -> Result<(), Error> {
     let (rank, world) = (pg.rank(), pg.size());
-    let mut rss = [peak_rss_bytes() as i64];
+    let mut rss = [t.peak_rss as i64];
     pg.all_reduce(&mut rss, ReduceOp::Max)?;
     if rank == 0 {
         println!(

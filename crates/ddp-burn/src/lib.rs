@@ -37,6 +37,8 @@
 //!   checksummed blobs of a `ddp::Checkpoint` beside our metadata, written atomically by rank 0;
 //!   `ddp::checkpoint::resume_or_start` resumes exactly.
 //!
+//! - **Staged backward** (module [`staged`]): `forward_backward_staged` runs the backward one
+//!   stage at a time, each stage's buckets reduced while earlier stages compute.
 //! - **ZeRO** (module [`zero`]): [`ZeroDdp`] shards the optimizer state (stage 1) and the
 //!   gradients (stage 2) over the ranks on `ddp::sharding`, stepping each owned chunk with Burn's
 //!   own optimizer; its sharded checkpoints resume at any world size.

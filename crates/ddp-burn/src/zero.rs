@@ -23,13 +23,13 @@
 //! `grad_clipping` of `.init()` is not element-wise and is not applied.
 //!
 //! Memory per rank, fp32 AdamW: stage 1 holds ZeRO's `8Ψ + 8Ψ/N` (parameters, gradient buckets
-//! from the backward to the step, moments). Stage 2 cannot reach its `4Ψ + 12Ψ/N`: Burn's
-//! backward returns every gradient at once (Burn 0.22 has no per-gradient hook), so its peak
-//! holds them whole (4Ψ) once, and they leave for the buckets and their shards only
-//! afterwards; stage 2 then holds `4Ψ + 12Ψ/N` from the reduce-scatter on. Measured, 52 M
-//! parameters (`ddp-bench train --framework burn`, see the README), peak RSS at world 2 / 4:
-//! DDP 842 / 843 MiB (1.06 of 16Ψ), stage 1 661 / 546 (1.11 / 1.10), stage 2 629 / 530 (1.06 /
-//! 1.07 of `8Ψ + 8Ψ/N`).
+//! from the backward to the step, moments). Burn 0.22's backward returns every gradient of a
+//! graph at once, so with a plain `loss.backward()` stage 2's peak holds them whole once
+//! (`8Ψ + 8Ψ/N`); [`ZeroDdp::forward_backward_staged`] runs the backward a stage at a time
+//! (module [`staged`](crate::staged)) and keeps them at their shard (`4Ψ + 12Ψ/N`). Measured, 52
+//! M parameters (`ddp-bench train --framework burn`, see the README), peak RSS at world 2 / 4:
+//! DDP 842 / 843 MiB (1.06 of 16Ψ), stage 1 661 / 546 (1.11 / 1.10), stage 2 staged 570 / 436
+//! (1.15 / 1.26; plain 629 / 530).
 //!
 //! Checkpoints are `ddp::sharding`'s: each rank writes its chunks (values and every tensor of
 //! the optimizer state, by Burn's `RecordState` names), rank 0 the index with the state's scalars

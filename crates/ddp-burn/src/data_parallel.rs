@@ -352,6 +352,11 @@ impl<M: Module> DistributedDataParallel<M> {
             .write_param(index, ddp::reducer::HostSlice::of(values))
     }
 
+    /// Makes the parameters windows of `buffers` (see `BurnParams::apply_windows`).
+    pub(crate) fn apply_windows(&mut self, buffers: crate::params::Windows) -> Result<()> {
+        self.update(|m| Ok(m), |params, m| params.apply_windows(m, buffers))
+    }
+
     /// Writes the staged parameter values into the module.
     pub(crate) fn apply_staged(&mut self) -> Result<()> {
         self.update(|m| Ok(m), |params, m| params.apply(m))

@@ -231,6 +231,10 @@ impl ModuleVisitor for Ranges<'_> {
     }
 }
 
+/// Buffers and the parameters that become windows of them: `(buffer, [(parameter, first
+/// element)])` (see [`BurnParams::apply_windows`]).
+pub(crate) type Windows = Vec<(Vec<f32>, Vec<(usize, usize)>)>;
+
 /// Reads one trainable parameter's values (see [`BurnParams::read_one`]).
 struct ReadOne {
     index: usize,
@@ -264,6 +268,8 @@ impl ModuleVisitor for ReadOne {
 struct Apply<'a> {
     entries: &'a [Entry],
     values: Vec<Option<HostBuffer>>,
+    /// Tensor data to take as it is (e.g. windows of a shared buffer); before `values`.
+    data: Vec<Option<TensorData>>,
     next: usize,
     error: Option<Error>,
 }
@@ -275,6 +281,11 @@ impl ModuleMapper for Apply<'_> {
         }
         let i = self.next;
         self.next += 1;
+        if let Some(data) = self.data.get_mut(i).and_then(Option::take) {
+            let id = param.id;
+            let device = param.val().device();
+            return param.transform_for_load(Tensor::from_data(data, &device), id);
+        }
         let (Some(e), Some(Some(v))) = (
             self.entries.get(i),
             self.values.get_mut(i).map(Option::take),
@@ -552,6 +563,44 @@ impl BurnParams {
         let mut mapper = Apply {
             entries: &self.entries,
             values,
+            data: Vec::new(),
+            next: 0,
+            error: None,
+        };
+        let module = module.map(&mut mapper);
+        match mapper.error {
+            Some(e) => Err(e),
+            None => Ok(module),
+        }
+    }
+
+    /// Makes f32 parameters windows of `buffers` (each `(buffer, [(parameter, first element)])`,
+    /// shared behind an `Arc` by Burn's `Bytes`, freed with the last parameter that uses it; a
+    /// backend that writes to one copies it first), not copies: ZeRO stage 1's all-gathered
+    /// buckets become the parameters as they are.
+    pub(crate) fn apply_windows<M: Module>(&self, module: M, buffers: Windows) -> Result<M> {
+        let mut data: Vec<Option<TensorData>> = vec![None; self.entries.len()];
+        for (buffer, params) in buffers {
+            let shared = Bytes::from_elems(buffer).shared();
+            for (p, offset) in params {
+                let e = &self.entries[p];
+                let n: usize = e.shape.iter().product();
+                if e.dtype != DType::F32 {
+                    return Err(Error::Unsupported(format!(
+                        "parameter `{}` is {:?}, not f32",
+                        e.path, e.dtype
+                    )));
+                }
+                let view = shared.view(offset * 4, (offset + n) * 4).map_err(|v| {
+                    Error::Unsupported(format!("a view of `{}`'s values: {v:?}", e.path))
+                })?;
+                data[p] = Some(TensorData::from_bytes(view, e.shape.clone(), e.dtype));
+            }
+        }
+        let mut mapper = Apply {
+            entries: &self.entries,
+            values: vec![None; self.entries.len()],
+            data,
             next: 0,
             error: None,
         };

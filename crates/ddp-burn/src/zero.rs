@@ -362,6 +362,10 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             },
             ..Default::default()
         };
+        // Stage 1 gathers every bucket at once in a buffer of its own, which then holds the
+        // new parameters: it becomes them (Burn's shared `Bytes` windows) instead of being
+        // copied into new tensors. Stage 2's window reuses its buffers: it copies.
+        let in_place = how.window == 0;
         let layout = &self.layout;
         let (optim, device) = (&self.optim, &self.device);
         let states = &mut self.states;
@@ -408,6 +412,9 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                 Ok(())
             },
             |p, _, v| {
+                if in_place {
+                    return Ok(()); // the buckets become the parameters below
+                }
                 let mut ddp = ddp.borrow_mut();
                 let staged =
                     ddp.stage_param(p, v)
@@ -422,7 +429,18 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         if let Some(e) = first.into_inner() {
             return Err(e);
         }
-        gathered?;
+        let bufs = gathered?;
+        if in_place {
+            // Every bucket came back whole (all given or allocated at once): its parameters are
+            // windows of it from now on, no copy (the old parameters are freed as they go).
+            let windows = bufs
+                .into_iter()
+                .zip(layout.buckets())
+                .filter(|(_, b)| !b.slots.is_empty())
+                .map(|(v, b)| (v, b.slots.iter().map(|s| (s.param, s.offset)).collect()))
+                .collect();
+            ddp.into_inner().apply_windows(windows)?;
+        }
         Ok(())
     }
 

@@ -39,7 +39,8 @@
 //! before its forward and again before its backward, then freed (module [`units`]; one unit is
 //! one bucket of a [`ShardLayout`], so checkpoints are shared by all stages). Checkpoints: module
 //! [`checkpoint`]. The candle adapters are `ddp_candle::ZeroDdp` (stages 0-2) and
-//! `ddp_candle::Fsdp` (stage 3).
+//! `ddp_candle::Fsdp` (stage 3); Burn's is `ddp_burn::ZeroDdp` (stages 0-2, Burn's own
+//! optimizers stepping each chunk as one tensor; its save sets are these).
 
 pub mod checkpoint;
 mod hook;

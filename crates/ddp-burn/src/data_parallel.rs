@@ -279,15 +279,7 @@ impl<M: Module> DistributedDataParallel<M> {
         join: &Join,
         step: &JoinStep,
     ) -> Result<GradientsParams> {
-        if loss.is_some() != step.has_data {
-            return Err(Error::Unsupported(format!(
-                "backward_join on rank {}: this rank reported has_data = {} to Join::begin_step \
-                 but passed {} loss",
-                self.rank(),
-                step.has_data,
-                if loss.is_some() { "a" } else { "no" }
-            )));
-        }
+        self.check_has_data("backward_join", loss.is_some(), "loss", step)?;
         self.reducer.set_divisor(step.divisor)?;
         let local = match loss {
             Some(loss) => self.local_backward(loss)?,
@@ -307,15 +299,7 @@ impl<M: Module> DistributedDataParallel<M> {
         join: &Join,
         step: &JoinStep,
     ) -> Result<GradientsParams> {
-        if grads.is_some() != step.has_data {
-            return Err(Error::Unsupported(format!(
-                "sync_gradients_join on rank {}: this rank reported has_data = {} to \
-                 Join::begin_step but passed {} gradients",
-                self.rank(),
-                step.has_data,
-                if grads.is_some() { "its" } else { "no" }
-            )));
-        }
+        self.check_has_data("sync_gradients_join", grads.is_some(), "gradients", step)?;
         self.reducer.set_divisor(step.divisor)?;
         let local = match grads {
             Some(grads) => self.mark(|_| grads)?,
@@ -332,13 +316,34 @@ impl<M: Module> DistributedDataParallel<M> {
         Ok(self.reducer.finish()?)
     }
 
-    /// [`reduce_backward`](Self::reduce_backward) under [`Join`] (`loss` checked by the caller).
+    /// A `Join` step's input must agree with what this rank told `Join::begin_step`.
+    pub(crate) fn check_has_data(
+        &self,
+        what: &str,
+        given: bool,
+        input: &str,
+        step: &JoinStep,
+    ) -> Result<()> {
+        if given == step.has_data {
+            return Ok(());
+        }
+        Err(Error::Unsupported(format!(
+            "{what} on rank {}: this rank reported has_data = {} to Join::begin_step but passed \
+             {} {input}",
+            self.rank(),
+            step.has_data,
+            if given { "its" } else { "no" }
+        )))
+    }
+
+    /// [`reduce_backward`](Self::reduce_backward) under [`Join`].
     pub(crate) fn reduce_backward_join<const D: usize>(
         &mut self,
         loss: Option<Tensor<D>>,
         join: &Join,
         step: &JoinStep,
     ) -> Result<StepStats> {
+        self.check_has_data("backward_join", loss.is_some(), "loss", step)?;
         self.reducer.set_divisor(step.divisor)?;
         if let Some(loss) = loss {
             self.local_backward(loss)?;

@@ -235,35 +235,6 @@ impl ModuleVisitor for Ranges<'_> {
 /// element)])` (see [`BurnParams::apply_windows`]).
 pub(crate) type Windows = Vec<(Vec<f32>, Vec<(usize, usize)>)>;
 
-/// Reads one trainable parameter's values (see [`BurnParams::read_one`]).
-struct ReadOne {
-    index: usize,
-    next: usize,
-    path: Vec<String>,
-    out: Option<Result<HostBuffer>>,
-}
-
-impl ModuleVisitor for ReadOne {
-    fn enter_module(&mut self, name: &str, _container_type: &str) {
-        self.path.push(name.to_string());
-    }
-
-    fn exit_module(&mut self, _name: &str, _container_type: &str) {
-        self.path.pop();
-    }
-
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<D>>) {
-        if !param.is_require_grad() {
-            return;
-        }
-        if self.next == self.index {
-            let path = self.path.join(".");
-            self.out = Some(host_buffer(&path, &param.val().into_data()));
-        }
-        self.next += 1;
-    }
-}
-
 /// Writes staged values into the trainable parameters, in walk order.
 struct Apply<'a> {
     entries: &'a [Entry],
@@ -527,18 +498,11 @@ impl BurnParams {
 
     /// Parameter `index`'s values in `module`, flat (one copy of that parameter only).
     pub(crate) fn read_one<M: Module>(&self, module: &M, index: usize) -> Result<HostBuffer> {
-        let mut r = ReadOne {
-            index,
-            next: 0,
-            path: Vec::new(),
-            out: None,
-        };
-        module.visit(&mut r);
-        r.out.unwrap_or_else(|| {
-            Err(Error::Unsupported(format!(
-                "the module has no trainable parameter {index}"
-            )))
-        })
+        let e = &self.entries[index];
+        let n = e.shape.iter().product();
+        let mut view = self.ranges(module, &[(index, 0, n)])?;
+        let view = view.pop().expect("one range asked");
+        host_buffer(&e.path, &view.into_data())
     }
 
     /// Reads every parameter's value from `module` into the staging area (for `read_param`).

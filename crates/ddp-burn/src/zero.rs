@@ -235,14 +235,6 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             self.full_grads = Some(self.ddp.backward_join(loss, join, step)?);
             return Ok(self.ddp.last_step_stats().unwrap_or_default());
         }
-        if loss.is_some() != step.has_data {
-            return Err(Error::Unsupported(format!(
-                "backward_join on rank {}: has_data = {} but {} loss given",
-                self.ddp.rank(),
-                step.has_data,
-                if loss.is_some() { "a" } else { "no" }
-            )));
-        }
         let stats = self.ddp.reduce_backward_join(loss, join, step)?;
         self.after_reduce(stats)
     }

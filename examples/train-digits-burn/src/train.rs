@@ -200,13 +200,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
             }
             train_loop(args, &s, &plan, t, pos)
         }
-        (_, OptimizerKind::Sgd) => {
-            let zero = ZeroDdp::new(ddp, stage, sgd(args).build())?;
-            train_loop(args, &s, &plan, resume_zero(args, &s.pg, &plan, zero)?, pos)
-        }
+        (_, OptimizerKind::Sgd) => run_zero(args, &s, &plan, ddp, stage, sgd(args).build()),
         (_, OptimizerKind::Adamw) => {
-            let zero = ZeroDdp::new(ddp, stage, AdamWConfig::new().build())?;
-            train_loop(args, &s, &plan, resume_zero(args, &s.pg, &plan, zero)?, pos)
+            run_zero(args, &s, &plan, ddp, stage, AdamWConfig::new().build())
         }
     }
 }
@@ -226,41 +222,37 @@ fn no_checkpoint(args: &Args, pg: &ProcessGroup) {
     }
 }
 
-/// With `--resume`, every rank loads its cut of the sharded set (a collective). The position
-/// travels in [`ZeroResume`].
-fn resume_zero<O: Optimizer>(
+/// `--zero 1|2`: `ddp_burn::ZeroDdp` with Burn's bare `optim`; with `--resume` every rank
+/// first loads its cut of the sharded set (a collective).
+fn run_zero<O: Optimizer>(
     args: &Args,
-    pg: &ProcessGroup,
+    s: &Setup,
     plan: &RunPlan,
-    mut zero: ZeroDdp<Mlp, O>,
-) -> BoxResult<ZeroResume<O>> {
-    let mut pos = None;
+    ddp: Ddp<Mlp>,
+    stage: ZeroStage,
+    optim: O,
+) -> BoxResult<()> {
+    let mut zero = ZeroDdp::new(ddp, stage, optim)?;
+    let mut pos = TrainingState::default();
     if let (Some(dir), true) = (&args.checkpoint_dir, args.resume) {
         match zero.load(dir)? {
             Some(meta) => {
-                let p = plan.check(&meta)?;
-                announce(pg, &format!("the sharded set in {}", dir.display()), &p);
-                pos = Some(p);
+                pos = plan.check(&meta)?;
+                announce(
+                    &s.pg,
+                    &format!("the sharded set in {}", dir.display()),
+                    &pos,
+                );
             }
-            None => no_checkpoint(args, pg),
+            None => no_checkpoint(args, &s.pg),
         }
     }
-    Ok(ZeroResume { zero, pos })
-}
-
-/// A [`ZeroDdp`] and the position its checkpoint was at.
-struct ZeroResume<O: Optimizer> {
-    zero: ZeroDdp<Mlp, O>,
-    pos: Option<TrainingState>,
+    train_loop(args, s, plan, zero, pos)
 }
 
 /// What the epoch loop drives: plain DDP with Burn's optimizer (and a comm hook), or ZeRO.
 trait Stepper {
     fn ddp(&self) -> &Ddp<Mlp>;
-    /// Where a resumed run starts (`None`: at `pos` as given).
-    fn resumed_at(&self) -> Option<TrainingState> {
-        None
-    }
     /// The run's step count (for the reducer's messages).
     fn set_step(&mut self, step: u64);
     /// Backward of `loss`, the gradients' synchronization and one optimizer step.
@@ -349,22 +341,18 @@ impl Stepper for DdpStepper {
     }
 }
 
-impl<O: Optimizer> Stepper for ZeroResume<O> {
+impl<O: Optimizer> Stepper for ZeroDdp<Mlp, O> {
     fn ddp(&self) -> &Ddp<Mlp> {
-        self.zero.ddp()
-    }
-
-    fn resumed_at(&self) -> Option<TrainingState> {
-        self.pos
+        ZeroDdp::ddp(self)
     }
 
     fn set_step(&mut self, step: u64) {
-        self.zero.set_step(step);
+        ZeroDdp::set_step(self, step);
     }
 
     fn train_step(&mut self, loss: Tensor<1>, lr: f64) -> BoxResult<()> {
-        self.zero.backward(loss)?;
-        self.zero.step(lr)?;
+        self.backward(loss)?;
+        self.step(lr)?;
         Ok(())
     }
 
@@ -377,18 +365,18 @@ impl<O: Optimizer> Stepper for ZeroResume<O> {
     ) -> BoxResult<()> {
         if let Some(dir) = &args.checkpoint_dir {
             // Every rank writes its shard; rank 0 the index (loadable at any world size).
-            self.zero.save(dir, &plan.meta(pos))?;
+            ZeroDdp::save(self, dir, &plan.meta(pos))?;
         }
         Ok(())
     }
 
     fn finish(&mut self, steps_run: u64) -> BoxResult<u64> {
         // Reduce-scatter plus all-gather: the ring model's bytes (DDP's volume).
-        Ok(self.zero.bytes_per_step() * steps_run)
+        Ok(self.bytes_per_step() * steps_run)
     }
 }
 
-/// The epochs from `pos` (or where the stepper resumed) to the end, then the summary.
+/// The epochs from `pos` to the end, then the summary.
 fn train_loop(
     args: &Args,
     s: &Setup,
@@ -406,9 +394,6 @@ fn train_loop(
         ..
     } = s;
     let (rank, world) = (pg.rank(), pg.size());
-    if let Some(p) = t.resumed_at() {
-        pos = p;
-    }
     t.set_step(pos.step); // non-finite errors name the run's step
     if rank == 0 {
         println!(

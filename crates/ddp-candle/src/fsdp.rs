@@ -250,6 +250,7 @@ impl Fsdp {
             ));
         }
         let specs = adapter::param_specs(&params)?;
+        ddp::reducer::require_trainable(&specs)?;
         verify_param_specs(pg, &specs)?;
         let names: Vec<String> = params.vars().iter().map(|(n, _)| n.clone()).collect();
         let lists: Vec<Vec<usize>> = units

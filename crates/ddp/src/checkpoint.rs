@@ -47,12 +47,14 @@ use crate::sampler::SamplerState;
 
 mod elastic;
 pub mod integrity;
+mod lock;
 mod resume;
 
 pub use elastic::{
     global_consumed, resume_or_start_global, GlobalPosition, ResumedGlobal, GLOBAL_CONSUMED_KEY,
 };
 pub use integrity::{ensure_writable, MAX_COUNT, MAX_WORLD_SIZE};
+pub use lock::{lock_dir, LOCK_FILE};
 pub use resume::{
     broadcast, resume_or_start, OptimizerRecord, OptimizerState, OptimizerStateDict, Resumed,
     RunPlan, TrainingState,

@@ -131,6 +131,24 @@ impl RunPlan {
     }
 }
 
+impl RunPlan {
+    /// The position to continue from for a checkpoint of any world size: [`RunPlan::check`]
+    /// (the exact per-rank position) when it was written at this world size in an epoch that
+    /// was not re-sharded, else [`RunPlan::check_global`].
+    pub fn check_any(&self, meta: &CheckpointMeta, dataset_len: usize) -> Result<GlobalPosition> {
+        if self.needs_global(meta) {
+            return self.check_global(meta, dataset_len);
+        }
+        let s = self.check(meta)?;
+        Ok(GlobalPosition {
+            step: s.step,
+            epoch: s.epoch,
+            global_consumed: s.consumed * self.world_size,
+            from_world_size: self.world_size,
+        })
+    }
+}
+
 /// [`super::resume_or_start`] for runs whose world size may change: rank 0 checks `dir`, loads
 /// the checkpoint (with `resume`) and shares it; every rank checks it, with [`RunPlan::check`]
 /// when it was written at this world size in an epoch that was not re-sharded (the exact
@@ -151,17 +169,7 @@ pub fn resume_or_start_global(
     let Some(checkpoint) = share(pg, local, 0)? else {
         return Ok(None);
     };
-    let position = if plan.needs_global(&checkpoint.meta) {
-        plan.check_global(&checkpoint.meta, dataset_len)?
-    } else {
-        let s = plan.check(&checkpoint.meta)?;
-        GlobalPosition {
-            step: s.step,
-            epoch: s.epoch,
-            global_consumed: s.consumed * plan.world_size,
-            from_world_size: plan.world_size,
-        }
-    };
+    let position = plan.check_any(&checkpoint.meta, dataset_len)?;
     Ok(Some(ResumedGlobal {
         checkpoint,
         position,

@@ -118,6 +118,9 @@ impl CheckpointMeta {
 /// directory (read-only, a path through a regular file, full disk, ...) is an error at once
 /// instead of after the first epoch. [`resume_or_start`](super::resume_or_start) calls it on rank 0.
 ///
+/// It also takes the directory's lock for the rest of the process ([`lock_dir`](super::lock_dir)):
+/// a second job pointed at the same directory is refused, naming the holder.
+///
 /// It also removes the temporary files of interrupted saves and probes (a writer killed between
 /// creating its file and renaming or removing it, e.g. a rank 0 that died with its launcher:
 /// found by the fault-injection suite, `crates/ddprun/tests/chaos.rs`), which would otherwise stay
@@ -125,7 +128,15 @@ impl CheckpointMeta {
 pub fn ensure_writable(dir: &Path) -> Result<()> {
     const WHY: &str = "checkpoint directory is not writable:";
     fs::create_dir_all(dir).map_err(|e| Error::io(format!("{WHY} cannot create"), dir, e))?;
+    super::lock::lock_dir(dir)?;
     remove_stale_temporaries(dir);
+    probe_writable(dir)
+}
+
+/// Writes, fsyncs and removes a probe file in the existing directory `dir` (no lock, no clean-up:
+/// what ranks other than the one holding the lock check before a sharded save).
+pub(crate) fn probe_writable(dir: &Path) -> Result<()> {
+    const WHY: &str = "checkpoint directory is not writable:";
     let probe = dir.join(format!("{PROBE_PREFIX}.{}", std::process::id()));
     let written = write_synced(&probe, b"ddp checkpoint directory probe\n");
     let removed = fs::remove_file(&probe);

@@ -48,6 +48,7 @@ pub use device::CudaView;
 pub use device::{CpuBucket, DeviceSlice};
 pub use hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState, ShardRange};
 pub use spec::{
-    broadcast_coalesced, sync_seed, verify_param_specs, ParamSpec, BROADCAST_BUCKET_BYTES,
+    broadcast_coalesced, require_trainable, sync_seed, verify_param_specs, ParamSpec,
+    BROADCAST_BUCKET_BYTES,
 };
 pub use state::{BucketInfo, Reducer, StepStats, TakenBucket, TotalStats};

@@ -163,3 +163,19 @@ pub fn sync_seed(pg: &ProcessGroup, seed: Option<u64>) -> Result<u64> {
     pg.broadcast(&mut buf, 0)?;
     Ok(buf[0] as u64)
 }
+
+/// Refuses an empty parameter set (every data-parallel wrapper calls it: the reducer, stage 3's
+/// units). PyTorch refuses a module without parameters that require gradients too: with none,
+/// nothing is broadcast or averaged and every rank would train alone, silently.
+pub fn require_trainable(specs: &[ParamSpec]) -> Result<()> {
+    if specs.is_empty() {
+        return Err(Error::InvalidArgument(
+            "data-parallel training needs at least one trainable parameter and the model has \
+             none: was it wrapped before its layers were built (a VarMap wrapped before the \
+             model created its variables), or are all its parameters frozen? Build the model \
+             first, then wrap it"
+                .into(),
+        ));
+    }
+    Ok(())
+}

@@ -29,7 +29,7 @@ use super::assign::{compute_bucket_assignment, ReducerOptions};
 use super::buffer::{BucketBuffer, BucketWork, HostBuffer, HostSlice};
 use super::device::DeviceSlice;
 use super::hook::{AllReduceHook, BucketParam, CommHook, GradBucket, HookState, ShardRange};
-use super::spec::{verify_param_specs, ParamSpec};
+use super::spec::{require_trainable, verify_param_specs, ParamSpec};
 use crate::error::{Error, Result};
 use crate::trace;
 use ddp_comm::{DType, Element, ProcessGroup};
@@ -185,6 +185,7 @@ impl Reducer {
     ) -> Result<Reducer> {
         // Every framework adapter builds a reducer: freed step buffers stay with the process.
         crate::alloc::retain_freed_memory();
+        require_trainable(&specs)?;
         verify_param_specs(pg, &specs)?;
         let assignment = compute_bucket_assignment(&specs, &opts);
         let mut slots = vec![

@@ -249,14 +249,143 @@ fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     sync_dir(dir)
 }
 
-/// The directory of the current save set in `dir`, if any.
+/// Whether `name` is a save set's name: `zero-step<10+ digits>-<16 hex digits>`, one path
+/// component (no separator, no `..`), as [`save_sharded`] makes them.
+pub fn is_set_name(name: &str) -> bool {
+    let Some(rest) = name.strip_prefix(SET_PREFIX) else {
+        return false;
+    };
+    let Some((step, run)) = rest.split_once('-') else {
+        return false;
+    };
+    step.len() >= 10
+        && step.bytes().all(|b| b.is_ascii_digit())
+        && run.len() == 16
+        && run.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// The directory of the current save set in `dir`, if any. The pointer file must name one
+/// save set of `dir` ([`is_set_name`]: one path component, no separator, no `..`) that is a
+/// directory, not a symbolic link; anything else (an absolute path, `..`, an empty file, a
+/// link) is refused with an error naming the file, so no caller ever reads, writes or removes
+/// outside `dir` because of what a file said.
 pub fn latest_set(dir: &Path) -> Result<Option<PathBuf>> {
     let latest = dir.join(LATEST_FILE);
-    match fs::read_to_string(&latest) {
-        Ok(name) => Ok(Some(dir.join(name.trim()))),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(Error::io("cannot read", &latest, e)),
+    let raw = match fs::read(&latest) {
+        Ok(raw) => raw,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(Error::io("cannot read", &latest, e)),
+    };
+    let refuse = |why: String| {
+        Err(Error::Checkpoint(format!(
+            "{} does not name a save set of {}: {why}; it must hold one name like \
+             `zero-step0000000042-0123456789abcdef` (remove the file to start fresh, or write \
+             the name of the set to resume)",
+            latest.display(),
+            dir.display()
+        )))
+    };
+    let Ok(text) = std::str::from_utf8(&raw) else {
+        return refuse("it is not UTF-8 text".into());
+    };
+    let name = text.trim_end_matches(['\n', '\r']);
+    if name.is_empty() {
+        return refuse("it is empty".into());
     }
+    if !is_set_name(name) {
+        let shown: String = name.chars().take(80).collect();
+        let more = if name.chars().count() > 80 { "..." } else { "" };
+        return refuse(format!("it says {shown:?}{more}"));
+    }
+    let set = dir.join(name);
+    match fs::symlink_metadata(&set) {
+        Ok(m) if m.file_type().is_symlink() => {
+            refuse(format!("{name} is a symbolic link, not a set written here"))
+        }
+        Ok(m) if !m.is_dir() => refuse(format!("{name} is not a directory")),
+        Ok(_) => Ok(Some(set)),
+        Err(e) => Err(Error::io(
+            format!("{} names a save set that cannot be read:", latest.display()),
+            &set,
+            e,
+        )),
+    }
+}
+
+/// Whether `path` is a save set this module wrote: a directory (not a link) directly inside
+/// `dir`, with a set name and an index of this format. Only such directories are ever removed.
+fn is_own_set(dir: &Path, path: &Path) -> bool {
+    let name_ok = path.parent() == Some(dir)
+        && path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_set_name);
+    let dir_ok = fs::symlink_metadata(path).is_ok_and(|m| m.is_dir());
+    name_ok
+        && dir_ok
+        && fs::read(path.join(INDEX_FILE))
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Index>(&b).ok())
+            .is_some_and(|i| i.format == FORMAT)
+}
+
+/// Removes the save sets of `dir` other than `keep` (only those [`is_own_set`] identifies):
+/// the previous current set, and sets a crash left between writing a pointer and removing.
+fn remove_old_sets(dir: &Path, keep: &Path) {
+    let Ok(entries) = fs::read_dir(dir) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path != keep && is_own_set(dir, &path) {
+            if let Err(e) = fs::remove_dir_all(&path) {
+                tracing::warn!("cannot remove the old save set {}: {e}", path.display());
+            }
+        }
+    }
+}
+
+/// Removes the directory of a save that failed (only a set-named directory inside `dir`, never
+/// the current set), so an interrupted or refused save leaves no partial set behind.
+fn remove_partial_set(dir: &Path, set: &Path) {
+    let named = set.parent() == Some(dir)
+        && set
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(is_set_name);
+    let current = latest_set(dir).ok().flatten();
+    if named
+        && current.as_deref() != Some(set)
+        && fs::symlink_metadata(set).is_ok_and(|m| m.is_dir())
+    {
+        match fs::remove_dir_all(set) {
+            Ok(()) => tracing::warn!(
+                "the failed save's partial set {} was removed; the previous set stays current",
+                set.display()
+            ),
+            Err(e) => tracing::warn!("cannot remove the partial set {}: {e}", set.display()),
+        }
+    }
+}
+
+/// Prepares `dir` for a sharded run before it trains (a collective): rank 0 creates it, takes
+/// its lock (one job per directory, [`checkpoint::lock_dir`]) and checks it is writable
+/// ([`checkpoint::ensure_writable`]), then every rank checks that it can write there (each
+/// writes its own shard). An unwritable or locked directory fails every rank at once, instead
+/// of at the first save after the training time is spent.
+pub fn prepare_dir(pg: &ProcessGroup, dir: &Path) -> Result<()> {
+    let first = if pg.rank() == 0 {
+        checkpoint::ensure_writable(dir)
+    } else {
+        Ok(())
+    };
+    agree(pg, "preparing the checkpoint directory", first)?;
+    let mine = if pg.rank() == 0 {
+        Ok(())
+    } else {
+        checkpoint::integrity::probe_writable(dir)
+    };
+    agree(pg, "checking the checkpoint directory", mine)
 }
 
 /// Saves this rank's shard (a collective: every rank calls it with its own `state`). Returns
@@ -313,7 +442,12 @@ pub fn save_sharded(
         checkpoint::save_atomic(&set.join(format!("rank{rank}")), &ck)?;
         Ok(())
     })();
-    agree(pg, "saving the shards", mine)?;
+    if let Err(e) = agree(pg, "saving the shards", mine) {
+        if rank == 0 {
+            remove_partial_set(dir, &set);
+        }
+        return Err(e);
+    }
     let index = (|| -> Result<()> {
         if rank != 0 {
             return Ok(());
@@ -338,16 +472,29 @@ pub fn save_sharded(
         let json = serde_json::to_vec_pretty(&index)
             .map_err(|e| Error::Checkpoint(format!("cannot encode the index: {e}")))?;
         write_atomic(&set.join(INDEX_FILE), &json)?;
-        let previous = latest_set(dir)?;
         write_atomic(&dir.join(LATEST_FILE), set_name.as_bytes())?;
-        // The new set is current: older sets can go.
-        if let Some(prev) = previous.filter(|p| *p != set) {
-            let _ = fs::remove_dir_all(prev);
-        }
+        // The new set is current: older sets of this directory can go (only sets identified
+        // as written here: never what a pointer file says).
+        remove_old_sets(dir, &set);
         Ok(())
     })();
-    agree(pg, "writing the index", index)?;
+    if let Err(e) = agree(pg, "writing the index", index) {
+        if rank == 0 {
+            remove_partial_set(dir, &set);
+        }
+        return Err(e);
+    }
     Ok(set)
+}
+
+/// The metadata (training position) of the current save set of `dir`, read from its index
+/// only; `None` when `dir` has none. What a run reads to decide which checkpoint to resume
+/// from (a save set, or a plain checkpoint beside it) before loading either.
+pub fn set_meta(dir: &Path) -> Result<Option<CheckpointMeta>> {
+    let Some(set) = latest_set(dir)? else {
+        return Ok(None);
+    };
+    Ok(Some(read_index(&set)?.meta))
 }
 
 /// Loads the current save set of `dir` cut along `layout` (this rank's chunks), checking that
@@ -373,7 +520,7 @@ pub fn load_sharded(
     )))
 }
 
-fn read_set(set: &Path) -> Result<(Index, Segments)> {
+fn read_index(set: &Path) -> Result<Index> {
     let index_path = set.join(INDEX_FILE);
     let bytes =
         fs::read(&index_path).map_err(|e| Error::io("cannot read the index", &index_path, e))?;
@@ -390,6 +537,16 @@ fn read_set(set: &Path) -> Result<(Index, Segments)> {
             index.format
         )));
     }
+    index
+        .meta
+        .validate()
+        .map_err(|e| Error::Checkpoint(format!("{}: {e}", index_path.display())))?;
+    Ok(index)
+}
+
+fn read_set(set: &Path) -> Result<(Index, Segments)> {
+    let index = read_index(set)?;
+    let index_path = set.join(INDEX_FILE);
     let mut segs = Segments::default();
     for k in 0..index.world_size {
         let d = set.join(format!("rank{k}"));

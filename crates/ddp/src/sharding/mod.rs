@@ -48,7 +48,8 @@ pub mod layout;
 pub mod units;
 
 pub use checkpoint::{
-    agree, consolidate, import, latest_set, load_sharded, save_sharded, ChunkState, ShardState,
+    agree, consolidate, import, is_set_name, latest_set, load_sharded, prepare_dir, save_sharded,
+    set_meta, ChunkState, ShardState,
 };
 pub use hook::{
     bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_params,

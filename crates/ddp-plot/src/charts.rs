@@ -2,7 +2,8 @@
 //! loss and accuracy versus step, throughput and communication wait versus step, the per-rank
 //! stacked split of the mean step, and busbw versus message size.
 
-use crate::input::{Metrics, Report, Sweep};
+use crate::input::{Metrics, Report, StepPoint, Sweep};
+use crate::scale::{number_label, series, Axis, Series};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 use std::error::Error;
@@ -38,6 +39,77 @@ fn prefix(runs: usize, label: &str) -> String {
     }
 }
 
+/// `caption`, with the number of non-finite points left out when there are any.
+fn caption(caption: &str, skipped: usize) -> String {
+    match skipped {
+        0 => caption.to_string(),
+        1 => format!("{caption} (1 non-finite point skipped)"),
+        n => format!("{caption} ({n} non-finite points skipped)"),
+    }
+}
+
+/// Markers are drawn on series this short only (a marker per point of a long run is most of
+/// an SVG's size and hides the line).
+const MAX_MARKED: usize = 200;
+
+/// One run's two series of a two-axis chart: `(step, left)` and `(step, right)`, finite and
+/// decimated.
+fn two_series(
+    run: &Metrics,
+    left: fn(&StepPoint) -> Option<f64>,
+    right: fn(&StepPoint) -> Option<f64>,
+) -> (Series, Series) {
+    let get = |g: fn(&StepPoint) -> Option<f64>| {
+        series(run.points.iter().filter_map(move |q| Some((q.step, g(q)?))))
+    };
+    (get(left), get(right))
+}
+
+/// The finite series of every run (left and right), their axes and the skipped count.
+struct TwoAxes {
+    series: Vec<(Series, Series)>,
+    x: Axis,
+    left: Axis,
+    right: Axis,
+    skipped: usize,
+}
+
+fn two_axes(
+    runs: &[Metrics],
+    left: fn(&StepPoint) -> Option<f64>,
+    right: fn(&StepPoint) -> Option<f64>,
+    left_fit: ((f64, f64), f64),
+    right_fit: ((f64, f64), f64),
+) -> TwoAxes {
+    let series: Vec<(Series, Series)> = runs.iter().map(|r| two_series(r, left, right)).collect();
+    let all = |side: fn(&(Series, Series)) -> &Series| {
+        series
+            .iter()
+            .flat_map(move |s| side(s).points.iter().copied())
+            .collect::<Vec<_>>()
+    };
+    let (l, r) = (all(|s| &s.0), all(|s| &s.1));
+    let x = Axis::fit(l.iter().chain(&r).map(|p| p.0), (0.0, 1.0), 0.0, false);
+    let left = Axis::fit(l.iter().map(|p| p.1), left_fit.0, left_fit.1, true);
+    let right = Axis::fit(r.iter().map(|p| p.1), right_fit.0, right_fit.1, true);
+    let skipped = series.iter().map(|s| s.0.skipped + s.1.skipped).sum();
+    TwoAxes {
+        series,
+        x,
+        left,
+        right,
+        skipped,
+    }
+}
+
+/// `pts` as drawn on `x` and `y` (points a log axis cannot show left out).
+fn drawn(pts: &[(f64, f64)], x: &Axis, y: &Axis) -> Vec<(f64, f64)> {
+    pts.iter()
+        .map(|&(a, b)| (x.to(a), y.to(b)))
+        .filter(|(a, b)| a.is_finite() && b.is_finite())
+        .collect()
+}
+
 /// Training loss (left axis) and held-out accuracy (right axis) versus step.
 pub fn loss_accuracy<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
@@ -46,51 +118,60 @@ pub fn loss_accuracy<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let pts = || runs.iter().flat_map(|r| r.points.iter());
-    let max_step = max_of(pts().map(|p| p.step)).max(1.0);
-    let max_loss = max_of(pts().filter_map(|p| p.loss)).max(1e-3) * 1.1;
+    let ax = two_axes(
+        runs,
+        |q| q.loss,
+        |q| q.accuracy,
+        ((0.0, 1e-3), 0.1),
+        ((0.0, 1.0), 0.0),
+    );
+    let (x, left, right) = (ax.x, ax.left, ax.right);
     let mut chart = ChartBuilder::on(root)
-        .caption("Training loss and held-out accuracy", (FONT, 24))
+        .caption(
+            caption("Training loss and held-out accuracy", ax.skipped),
+            (FONT, 24),
+        )
         .margin(15)
         .x_label_area_size(50)
         .y_label_area_size(70)
         .right_y_label_area_size(70)
-        .build_cartesian_2d(0f64..max_step, 0f64..max_loss)?
-        .set_secondary_coord(0f64..max_step, 0f64..1.0);
+        .build_cartesian_2d(x.range(), left.range())?
+        .set_secondary_coord(x.range(), right.range());
     chart
         .configure_mesh()
         .x_desc("step (optimizer steps)")
-        .x_label_formatter(&|v| format!("{v:.0}"))
-        .y_desc("training loss (cross-entropy, rank 0)")
+        .x_label_formatter(&|v| x.label(v))
+        .y_desc(left.desc("training loss (cross-entropy, rank 0)"))
+        .y_labels(left.labels())
+        .y_label_formatter(&|v| left.label(v))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
         .draw()?;
     chart
         .configure_secondary_axes()
-        .y_desc("held-out accuracy (fraction correct)")
+        .y_desc(right.desc("held-out accuracy (fraction correct)"))
+        .y_labels(right.labels())
+        .y_label_formatter(&|v| right.label(v))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
         .draw()?;
-    for (i, run) in runs.iter().enumerate() {
+    for (i, (run, (loss, acc))) in runs.iter().zip(&ax.series).enumerate() {
         let p = prefix(runs.len(), &run.label);
         let (lc, ac) = (color(2 * i), color(2 * i + 1));
-        let loss: Vec<(f64, f64)> = run
-            .points
-            .iter()
-            .filter_map(|q| Some((q.step, q.loss?)))
-            .collect();
         chart
-            .draw_series(LineSeries::new(loss, lc.stroke_width(2)))?
+            .draw_series(LineSeries::new(
+                drawn(&loss.points, &x, &left),
+                lc.stroke_width(2),
+            ))?
             .label(format!("{p}training loss (left axis)"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], lc.stroke_width(2)));
-        let acc: Vec<(f64, f64)> = run
-            .points
-            .iter()
-            .filter_map(|q| Some((q.step, q.accuracy?)))
-            .collect();
-        if !acc.is_empty() {
+        if !acc.points.is_empty() {
+            let marks = if acc.points.len() <= MAX_MARKED { 4 } else { 0 };
             chart
-                .draw_secondary_series(LineSeries::new(acc, ac.stroke_width(2)).point_size(4))?
+                .draw_secondary_series(
+                    LineSeries::new(drawn(&acc.points, &x, &right), ac.stroke_width(2))
+                        .point_size(marks),
+                )?
                 .label(format!("{p}held-out accuracy (right axis)"))
                 .legend(move |(x, y)| Circle::new((x + 10, y), 4, ac.filled()));
         }
@@ -113,52 +194,59 @@ pub fn throughput<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let pts = || runs.iter().flat_map(|r| r.points.iter());
-    let max_step = max_of(pts().map(|p| p.step)).max(1.0);
-    let max_sps = max_of(pts().filter_map(|p| p.samples_per_s)).max(1.0) * 1.15;
-    let max_wait = max_of(pts().filter_map(|p| p.comm_wait_ms)).max(0.01) * 1.15;
+    let ax = two_axes(
+        runs,
+        |q| q.samples_per_s,
+        |q| q.comm_wait_ms,
+        ((0.0, 1.0), 0.15),
+        ((0.0, 0.01), 0.15),
+    );
+    let (x, left, right) = (ax.x, ax.left, ax.right);
     let mut chart = ChartBuilder::on(root)
-        .caption("Throughput and communication wait", (FONT, 24))
+        .caption(
+            caption("Throughput and communication wait", ax.skipped),
+            (FONT, 24),
+        )
         .margin(15)
         .x_label_area_size(50)
         .y_label_area_size(80)
         .right_y_label_area_size(70)
-        .build_cartesian_2d(0f64..max_step, 0f64..max_sps)?
-        .set_secondary_coord(0f64..max_step, 0f64..max_wait);
+        .build_cartesian_2d(x.range(), left.range())?
+        .set_secondary_coord(x.range(), right.range());
     chart
         .configure_mesh()
         .x_desc("step (optimizer steps)")
-        .x_label_formatter(&|v| format!("{v:.0}"))
-        .y_desc("throughput (samples/s, all ranks)")
-        .y_label_formatter(&|v| format!("{v:.0}"))
+        .x_label_formatter(&|v| x.label(v))
+        .y_desc(left.desc("throughput (samples/s, all ranks)"))
+        .y_labels(left.labels())
+        .y_label_formatter(&|v| left.label(v))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
         .draw()?;
     chart
         .configure_secondary_axes()
-        .y_desc("communication wait (ms/step, rank 0)")
+        .y_desc(right.desc("communication wait (ms/step, rank 0)"))
+        .y_labels(right.labels())
+        .y_label_formatter(&|v| right.label(v))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
         .draw()?;
-    for (i, run) in runs.iter().enumerate() {
+    for (i, (run, (sps, wait))) in runs.iter().zip(&ax.series).enumerate() {
         let p = prefix(runs.len(), &run.label);
         let (tc, wc) = (color(2 * i), color(2 * i + 1));
-        let sps: Vec<(f64, f64)> = run
-            .points
-            .iter()
-            .filter_map(|q| Some((q.step, q.samples_per_s?)))
-            .collect();
+        let marks = if sps.points.len() <= MAX_MARKED { 3 } else { 0 };
         chart
-            .draw_series(LineSeries::new(sps, tc.stroke_width(2)).point_size(3))?
+            .draw_series(
+                LineSeries::new(drawn(&sps.points, &x, &left), tc.stroke_width(2))
+                    .point_size(marks),
+            )?
             .label(format!("{p}samples/s (left axis)"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], tc.stroke_width(2)));
-        let wait: Vec<(f64, f64)> = run
-            .points
-            .iter()
-            .filter_map(|q| Some((q.step, q.comm_wait_ms?)))
-            .collect();
         chart
-            .draw_secondary_series(LineSeries::new(wait, wc.stroke_width(2)))?
+            .draw_secondary_series(LineSeries::new(
+                drawn(&wait.points, &x, &right),
+                wc.stroke_width(2),
+            ))?
             .label(format!("{p}comm wait, ms/step (right axis)"))
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], wc.stroke_width(2)));
     }
@@ -202,21 +290,24 @@ where
             |r| r.waiting,
         ),
     ];
-    let total = |r: &crate::input::RankSplit| layers.iter().map(|l| (l.2)(r)).sum::<f64>();
-    let top = max_of(report.ranks.iter().map(total)).max(1e-3) * 1.45;
-    let caption = match report.straggler {
-        Some((rank, pct)) => {
-            format!("Mean step per rank: rank {rank} is the straggler (+{pct:.0}%)")
-        }
+    // The sum of huge finite values may overflow: the axis then ends at f64::MAX.
+    let total =
+        |r: &crate::input::RankSplit| layers.iter().map(|l| (l.2)(r)).sum::<f64>().min(f64::MAX);
+    let y = Axis::fit(report.ranks.iter().map(total), (0.0, 1e-3), 0.45, false);
+    let title = match report.straggler {
+        Some((rank, pct)) => format!(
+            "Mean step per rank: rank {rank} is the straggler (+{}%)",
+            number_label(pct.round())
+        ),
         None => "Mean step per rank: no straggler".to_string(),
     };
     let mut chart = ChartBuilder::on(root)
-        .caption(caption, (FONT, 24))
+        .caption(caption(&title, report.skipped), (FONT, 24))
         .margin(15)
         .x_label_area_size(50)
         .y_label_area_size(70)
         // A discrete range is inclusive: 0..n-1 holds n segments.
-        .build_cartesian_2d((0..n.saturating_sub(1)).into_segmented(), 0f64..top)?;
+        .build_cartesian_2d((0..n.saturating_sub(1)).into_segmented(), y.range())?;
     chart
         .configure_mesh()
         .disable_x_mesh()
@@ -225,6 +316,7 @@ where
             100.0 * report.hidden_comm_share
         ))
         .y_desc("time per step (ms)")
+        .y_label_formatter(&|v| y.label(v))
         .x_label_formatter(&|v| match v {
             SegmentValue::CenterOf(r) => format!("rank {r}"),
             _ => String::new(),
@@ -239,10 +331,10 @@ where
             .ranks
             .iter()
             .enumerate()
-            .map(|(i, r)| (i as u32, below[i] + get(r)))
+            .map(|(i, r)| (i as u32, below[i] + y.to(get(r))))
             .collect();
         for (i, r) in report.ranks.iter().enumerate() {
-            base[i] += get(r);
+            base[i] += y.to(get(r));
         }
         chart
             .draw_series(
@@ -270,16 +362,18 @@ where
     Ok(())
 }
 
-/// `1024` → `1 KiB`.
+/// `1024` → `1 KiB`; beyond EiB, `1.2e30 B`.
 fn bytes_label(b: f64) -> String {
-    let units = ["B", "KiB", "MiB", "GiB"];
+    let units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB"];
     let mut v = b;
     let mut u = 0;
     while v >= 1024.0 && u + 1 < units.len() {
         v /= 1024.0;
         u += 1;
     }
-    if (v - v.round()).abs() < 1e-9 {
+    if v >= 1024.0 || !v.is_finite() {
+        format!("{} B", number_label(b))
+    } else if (v - v.round()).abs() < 1e-9 {
         format!("{v:.0} {}", units[u])
     } else {
         format!("{v:.1} {}", units[u])
@@ -291,42 +385,66 @@ pub fn busbw<DB: DrawingBackend>(root: &DrawingArea<DB, Shift>, sweeps: &[Sweep]
 where
     DB::ErrorType: 'static,
 {
+    // Sizes must be positive for the log axis; non-finite rows are skipped and counted.
+    let all: Vec<Series> = sweeps
+        .iter()
+        .map(|s| {
+            series(
+                s.points
+                    .iter()
+                    .copied()
+                    .filter(|p| p.0 > 0.0 || p.0.is_nan()),
+            )
+        })
+        .collect();
+    let skipped = all.iter().map(|s| s.skipped).sum();
     // x is log2(bytes), so that the ticks fall on powers of two.
-    let sizes = || sweeps.iter().flat_map(|s| s.points.iter().map(|p| p.0));
-    let lo = sizes().filter(|b| *b > 0.0).fold(f64::INFINITY, f64::min);
+    let sizes = || all.iter().flat_map(|s| s.points.iter().map(|p| p.0));
+    let lo = sizes().fold(f64::INFINITY, f64::min);
     let lo = if lo.is_finite() {
         lo.log2().floor()
     } else {
         0.0
     };
     let hi = max_of(sizes()).log2().ceil().max(lo + 1.0);
-    let top = max_of(sweeps.iter().flat_map(|s| s.points.iter().map(|p| p.1))).max(1e-3) * 1.15;
+    let y = Axis::fit(
+        all.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
+        (0.0, 1e-3),
+        0.15,
+        true,
+    );
     let mut chart = ChartBuilder::on(root)
-        .caption("all_reduce bus bandwidth by message size", (FONT, 24))
+        .caption(
+            caption("all_reduce bus bandwidth by message size", skipped),
+            (FONT, 24),
+        )
         .margin(15)
         .margin_right(40)
         .x_label_area_size(50)
         .y_label_area_size(70)
-        .build_cartesian_2d(lo..hi, 0f64..top)?;
+        .build_cartesian_2d(lo..hi, y.range())?;
     chart
         .configure_mesh()
         .x_desc("message size (bytes per rank, log scale)")
-        .y_desc("bus bandwidth (GB/s)")
-        .x_labels(((hi - lo) / 2.0) as usize + 1)
+        .y_desc(y.desc("bus bandwidth (GB/s)"))
+        .x_labels((((hi - lo) / 2.0) as usize + 1).min(12))
         .x_label_formatter(&|x| bytes_label(x.exp2()))
+        .y_labels(y.labels())
+        .y_label_formatter(&|v| y.label(v))
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
         .draw()?;
-    for (i, s) in sweeps.iter().enumerate() {
+    for (i, (s, pts)) in sweeps.iter().zip(&all).enumerate() {
         let c = color(i);
-        let pts: Vec<(f64, f64)> = s
+        let pts: Vec<(f64, f64)> = pts
             .points
             .iter()
-            .filter(|p| p.0 > 0.0)
-            .map(|p| (p.0.log2(), p.1))
+            .map(|p| (p.0.log2(), y.to(p.1)))
+            .filter(|p| p.1.is_finite())
             .collect();
+        let marks = if pts.len() <= MAX_MARKED { 4 } else { 0 };
         chart
-            .draw_series(LineSeries::new(pts, c.stroke_width(2)).point_size(4))?
+            .draw_series(LineSeries::new(pts, c.stroke_width(2)).point_size(marks))?
             .label(s.label.clone())
             .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
     }

@@ -2,6 +2,11 @@
 //! bottleneck report, `kind: report`, also `report.json`/`--report` files) and from
 //! `ddp-bench <collective> --json` or the peers' sweeps (`bytes`, `busbw_gbs`). Every other line
 //! (headers, text) is skipped.
+//!
+//! Non-finite values are kept as such (the charts skip and count them): `null` where a number
+//! belongs (serde_json, hence `train-digits --metrics`, writes NaN and ±inf as `null`), the
+//! `NaN`/`Infinity`/`-Infinity` tokens of Python's `json.dumps`, and numbers too large for an
+//! f64 (`1e999`).
 
 use serde_json::Value;
 use std::path::Path;
@@ -23,6 +28,32 @@ pub struct Metrics {
     pub points: Vec<StepPoint>,
 }
 
+/// Count of non-finite values per field, the fields with none left out.
+pub type NonFinite = Vec<(&'static str, usize)>;
+
+impl Metrics {
+    /// The non-finite values of every field (a non-finite step counts once, as `step`).
+    pub fn nonfinite(&self) -> NonFinite {
+        let bad = |v: Option<f64>| usize::from(v.is_some_and(|x| !x.is_finite()));
+        let mut n = [0usize; 5];
+        for p in &self.points {
+            if !p.step.is_finite() {
+                n[0] += 1;
+                continue;
+            }
+            n[1] += bad(p.loss);
+            n[2] += bad(p.accuracy);
+            n[3] += bad(p.samples_per_s);
+            n[4] += bad(p.comm_wait_ms);
+        }
+        ["step", "loss", "accuracy", "samples_per_s", "comm_wait_ms"]
+            .into_iter()
+            .zip(n)
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
+}
+
 /// One rank's mean step (ms), as the bottleneck report splits it.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct RankSplit {
@@ -42,6 +73,8 @@ pub struct Report {
     /// The straggler, when significant: rank and percent slower.
     pub straggler: Option<(usize, f64)>,
     pub hidden_comm_share: f64,
+    /// Non-finite values read (drawn as 0).
+    pub skipped: usize,
 }
 
 /// A collective sweep: (bytes, busbw GB/s) per size.
@@ -49,6 +82,21 @@ pub struct Report {
 pub struct Sweep {
     pub label: String,
     pub points: Vec<(f64, f64)>,
+}
+
+impl Sweep {
+    /// Rows with a non-finite size or bandwidth.
+    pub fn nonfinite(&self) -> NonFinite {
+        let n = self
+            .points
+            .iter()
+            .filter(|(b, bw)| !b.is_finite() || !bw.is_finite())
+            .count();
+        [("bytes/busbw_gbs", n)]
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
 }
 
 /// Everything read from the inputs.
@@ -59,35 +107,119 @@ pub struct Inputs {
     pub sweeps: Vec<Sweep>,
 }
 
+/// The number at `v[k]`: `None` when absent, NaN for `null` (a non-finite value written by
+/// serde_json), ±inf/NaN for the spelled-out tokens [`parse_line`] turns into strings.
 fn f(v: &Value, k: &str) -> Option<f64> {
-    v.get(k).and_then(Value::as_f64)
+    match v.get(k)? {
+        Value::Null => Some(f64::NAN),
+        Value::String(s) => match s.as_str() {
+            "NaN" => Some(f64::NAN),
+            "Infinity" => Some(f64::INFINITY),
+            "-Infinity" => Some(f64::NEG_INFINITY),
+            _ => None,
+        },
+        n => n.as_f64(),
+    }
+}
+
+/// One JSON line; when plain JSON fails, again with the bare `NaN`, `Infinity`, `-Infinity`
+/// tokens and overflowing numbers (`1e999`) outside strings turned into the strings `"NaN"`,
+/// `"Infinity"`, `"-Infinity"` (which [`f`] reads back as non-finite numbers).
+fn parse_line(line: &str) -> Option<Value> {
+    if let Ok(v) = serde_json::from_str(line) {
+        return Some(v);
+    }
+    let mut out = String::with_capacity(line.len() + 16);
+    let mut rest = line;
+    let mut in_string = false;
+    while let Some(c) = rest.chars().next() {
+        if in_string {
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+            if c == '\\' {
+                if let Some(e) = rest.chars().next() {
+                    out.push(e);
+                    rest = &rest[e.len_utf8()..];
+                }
+            } else if c == '"' {
+                in_string = false;
+            }
+            continue;
+        }
+        if c == '"' {
+            in_string = true;
+            out.push(c);
+            rest = &rest[1..];
+            continue;
+        }
+        let token_len = rest
+            .find(|ch: char| !(ch.is_ascii_alphanumeric() || matches!(ch, '-' | '+' | '.')))
+            .unwrap_or(rest.len());
+        if token_len == 0 {
+            out.push(c);
+            rest = &rest[c.len_utf8()..];
+            continue;
+        }
+        let token = &rest[..token_len];
+        let marker = match token {
+            "NaN" | "-NaN" => Some("NaN"),
+            "Infinity" | "+Infinity" => Some("Infinity"),
+            "-Infinity" => Some("-Infinity"),
+            _ => match token.parse::<f64>() {
+                Ok(x) if x == f64::INFINITY => Some("Infinity"),
+                Ok(x) if x == f64::NEG_INFINITY => Some("-Infinity"),
+                _ => None,
+            },
+        };
+        match marker {
+            Some(m) => {
+                out.push('"');
+                out.push_str(m);
+                out.push('"');
+            }
+            None => out.push_str(token),
+        }
+        rest = &rest[token_len..];
+    }
+    serde_json::from_str(&out).ok()
 }
 
 fn report(label: &str, v: &Value) -> Option<Report> {
-    let ranks = v
+    let mut skipped = 0;
+    let mut finite = |x: f64| {
+        if x.is_finite() {
+            x
+        } else {
+            skipped += 1;
+            0.0
+        }
+    };
+    let ranks: Vec<RankSplit> = v
         .get("ranks")?
         .as_array()?
         .iter()
         .map(|r| {
             Some(RankSplit {
                 rank: r.get("rank")?.as_u64()? as usize,
-                compute: f(r, "compute_ms")?,
-                data: f(r, "data_ms")?,
-                optimizer: f(r, "optimizer_ms")?,
-                exposed_comm: f(r, "exposed_comm_ms")?,
-                waiting: f(r, "waiting_ms")?,
+                compute: finite(f(r, "compute_ms")?),
+                data: finite(f(r, "data_ms")?),
+                optimizer: finite(f(r, "optimizer_ms")?),
+                exposed_comm: finite(f(r, "exposed_comm_ms")?),
+                waiting: finite(f(r, "waiting_ms")?),
             })
         })
         .collect::<Option<Vec<_>>>()?;
     let s = &v["straggler"];
     let straggler = (s["significant"] == true)
-        .then(|| Some((s["rank"].as_u64()? as usize, f(s, "slower_by_pct")?)))
+        .then(|| Some((s["rank"].as_u64()? as usize, finite(f(s, "slower_by_pct")?))))
         .flatten();
+    let hidden_comm_share = finite(f(v, "hidden_comm_share").unwrap_or(0.0));
     Some(Report {
         label: label.to_string(),
         ranks,
         straggler,
-        hidden_comm_share: f(v, "hidden_comm_share").unwrap_or(0.0),
+        hidden_comm_share,
+        skipped,
     })
 }
 
@@ -108,7 +240,7 @@ pub fn read(path: &Path, into: &mut Inputs) -> Result<(), String> {
     };
     let mut used = 0;
     for line in text.lines().map(str::trim).filter(|l| l.starts_with('{')) {
-        let Ok(v) = serde_json::from_str::<Value>(line) else {
+        let Some(v) = parse_line(line) else {
             continue;
         };
         if v["kind"] == "step" {

@@ -8,11 +8,18 @@
 //! - `ddp-bench allreduce ... --json` output, and the peers' (`bench/peers`) → `busbw` (bus
 //!   bandwidth versus size, each file a series named after it).
 //!
+//! Non-finite values (NaN, ±inf, written as `null` by serde_json or as `NaN`/`Infinity` by
+//! Python) are skipped, counted on stderr and in the chart's title; axes fit any finite values
+//! (a log10 axis for values spanning many decades, `1e30`-style labels); each series is
+//! decimated to a few thousand points keeping every bucket's minimum and maximum, so a long run
+//! still makes a small SVG with its spikes (module `scale`).
+//!
 //! Text needs a TrueType font: `DDP_PLOT_FONT`, else DejaVu Sans or Liberation Sans from the
 //! usual system places (Debian: `fonts-dejavu-core`).
 
 mod charts;
 mod input;
+mod scale;
 
 use clap::Parser;
 use plotters::prelude::*;
@@ -111,6 +118,7 @@ fn run(cli: &Cli) -> charts::DynResult<Vec<PathBuf>> {
     for path in &cli.inputs {
         input::read(path, &mut inputs)?;
     }
+    warn_nonfinite(&inputs);
     register_font()?;
     std::fs::create_dir_all(&cli.out).map_err(|e| format!("--out {}: {e}", cli.out.display()))?;
     let (out, size) = (cli.out.as_path(), cli.size);
@@ -145,6 +153,29 @@ fn run(cli: &Cli) -> charts::DynResult<Vec<PathBuf>> {
         both!(out, size, "busbw", charts::busbw, &inputs.sweeps, made);
     }
     Ok(made)
+}
+
+/// Says on stderr which inputs had non-finite values, and how many of each field.
+fn warn_nonfinite(inputs: &input::Inputs) {
+    let sets = inputs
+        .metrics
+        .iter()
+        .map(|m| (&m.label, m.nonfinite()))
+        .chain(inputs.sweeps.iter().map(|s| (&s.label, s.nonfinite())));
+    for (label, counts) in sets.filter(|(_, c)| !c.is_empty()) {
+        let total: usize = counts.iter().map(|c| c.1).sum();
+        let each: Vec<String> = counts.iter().map(|(k, n)| format!("{k} {n}")).collect();
+        eprintln!(
+            "ddp-plot: {label}: skipped {total} non-finite values (NaN or infinite): {}",
+            each.join(", ")
+        );
+    }
+    for r in inputs.reports.iter().filter(|r| r.skipped > 0) {
+        eprintln!(
+            "ddp-plot: {}: {} non-finite values in the bottleneck report, drawn as 0",
+            r.label, r.skipped
+        );
+    }
 }
 
 /// A label as a file-name part.

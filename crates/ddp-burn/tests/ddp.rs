@@ -365,3 +365,20 @@ fn frozen_parameters_are_left_alone() {
         }
     }
 }
+
+/// A module without trainable parameters (wrapped before its layers exist, or all frozen) is
+/// refused, saying why, instead of training each rank alone; ZeroDdp is built on it, so it
+/// refuses too.
+#[test]
+fn a_model_without_trainable_parameters_is_refused() {
+    let errors = run_ranks(2, |_, pg| {
+        let empty = burn::nn::Relu::new();
+        match Ddp::new(empty, &pg, DdpOptions::default()) {
+            Ok(_) => panic!("a model without parameters was accepted"),
+            Err(e) => e.to_string(),
+        }
+    });
+    for e in errors {
+        assert!(e.contains("at least one trainable parameter"), "{e}");
+    }
+}

@@ -515,3 +515,21 @@ fn device_buckets_on_the_cpu_match_host_buckets_bit_for_bit() {
         );
     }
 }
+
+/// Wrapping the `VarMap` before the model created its variables (an easy order to write) is
+/// refused, saying why, instead of a DDP of 0 parameters where each rank trains alone.
+#[test]
+fn a_varmap_without_parameters_is_refused() {
+    let errors = run_ranks(2, |_, pg| {
+        let vm = candle_nn::VarMap::new();
+        let ddp = Ddp::new(&vm, &pg, DdpOptions::default()).err();
+        let fsdp = ddp_candle::Fsdp::from_varmap(&vm, Vec::new(), &pg, |vars| {
+            ddp_candle::ShardOptimizer::AdamW(Default::default()).build(vars)
+        })
+        .err();
+        [ddp, fsdp].map(|e| e.expect("an empty model was accepted").to_string())
+    });
+    for e in errors.iter().flatten() {
+        assert!(e.contains("at least one trainable parameter"), "{e}");
+    }
+}

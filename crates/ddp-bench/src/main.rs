@@ -135,7 +135,7 @@ pub struct TrainArgs {
     pub zero: u8,
     /// With `--zero 2`: keep the last K buckets whole between steps (`ddp_candle::ZeroOptions`:
     /// faster, up to K buckets of memory beyond stage 2's formula).
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = 0, value_parser = int_in::<usize>(0, 1 << 20))]
     pub zero_keep_buckets: usize,
     /// With `--zero 3`: when the backward gathers the next unit (PyTorch FSDP's
     /// `backward_prefetch`): `pre` before the current unit's gradient (overlaps it; two units
@@ -173,10 +173,10 @@ pub struct SweepArgs {
     /// Number of local processes to start (ignored under a launcher that sets RANK/WORLD_SIZE).
     #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, MAX_LOCAL_WORKERS as u64))]
     pub nproc: usize,
-    /// Smallest message in bytes (suffixes K, M, G are powers of 1024).
+    /// Smallest message in bytes (suffixes K, M, G are powers of 1024; 4 to 4G).
     #[arg(long, default_value = "1K", value_parser = sweep::parse_bytes)]
     pub min_bytes: usize,
-    /// Largest message in bytes.
+    /// Largest message in bytes (4 to 4G).
     #[arg(long, default_value = "64M", value_parser = sweep::parse_bytes)]
     pub max_bytes: usize,
     /// Timed iterations per size (default: scaled by size, 5..=500).

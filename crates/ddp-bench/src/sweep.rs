@@ -23,7 +23,8 @@ pub enum Op {
     Broadcast,
 }
 
-/// Parse `4096`, `4K`, `1M`, `2G` (powers of 1024).
+/// Parse `4096`, `4K`, `1M`, `2G` (powers of 1024), at least [`MIN_BYTES`] (a smaller
+/// message holds no f32 element: a sweep of it would measure nothing and print no row).
 pub fn parse_bytes(s: &str) -> Result<usize, String> {
     let s = s.trim();
     let (num, mult) = match s.chars().last().map(|c| c.to_ascii_uppercase()) {
@@ -36,10 +37,16 @@ pub fn parse_bytes(s: &str) -> Result<usize, String> {
         .parse::<usize>()
         .map_err(|_| format!("{s:?} is not a size (examples: 4096, 4K, 64M)"))?;
     match n.checked_mul(mult) {
+        Some(b) if b < MIN_BYTES => Err(format!(
+            "{s:?} is smaller than the smallest message, {MIN_BYTES} bytes (one f32 element)"
+        )),
         Some(b) if b <= MAX_BYTES => Ok(b),
         _ => Err(format!("{s:?} is larger than the largest message, 4G")),
     }
 }
+
+/// Smallest message a sweep accepts: one f32.
+pub const MIN_BYTES: usize = 4;
 
 /// Largest message a sweep accepts.
 pub const MAX_BYTES: usize = 4 << 30;
@@ -215,7 +222,7 @@ fn sweep(
             "bytes", "time_us", "algbw_GBs", "busbw_GBs", "wrong"
         );
     }
-    let mut bytes = args.min_bytes.max(4);
+    let mut bytes = args.min_bytes.max(MIN_BYTES);
     while bytes <= args.max_bytes {
         let elems = bytes / 4;
         let iters = args

@@ -140,6 +140,75 @@ fn save(
     Ok(())
 }
 
+/// What a run resumes from: a plain checkpoint (any stage imports it) or the save set of the
+/// directory (any stage loads it: stages 1-3 cut it for this world, stage 0 consolidates it).
+enum Source {
+    Plain(Box<checkpoint::ResumedGlobal>),
+    Set(std::path::PathBuf),
+}
+
+/// The checkpoint to resume from in `dir`: the newer of the plain checkpoint (`plain`, already
+/// loaded and shared) and the current save set; `None` when there is neither. A directory with
+/// a checkpoint never ends as a fresh start, whatever `--zero` the run has.
+fn resume_source(
+    dir: &std::path::Path,
+    plain: Option<checkpoint::ResumedGlobal>,
+) -> BoxResult<Option<Source>> {
+    let set = ddp::sharding::set_meta(dir)?;
+    Ok(match (plain, set) {
+        (Some(p), Some(s)) if s.step > p.checkpoint.meta.step => Some(Source::Set(dir.into())),
+        (Some(p), _) => Some(Source::Plain(Box::new(p))),
+        (None, Some(_)) => Some(Source::Set(dir.into())),
+        (None, None) => None,
+    })
+}
+
+/// Loads `source` into the run's wrapper and optimizer at any stage; returns the checkpoint's
+/// metadata and a description of where it came from.
+fn load_source(
+    ddp: &mut Trainer,
+    source: &Source,
+    averager: &mut Option<PeriodicModelAverager>,
+    rank: usize,
+) -> BoxResult<(checkpoint::CheckpointMeta, String)> {
+    let stage0 = ddp.zero().is_some_and(|z| z.stage() == ZeroStage::Ddp);
+    match source {
+        Source::Plain(r) if stage0 => {
+            let z = ddp.zero_mut().expect("stage 0");
+            ddp_candle::checkpoint::load_vars(&r.checkpoint, z.named_vars())?;
+            r.checkpoint.load_optimizer(z.optimizer_mut())?;
+            let kind = z.reducer().comm_hook_state().kind;
+            let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
+            z.ddp_mut()
+                .reducer_mut()
+                .load_comm_hook_state(&hook_state)?;
+            if let Some(a) = averager {
+                a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
+            }
+            Ok((r.checkpoint.meta.clone(), r.path.display().to_string()))
+        }
+        Source::Plain(r) => {
+            // A plain checkpoint into a sharded run: each rank takes its chunks.
+            ddp.import(&r.checkpoint)?;
+            Ok((r.checkpoint.meta.clone(), r.path.display().to_string()))
+        }
+        Source::Set(dir) if stage0 => {
+            // A save set into plain DDP: every parameter and optimizer slot gathered from the
+            // shards (the run's hyper-parameters, hook included, were checked: a set has none).
+            let ckpt = ddp::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
+            let z = ddp.zero_mut().expect("stage 0");
+            ddp_candle::checkpoint::load_vars(&ckpt, z.named_vars())?;
+            ckpt.load_optimizer(z.optimizer_mut())?;
+            let set = ddp::sharding::latest_set(dir)?.unwrap_or_else(|| dir.clone());
+            Ok((ckpt.meta, format!("the sharded set {}", set.display())))
+        }
+        Source::Set(dir) => {
+            let meta = ddp.load_sharded(dir)?.ok_or("the save set disappeared")?;
+            Ok((meta, format!("the sharded set in {}", dir.display())))
+        }
+    }
+}
+
 pub fn run(args: &Args) -> BoxResult<()> {
     if args.batch_size == 0 {
         return Err("--batch-size must be at least 1".into());
@@ -182,10 +251,19 @@ pub fn run(args: &Args) -> BoxResult<()> {
         )
         .into());
     }
-    let resumed = match &args.checkpoint_dir {
-        Some(dir) if stage == ZeroStage::Ddp => {
+    // Plain checkpoints: rank 0 locks and probes the directory, loads (with --resume) and
+    // shares. Save sets (stages 1-3): every rank writes its shard, so every rank checks.
+    let plain = match &args.checkpoint_dir {
+        Some(dir) if stage == ZeroStage::Ddp || args.resume => {
             checkpoint::resume_or_start_global(&pg, dir, args.resume, &plan, train.len())?
         }
+        _ => None,
+    };
+    if let (Some(dir), true) = (&args.checkpoint_dir, stage != ZeroStage::Ddp) {
+        ddp::sharding::prepare_dir(&pg, dir)?;
+    }
+    let source = match &args.checkpoint_dir {
+        Some(dir) if args.resume => resume_source(dir, plain)?,
         _ => None,
     };
     let lr = effective_lr(args, world);
@@ -216,32 +294,10 @@ pub fn run(args: &Args) -> BoxResult<()> {
     // the epoch already consumed, where this world's sharding of the epoch starts.
     let mut reshard: Option<usize> = None;
     let mut resharded_run = false;
-    if let (Some(dir), true, true) = (&args.checkpoint_dir, args.resume, stage != ZeroStage::Ddp) {
-        // Sharded: every rank reads the set (saved at any world size), cut for this world.
-        if let Some(meta) = ddp.load_sharded(dir)? {
-            pos = plan.check(&meta)?;
-            if rank == 0 {
-                println!(
-                    "resuming from the sharded set in {} at step {}",
-                    dir.display(),
-                    pos.step
-                );
-            }
-        }
-    }
-    if let (Some(r), Some(ddp)) = (&resumed, ddp.zero_mut()) {
-        ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())?;
-        r.checkpoint.load_optimizer(ddp.optimizer_mut())?;
-        let kind = ddp.reducer().comm_hook_state().kind;
-        let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
-        ddp.ddp_mut()
-            .reducer_mut()
-            .load_comm_hook_state(&hook_state)?;
-        if let Some(a) = &mut averager {
-            a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
-        }
-        let p = r.position;
-        resharded_run = plan.needs_global(&r.checkpoint.meta);
+    if let Some(source) = source {
+        let (meta, what) = load_source(&mut ddp, &source, &mut averager, rank)?;
+        let p = plan.check_any(&meta, train.len())?;
+        resharded_run = plan.needs_global(&meta);
         pos = TrainingState {
             step: p.step,
             epoch: p.epoch,
@@ -256,21 +312,14 @@ pub fn run(args: &Args) -> BoxResult<()> {
         }
         if rank == 0 && resharded_run {
             println!(
-                "resuming from {} at step {}, epoch {}, {} samples of the epoch consumed (written \
-                 at world size {}): the rest of the epoch re-sharded over {world} ranks",
-                r.path.display(),
-                pos.step,
-                pos.epoch,
-                p.global_consumed,
-                p.from_world_size
+                "resuming from {what} at step {}, epoch {}, {} samples of the epoch consumed \
+                 (written at world size {}): the rest of the epoch re-sharded over {world} ranks",
+                pos.step, pos.epoch, p.global_consumed, p.from_world_size
             );
         } else if rank == 0 {
             println!(
-                "resuming from {} at step {}, epoch {}, {} samples into the epoch",
-                r.path.display(),
-                pos.step,
-                pos.epoch,
-                pos.consumed
+                "resuming from {what} at step {}, epoch {}, {} samples into the epoch",
+                pos.step, pos.epoch, pos.consumed
             );
         }
     } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
@@ -566,10 +615,11 @@ pub fn run(args: &Args) -> BoxResult<()> {
         if stats.steps > 0 {
             let wait = stats.comm_wait.as_secs_f64() * 1e3 / stats.steps as f64;
             let total = stats.total.as_secs_f64() * 1e3 / stats.steps as f64;
+            // The overlap figure is the report's (one definition, printed one way).
             println!(
                 "gradient sync (rank 0): {wait:.3} ms/step waiting for communication of {total:.3} \
-                 ms/step backward+communication ({:.0}% overlapped)",
-                if total > 0.0 { 100.0 * (1.0 - wait / total) } else { 100.0 }
+                 ms/step backward+communication; {}",
+                report.hidden_comm_line()
             );
         }
         println!(

@@ -115,6 +115,14 @@ impl Trainer {
         }
     }
 
+    /// Takes this rank's chunks of a plain checkpoint (stages 1-3; a collective).
+    pub fn import(&mut self, ckpt: &ddp::checkpoint::Checkpoint) -> ddp_candle::Result<()> {
+        match self {
+            Trainer::Zero(z) => z.import(ckpt),
+            Trainer::Fsdp(f) => f.import(ckpt),
+        }
+    }
+
     /// Stage 3: copies the gathered parameters into the evaluation copy `varmap` (a collective:
     /// every rank must call it); a no-op otherwise (the model is the replica).
     pub fn refresh(&self, varmap: &VarMap) -> ddp_candle::Result<()> {

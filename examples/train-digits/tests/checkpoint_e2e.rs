@@ -2,61 +2,20 @@
 //! checkpoint directory fails at start, damaged or forged checkpoints are refused on resume with
 //! a clear error (and left as they were), a checkpoint of format 1 (no checksums) still resumes.
 
+mod common;
+
+use common::Finished;
 use std::collections::{BTreeMap, HashMap};
-use std::io::Read;
 use std::path::Path;
-use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use serde_json::{json, Value};
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-digits");
 
-struct Finished {
-    success: bool,
-    stdout: String,
-    stderr: String,
-    elapsed: Duration,
-}
-
 /// Runs train-digits (its launcher, 2 local workers) with a 120 s deadline.
 fn run(args: &[&str]) -> Finished {
-    let start = Instant::now();
-    let mut child = Command::new(BIN)
-        .args(args)
-        .env_remove("RANK")
-        .env_remove("WORLD_SIZE")
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pump = |mut src: Box<dyn Read + Send>| {
-        std::thread::spawn(move || {
-            let mut s = String::new();
-            let _ = src.read_to_string(&mut s);
-            s
-        })
-    };
-    let out = pump(Box::new(child.stdout.take().unwrap()));
-    let err = pump(Box::new(child.stderr.take().unwrap()));
-    let status = loop {
-        if let Some(s) = child.try_wait().unwrap() {
-            break s;
-        }
-        if start.elapsed() > Duration::from_secs(120) {
-            let _ = child.kill();
-            let _ = child.wait();
-            panic!("train-digits {args:?} did not finish in 120 s");
-        }
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    Finished {
-        success: status.success(),
-        stdout: out.join().unwrap(),
-        stderr: err.join().unwrap(),
-        elapsed: start.elapsed(),
-    }
+    common::run_bin(BIN, args, 120)
 }
 
 const COMMON: [&str; 5] = ["--nproc", "2", "--epochs", "3", "--json"];

@@ -221,21 +221,45 @@ fn check_model(index: &Index, specs: &[ParamSpec], origin: &Path) -> Result<()> 
     )))
 }
 
-/// Every rank's `result` agreed on: an error on any rank fails every rank, naming the ranks (a
-/// collective).
+/// Every rank's `result` agreed on: an error on any rank fails every rank (a collective). A
+/// rank that did not fail gets an error naming the ranks that did and the first one's reason
+/// (at most [`AGREE_REASON_CHARS`] characters of it), so whichever rank's error a launcher
+/// reports first says what went wrong.
 pub fn agree<T>(pg: &ProcessGroup, what: &str, result: Result<T>) -> Result<T> {
-    let mut flags = vec![0u8; pg.size()];
-    flags[pg.rank()] = result.is_err() as u8;
-    pg.all_reduce(&mut flags, ReduceOp::Max)?;
-    let failed: Vec<usize> = (0..pg.size()).filter(|&r| flags[r] != 0).collect();
+    let mine = match &result {
+        Ok(_) => Vec::new(),
+        Err(e) => {
+            let text = e.to_string();
+            let mut cut: String = text.chars().take(AGREE_REASON_CHARS).collect();
+            if cut.len() < text.len() {
+                cut.push_str("...");
+            }
+            // Never empty: an empty message means success.
+            format!("!{cut}").into_bytes()
+        }
+    };
+    let all = pg.all_gather_bytes(&mine)?;
+    let failed: Vec<usize> = (0..all.len()).filter(|&r| !all[r].is_empty()).collect();
     match result {
         Err(e) => Err(e),
-        Ok(_) if !failed.is_empty() => Err(Error::Checkpoint(format!(
-            "{what} failed on rank(s) {failed:?} (their errors say why)"
-        ))),
+        Ok(_) if !failed.is_empty() => {
+            let first = String::from_utf8_lossy(&all[failed[0]][1..]).into_owned();
+            let more = match failed.len().saturating_sub(16) {
+                0 => String::new(),
+                k => format!(" and {k} more"),
+            };
+            Err(Error::Checkpoint(format!(
+                "{what} failed on rank(s) {:?}{more}: rank {}: {first}",
+                &failed[..failed.len().min(16)],
+                failed[0]
+            )))
+        }
         Ok(v) => Ok(v),
     }
 }
+
+/// The longest reason [`agree`] passes from a failed rank to the others.
+pub const AGREE_REASON_CHARS: usize = 1000;
 
 fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));

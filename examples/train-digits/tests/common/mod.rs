@@ -55,3 +55,65 @@ pub fn assert_json_keys_in_order(line: &str) {
         at += pos;
     }
 }
+
+/// How a binary run ended.
+pub struct Finished {
+    pub success: bool,
+    pub stdout: String,
+    pub stderr: String,
+    pub elapsed: std::time::Duration,
+}
+
+impl Finished {
+    /// The final `--json` line, parsed (panics, showing the output, when there is none).
+    pub fn json(&self) -> serde_json::Value {
+        let line = self.stdout.lines().rev().find(|l| l.starts_with('{'));
+        let line =
+            line.unwrap_or_else(|| panic!("no JSON line:\n{}\n{}", self.stdout, self.stderr));
+        serde_json::from_str(line).unwrap()
+    }
+}
+
+/// Runs `bin` with `args` (its own launcher: no RANK/WORLD_SIZE inherited) to completion, with
+/// a deadline of `deadline_s` seconds (killed and failed on overrun).
+pub fn run_bin(bin: &str, args: &[&str], deadline_s: u64) -> Finished {
+    use std::io::Read;
+    use std::process::{Command, Stdio};
+    use std::time::{Duration, Instant};
+    let start = Instant::now();
+    let mut child = Command::new(bin)
+        .args(args)
+        .env_remove("RANK")
+        .env_remove("WORLD_SIZE")
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pump = |mut src: Box<dyn Read + Send>| {
+        std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = src.read_to_string(&mut s);
+            s
+        })
+    };
+    let out = pump(Box::new(child.stdout.take().unwrap()));
+    let err = pump(Box::new(child.stderr.take().unwrap()));
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if start.elapsed() > Duration::from_secs(deadline_s) {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{bin} {args:?} did not finish in {deadline_s} s");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Finished {
+        success: status.success(),
+        stdout: out.join().unwrap(),
+        stderr: err.join().unwrap(),
+        elapsed: start.elapsed(),
+    }
+}

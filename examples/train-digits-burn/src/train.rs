@@ -1,7 +1,9 @@
 //! One worker of `train-digits-burn`: joins the process group, loads its shard with Burn's
 //! `DataLoaderBuilder` over a `ddp_burn::ShardedDataset`, trains with `ddp_burn::Ddp` and Burn's
-//! optimizers, checkpoints every epoch (rank 0, atomically: Burn's records + our position,
-//! through `ddp::checkpoint::resume_or_start` on resume), and reports as `train-digits` does.
+//! optimizers (or `ddp_burn::ZeroDdp` with `--zero 1|2`), checkpoints every epoch (plain DDP:
+//! rank 0, atomically, Burn's records + our position; ZeRO: a sharded set), resumes from either
+//! at any stage and world size (module `resume`, `ddp::checkpoint::resume_or_start_global`), and
+//! reports as `train-digits` does.
 
 use crate::data::{self, Dataset};
 use crate::model::{evaluate, tensors, Mlp};
@@ -12,7 +14,7 @@ use burn::data::dataset::InMemDataset;
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::{Device, Int, Tensor};
-use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
+use ddp::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
 use ddp::hooks::PeriodicModelAverager;
 use ddp::sharding::ZeroStage;
 use ddp::DistributedSampler;
@@ -24,6 +26,10 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 pub type BoxResult<T> = Result<T, Box<dyn Error>>;
+
+#[path = "resume.rs"]
+mod resume;
+use resume::Source;
 
 /// Builds a batch from row indices of the training set.
 #[derive(Clone)]
@@ -50,6 +56,9 @@ pub fn optimizer(args: &Args) -> ModuleOptimizer {
     }
 }
 
+/// The run as its checkpoints record it; a checkpoint of other hyper-parameters is refused on
+/// resume. The ZeRO stage is not one: it changes where the state lives, not the training (a
+/// run resumes from any stage's checkpoint, module `resume`).
 fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan {
     RunPlan {
         world_size,
@@ -66,7 +75,6 @@ fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan
             "hidden": args.hidden,
             "seed": args.seed,
             "hook": args.hook.to_string(),
-            "zero": args.zero,
         }),
         rng_state: args.seed,
     }
@@ -75,11 +83,10 @@ fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan
 fn save(
     pg: &ProcessGroup,
     args: &Args,
-    plan: &RunPlan,
     ddp: &Ddp<Mlp>,
     opt: &ModuleOptimizer,
     averager: Option<&PeriodicModelAverager>,
-    pos: &TrainingState,
+    meta: &CheckpointMeta,
 ) -> BoxResult<()> {
     let Some(dir) = &args.checkpoint_dir else {
         return Ok(());
@@ -88,7 +95,7 @@ fn save(
     // a collective).
     let hook_state = ddp::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
     if pg.rank() == 0 {
-        let mut ckpt = Checkpoint::new(plan.meta(pos));
+        let mut ckpt = Checkpoint::new(meta.clone());
         ddp.save_records(&mut ckpt, opt)?;
         ckpt.save_hook_state(&hook_state)?;
         if let Some(a) = averager {
@@ -168,11 +175,21 @@ pub fn run(args: &Args) -> BoxResult<()> {
     }
     let s = setup(args)?;
     let plan = run_plan(args, s.pg.size(), s.samples_per_epoch);
-    // Plain DDP: rank 0 reads the checkpoint and shares it (before the model is built).
-    let resumed = match &args.checkpoint_dir {
-        Some(dir) if stage == ZeroStage::Ddp => {
-            checkpoint::resume_or_start(&s.pg, dir, args.resume, &plan)?
+    // Rank 0 locks and probes the directory, loads the plain checkpoint (with --resume) and
+    // shares it, at any world size; a failure there reaches every rank with rank 0's reason.
+    // Save sets (stages 1-2): every rank writes its shard, so every rank then checks the
+    // directory too, before training.
+    let plain = match &args.checkpoint_dir {
+        Some(dir) => {
+            checkpoint::resume_or_start_global(&s.pg, dir, args.resume, &plan, s.train.len())?
         }
+        _ => None,
+    };
+    if let (Some(dir), true) = (&args.checkpoint_dir, stage != ZeroStage::Ddp) {
+        ddp::sharding::prepare_dir(&s.pg, dir)?;
+    }
+    let source = match &args.checkpoint_dir {
+        Some(dir) if args.resume => resume::resume_source(dir, plain)?,
         _ => None,
     };
     let opts = DdpOptions {
@@ -180,7 +197,6 @@ pub fn run(args: &Args) -> BoxResult<()> {
         ..Default::default()
     };
     let ddp = Ddp::new(Mlp::new(args.hidden, args.seed, &s.device), &s.pg, opts)?;
-    let mut pos = TrainingState::default();
     match (stage, args.optimizer) {
         (ZeroStage::Ddp, _) => {
             let mut t = DdpStepper {
@@ -191,63 +207,133 @@ pub fn run(args: &Args) -> BoxResult<()> {
             if let Some(hook) = args.hook.hook()? {
                 t.ddp.register_comm_hook(hook)?;
             }
-            if let Some(r) = &resumed {
-                t.resume(r, s.pg.rank())?;
-                pos = r.state;
-                announce(&s.pg, &r.path.display().to_string(), &pos);
-            } else {
-                no_checkpoint(args, &s.pg);
+            let loaded = match &source {
+                Some(Source::Plain(r)) => {
+                    t.resume(&r.checkpoint, s.pg.rank())?;
+                    Some((r.checkpoint.meta.clone(), r.path.display().to_string()))
+                }
+                Some(Source::Set(dir)) => {
+                    // A save set into plain DDP: every parameter and optimizer tensor gathered
+                    // from the shards into Burn's records (a set holds no comm hook state: its
+                    // run had none, and the hook is a hyper-parameter the resume checks).
+                    let (flat, what) = resume::consolidated(dir)?;
+                    let opt = std::mem::replace(&mut t.opt, optimizer_placeholder());
+                    t.opt = resume::flat_to_burn(&flat, &mut t.ddp, opt)?;
+                    Some((flat.meta, what))
+                }
+                None => None,
+            };
+            let start = Start::new(args, &s, &plan, loaded)?;
+            train_loop(args, &s, &plan, t, start)
+        }
+        (_, OptimizerKind::Sgd) => run_zero(args, &s, &plan, ddp, stage, sgd(args).build(), source),
+        (_, OptimizerKind::Adamw) => run_zero(
+            args,
+            &s,
+            &plan,
+            ddp,
+            stage,
+            AdamWConfig::new().build(),
+            source,
+        ),
+    }
+}
+
+/// Where the loop starts: the checkpoint's position checked against this run (at any world
+/// size: another one re-shards the rest of the epoch over this world's ranks).
+struct Start {
+    pos: TrainingState,
+    /// `Some(global samples of the epoch consumed)` when resumed at another world size or in a
+    /// re-sharded epoch: this world's sharding of the first epoch starts there, and the run's
+    /// checkpoints record their global position.
+    reshard: Option<usize>,
+}
+
+impl Start {
+    /// Checks `loaded` (the checkpoint's metadata and where it came from) and says where the
+    /// run continues.
+    fn new(
+        args: &Args,
+        s: &Setup,
+        plan: &RunPlan,
+        loaded: Option<(checkpoint::CheckpointMeta, String)>,
+    ) -> BoxResult<Start> {
+        let (rank, world) = (s.pg.rank(), s.pg.size());
+        let Some((meta, what)) = loaded else {
+            if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
+                println!("no checkpoint in {}: starting fresh", dir.display());
             }
-            train_loop(args, &s, &plan, t, pos)
+            return Ok(Start {
+                pos: TrainingState::default(),
+                reshard: None,
+            });
+        };
+        let p = plan.check_any(&meta, s.train.len())?;
+        let resharded = plan.needs_global(&meta);
+        let pos = TrainingState {
+            step: p.step,
+            epoch: p.epoch,
+            consumed: if resharded {
+                0
+            } else {
+                p.global_consumed / world
+            },
+        };
+        if rank == 0 && resharded {
+            println!(
+                "resuming from {what} at step {}, epoch {}, {} samples of the epoch consumed \
+                 (written at world size {}): the rest of the epoch re-sharded over {world} ranks",
+                pos.step, pos.epoch, p.global_consumed, p.from_world_size
+            );
+        } else if rank == 0 {
+            println!(
+                "resuming from {what} at step {}, epoch {}, {} samples into the epoch",
+                pos.step, pos.epoch, pos.consumed
+            );
         }
-        (_, OptimizerKind::Sgd) => run_zero(args, &s, &plan, ddp, stage, sgd(args).build()),
-        (_, OptimizerKind::Adamw) => {
-            run_zero(args, &s, &plan, ddp, stage, AdamWConfig::new().build())
-        }
+        Ok(Start {
+            pos,
+            reshard: resharded.then_some(p.global_consumed),
+        })
     }
 }
 
-fn announce(pg: &ProcessGroup, from: &str, pos: &TrainingState) {
-    if pg.rank() == 0 {
-        println!(
-            "resuming from {from} at step {}, epoch {}, {} samples into the epoch",
-            pos.step, pos.epoch, pos.consumed
-        );
-    }
-}
-
-fn no_checkpoint(args: &Args, pg: &ProcessGroup) {
-    if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, pg.rank()) {
-        println!("no checkpoint in {}: starting fresh", dir.display());
-    }
-}
-
-/// `--zero 1|2`: `ddp_burn::ZeroDdp` with Burn's bare `optim`; with `--resume` every rank
-/// first loads its cut of the sharded set (a collective).
+/// `--zero 1|2`: `ddp_burn::ZeroDdp` with Burn's bare `optim`; a resumed run first loads its
+/// cut of the save set (a collective), or of a plain checkpoint (`ZeroDdp::import` of its flat
+/// form).
 fn run_zero<O: Optimizer>(
     args: &Args,
     s: &Setup,
     plan: &RunPlan,
-    ddp: Ddp<Mlp>,
+    mut ddp: Ddp<Mlp>,
     stage: ZeroStage,
     optim: O,
+    source: Option<Source>,
 ) -> BoxResult<()> {
-    let mut zero = ZeroDdp::new(ddp, stage, optim)?;
-    let mut pos = TrainingState::default();
-    if let (Some(dir), true) = (&args.checkpoint_dir, args.resume) {
-        match zero.load(dir)? {
-            Some(meta) => {
-                pos = plan.check(&meta)?;
-                announce(
-                    &s.pg,
-                    &format!("the sharded set in {}", dir.display()),
-                    &pos,
-                );
-            }
-            None => no_checkpoint(args, &s.pg),
+    // A plain checkpoint's Burn records are loaded into the module (and Burn's optimizer)
+    // before the module is wrapped; `import` then takes this rank's chunks of the flat form.
+    let flat = match &source {
+        Some(Source::Plain(r)) => {
+            let kind = resume::optimizer_kind::<O>();
+            let flat = resume::burn_to_flat(&r.checkpoint, &mut ddp, optimizer(args), &kind)?;
+            Some((flat, r.path.display().to_string()))
         }
-    }
-    train_loop(args, s, plan, zero, pos)
+        _ => None,
+    };
+    let mut zero = ZeroDdp::new(ddp, stage, optim)?;
+    let loaded = match (&source, flat) {
+        (Some(Source::Plain(_)), Some((flat, what))) => {
+            zero.import(&flat)?;
+            Some((flat.meta, what))
+        }
+        (Some(Source::Set(dir)), _) => {
+            let meta = zero.load(dir)?.ok_or("the save set disappeared")?;
+            Some((meta, format!("the sharded set in {}", dir.display())))
+        }
+        _ => None,
+    };
+    let start = Start::new(args, s, plan, loaded)?;
+    train_loop(args, s, plan, zero, start)
 }
 
 /// What the epoch loop drives: plain DDP with Burn's optimizer (and a comm hook), or ZeRO.
@@ -257,14 +343,8 @@ trait Stepper {
     fn set_step(&mut self, step: u64);
     /// Backward of `loss`, the gradients' synchronization and one optimizer step.
     fn train_step(&mut self, loss: Tensor<1>, lr: f64) -> BoxResult<()>;
-    /// A checkpoint at `pos` (a collective).
-    fn save(
-        &self,
-        pg: &ProcessGroup,
-        args: &Args,
-        plan: &RunPlan,
-        pos: &TrainingState,
-    ) -> BoxResult<()>;
+    /// A checkpoint with metadata `meta` (a collective).
+    fn save(&self, pg: &ProcessGroup, args: &Args, meta: &CheckpointMeta) -> BoxResult<()>;
     /// After the last step (e.g. local SGD's last averaging); the bytes this rank sent in this
     /// run of `steps_run` steps.
     fn finish(&mut self, steps_run: u64) -> BoxResult<u64>;
@@ -278,14 +358,16 @@ struct DdpStepper {
 }
 
 impl DdpStepper {
-    fn resume(&mut self, r: &checkpoint::Resumed, rank: usize) -> BoxResult<()> {
+    /// Loads a plain checkpoint: Burn's records, the comm hook's state (this rank's) and the
+    /// model averager's.
+    fn resume(&mut self, ckpt: &Checkpoint, rank: usize) -> BoxResult<()> {
         let opt = std::mem::replace(&mut self.opt, optimizer_placeholder());
-        self.opt = self.ddp.load_records(&r.checkpoint, opt)?;
+        self.opt = self.ddp.load_records(ckpt, opt)?;
         let kind = self.ddp.reducer().comm_hook_state().kind;
-        let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
+        let hook_state = ckpt.hook_state(&kind)?.for_rank(rank);
         self.ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
         if let Some(a) = &mut self.averager {
-            a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
+            a.load_state_dict(&ckpt.hook_state("periodic_model_averager")?)?;
         }
         Ok(())
     }
@@ -314,22 +396,8 @@ impl Stepper for DdpStepper {
         Ok(())
     }
 
-    fn save(
-        &self,
-        pg: &ProcessGroup,
-        args: &Args,
-        plan: &RunPlan,
-        pos: &TrainingState,
-    ) -> BoxResult<()> {
-        save(
-            pg,
-            args,
-            plan,
-            &self.ddp,
-            &self.opt,
-            self.averager.as_ref(),
-            pos,
-        )
+    fn save(&self, pg: &ProcessGroup, args: &Args, meta: &CheckpointMeta) -> BoxResult<()> {
+        save(pg, args, &self.ddp, &self.opt, self.averager.as_ref(), meta)
     }
 
     fn finish(&mut self, _steps_run: u64) -> BoxResult<u64> {
@@ -356,16 +424,11 @@ impl<O: Optimizer> Stepper for ZeroDdp<Mlp, O> {
         Ok(())
     }
 
-    fn save(
-        &self,
-        _pg: &ProcessGroup,
-        args: &Args,
-        plan: &RunPlan,
-        pos: &TrainingState,
-    ) -> BoxResult<()> {
+    fn save(&self, _pg: &ProcessGroup, args: &Args, meta: &CheckpointMeta) -> BoxResult<()> {
         if let Some(dir) = &args.checkpoint_dir {
-            // Every rank writes its shard; rank 0 the index (loadable at any world size).
-            ZeroDdp::save(self, dir, &plan.meta(pos))?;
+            // Every rank writes its shard; rank 0 the index (loadable at any world size and
+            // stage).
+            ZeroDdp::save(self, dir, meta)?;
         }
         Ok(())
     }
@@ -382,8 +445,12 @@ fn train_loop(
     s: &Setup,
     plan: &RunPlan,
     mut t: impl Stepper,
-    mut pos: TrainingState,
+    start: Start,
 ) -> BoxResult<()> {
+    let Start {
+        mut pos,
+        mut reshard,
+    } = start;
     let Setup {
         pg,
         train,
@@ -424,11 +491,39 @@ fn train_loop(
     let mut time_to_target: Option<Duration> = None;
     let mut local_samples = 0u64;
     let mut steps_run = 0u64;
+    // A re-sharded run (resumed at another world size) records the global position of the
+    // epoch in its checkpoints: `epoch_base` global samples of the epoch were consumed before
+    // this world's sharding of it began, then `pos.consumed` per rank.
+    let resharded_run = reshard.is_some();
+    let mut epoch_base = 0usize;
+    let meta_at = |base: usize, pos: &TrainingState| match resharded_run {
+        true => plan.meta_global(pos, base + pos.consumed * world),
+        false => plan.meta(pos),
+    };
     'epochs: while pos.epoch < args.epochs {
         shard.set_epoch(pos.epoch);
+        let (epoch_loader, skip) = match reshard.take() {
+            Some(g) => {
+                // The rest of the epoch's global order, split over this world's ranks.
+                epoch_base = g;
+                let mut sampler =
+                    DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+                sampler.set_epoch(pos.epoch);
+                let rows = InMemDataset::new(sampler.indices_from_global(g));
+                let l = DataLoaderBuilder::new(Rows(train.clone()))
+                    .batch_size(args.batch_size)
+                    .set_device(device.clone())
+                    .build(rows);
+                (l, 0)
+            }
+            None => {
+                epoch_base = 0;
+                (loader.clone(), pos.consumed / args.batch_size)
+            }
+        };
         let mut loss_sum = 0f64;
         let mut batches = 0u64;
-        for b in loader.iter().skip(pos.consumed / args.batch_size) {
+        for b in epoch_loader.iter().skip(skip) {
             if args.max_steps.is_some_and(|m| pos.step >= m) {
                 break 'epochs;
             }
@@ -445,7 +540,8 @@ fn train_loop(
         }
         pos.epoch += 1;
         pos.consumed = 0;
-        t.save(pg, args, plan, &pos)?;
+        epoch_base = 0;
+        t.save(pg, args, &meta_at(0, &pos))?;
         if let Some(target) = args.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
@@ -476,7 +572,7 @@ fn train_loop(
     }
     let train_time = start.elapsed() - eval_time;
     if pos.epoch < args.epochs && time_to_target.is_none() {
-        t.save(pg, args, plan, &pos)?;
+        t.save(pg, args, &meta_at(epoch_base, &pos))?;
     }
     let bytes_sent = t.finish(steps_run)?;
     let run = RunCounts {

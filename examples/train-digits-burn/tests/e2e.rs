@@ -361,3 +361,195 @@ fn burns_learner_under_ddp_equals_the_plain_loop_and_resumes_from_burns_checkpoi
     assert!(full["test_accuracy"].as_f64().unwrap() >= 0.95, "{full}");
     assert_eq!(full["replicas_identical"], true, "{full}");
 }
+
+/// A fresh temporary directory for test `tag` (removed first if a previous run left it).
+fn temp_dir(tag: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("tdb-{tag}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    dir
+}
+
+/// Copies directory `from` into `to`, recursively (a checkpoint directory for a second resume).
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for e in std::fs::read_dir(from).unwrap() {
+        let e = e.unwrap();
+        let target = to.join(e.file_name());
+        if e.file_type().unwrap().is_dir() {
+            copy_dir(&e.path(), &target);
+        } else {
+            std::fs::copy(e.path(), &target).unwrap();
+        }
+    }
+}
+
+/// Runs the binary expecting success; `(stdout, its final --json line)`.
+fn run_out(args: &[&str]) -> (String, serde_json::Value) {
+    let (code, out, err) = finish(start(args), Duration::from_secs(300));
+    assert_eq!(code, Some(0), "{args:?} failed:\n{out}\n{err}");
+    let j = serde_json::from_str(out.lines().last().unwrap()).unwrap();
+    (out, j)
+}
+
+fn assert_close(a: &serde_json::Value, b: &serde_json::Value, what: &str) {
+    assert_eq!(a["steps"], b["steps"], "{what}: {a} vs {b}");
+    let (x, y) = (
+        a["param_l2"].as_f64().unwrap(),
+        b["param_l2"].as_f64().unwrap(),
+    );
+    assert!(
+        (x - y).abs() <= 1e-5 * y.abs(),
+        "{what}: param_l2 {x} vs {y}"
+    );
+}
+
+/// Issue 40, item 4: a checkpoint written at world 2 (stopped mid-epoch, step 30) resumes at
+/// worlds 3 and 1, plain (`--zero 0`) and sharded (`--zero 2`) alike: the rest of the epoch is
+/// re-sharded over the new ranks (rank 0 says so), and the stage-2 resume ends where the stage-0
+/// resume at the same world size ends (same steps, param_l2 within 1e-5).
+#[test]
+fn checkpoints_resume_at_other_world_sizes_at_every_stage() {
+    let base = [
+        "--json",
+        "--log-every",
+        "0",
+        "--epochs",
+        "3",
+        "--optimizer",
+        "adamw",
+    ];
+    let root = temp_dir("worlds");
+    let mut ends = std::collections::BTreeMap::new();
+    for z in ["0", "2"] {
+        let written = root.join(format!("zero{z}"));
+        let w = written.to_str().unwrap();
+        let part = run_json(
+            &[
+                &base[..],
+                &["--nproc", "2", "--zero", z, "--max-steps", "30"],
+                &["--checkpoint-dir", w],
+            ]
+            .concat(),
+        );
+        assert_eq!(part["steps"], 30, "{part}");
+        for n in ["3", "1"] {
+            let dir = root.join(format!("zero{z}-at{n}"));
+            copy_dir(&written, &dir);
+            let d = dir.to_str().unwrap();
+            let (out, j) = run_out(
+                &[
+                    &base[..],
+                    &["--nproc", n, "--zero", z, "--checkpoint-dir", d, "--resume"],
+                ]
+                .concat(),
+            );
+            assert!(
+                out.contains("at step 30") && out.contains(&format!("re-sharded over {n} ranks")),
+                "zero {z} at world {n}:\n{out}"
+            );
+            assert_eq!(j["world_size"].as_u64(), Some(n.parse().unwrap()), "{j}");
+            assert_eq!(j["replicas_identical"], true, "{j}");
+            ends.insert((z, n), j);
+        }
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    for n in ["3", "1"] {
+        assert_close(&ends[&("2", n)], &ends[&("0", n)], &format!("world {n}"));
+    }
+    // World 1 trains the 1437 images of an epoch in 45 batches of 32 (the rest of epoch 1,
+    // 989 images, in 31), world 3 in 15 (the rest in 11).
+    assert_eq!(
+        ends[&("0", "1")]["steps"],
+        30 + 31 + 45,
+        "{}",
+        ends[&("0", "1")]
+    );
+    assert_eq!(
+        ends[&("0", "3")]["steps"],
+        30 + 11 + 15,
+        "{}",
+        ends[&("0", "3")]
+    );
+}
+
+/// Issue 40, item 5: `--resume` with another `--zero` than the checkpoint's loads it (a plain
+/// checkpoint into ZeRO through its flat form and `ZeroDdp::import`, a save set into plain DDP
+/// through `ddp::sharding::consolidate` and Burn's records) and ends where the uninterrupted
+/// stage-0 run ends (same steps, param_l2 within 1e-5).
+#[test]
+fn changing_zero_on_resume_loads_the_checkpoint() {
+    let base = [
+        "--nproc",
+        "2",
+        "--json",
+        "--log-every",
+        "0",
+        "--epochs",
+        "3",
+        "--optimizer",
+        "adamw",
+    ];
+    let full = run_json(&base);
+    let root = temp_dir("zero-change");
+    for (from, to) in [("0", "1"), ("1", "0"), ("2", "0")] {
+        let dir = root.join(format!("{from}-{to}"));
+        let d = dir.to_str().unwrap();
+        let part = run_json(
+            &[
+                &base[..],
+                &["--zero", from, "--max-steps", "30", "--checkpoint-dir", d],
+            ]
+            .concat(),
+        );
+        assert_eq!(part["steps"], 30, "{part}");
+        let (out, j) = run_out(
+            &[
+                &base[..],
+                &["--zero", to, "--checkpoint-dir", d, "--resume"],
+            ]
+            .concat(),
+        );
+        assert!(
+            out.contains("resuming from") && out.contains("at step 30"),
+            "{from} -> {to}:\n{out}"
+        );
+        assert_eq!(j["replicas_identical"], true, "{j}");
+        assert_close(&j, &full, &format!("--zero {from} resumed at --zero {to}"));
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}
+
+/// Issue 40, item 6: a ZeRO run whose checkpoint directory cannot be written (here a path
+/// through a regular file) fails on every rank before it trains, naming the directory, instead
+/// of at its first save.
+#[test]
+fn zero_with_an_unwritable_checkpoint_dir_fails_at_start() {
+    let root = temp_dir("unwritable");
+    std::fs::create_dir_all(&root).unwrap();
+    let file = root.join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let bad = file.join("ckpt");
+    let (code, out, err) = finish(
+        start(&[
+            "--nproc",
+            "2",
+            "--log-every",
+            "0",
+            "--zero",
+            "1",
+            "--checkpoint-dir",
+            bad.to_str().unwrap(),
+        ]),
+        Duration::from_secs(120),
+    );
+    let _ = std::fs::remove_dir_all(&root);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains("not writable") && err.contains(bad.to_str().unwrap()),
+        "{err}"
+    );
+    assert!(
+        !out.contains("train-digits-burn: world_size"),
+        "training started:\n{out}"
+    );
+}

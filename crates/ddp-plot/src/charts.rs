@@ -260,6 +260,16 @@ where
     Ok(())
 }
 
+/// The job's share of communication hidden under backward as every ddp-rs output prints it
+/// (`ddp::trace::BottleneckReport::hidden_comm_line`, which defines it: hidden communication
+/// time ÷ total communication time, mean over ranks).
+pub fn hidden_comm_line(share: f64) -> String {
+    format!(
+        "communication hidden under backward: {:.0}% (mean over ranks)",
+        100.0 * share
+    )
+}
+
 /// A layer of the stacked bars: its name, colour and value.
 type Layer = (&'static str, RGBColor, fn(&crate::input::RankSplit) -> f64);
 
@@ -312,8 +322,8 @@ where
         .configure_mesh()
         .disable_x_mesh()
         .x_desc(format!(
-            "rank ({:.0}% of communication hidden under backward)",
-            100.0 * report.hidden_comm_share
+            "rank — {}",
+            hidden_comm_line(report.hidden_comm_share)
         ))
         .y_desc("time per step (ms)")
         .y_label_formatter(&|v| y.label(v))

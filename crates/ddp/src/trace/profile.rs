@@ -17,9 +17,10 @@
 //!
 //! The busiest rank is the straggler, reported with how much longer its busy time is than the
 //! median of the others'. The share of communication hidden under the backward pass is
-//! `1 - exposed / (collective time - waiting)`, where the collective time is what the group's
-//! engine thread spent in collectives during the step ([`super::CommObserver`]). The first step
-//! (warm-up) is left out when there are at least three.
+//! [`BottleneckReport::hidden_share`]: communication time hidden behind backward ÷ total
+//! communication time, `1 - exposed / (collective time - waiting)`, where the collective time is
+//! what the group's engine thread spent in collectives during the step
+//! ([`super::CommObserver`]). The first step (warm-up) is left out when there are at least three.
 
 use super::{observe, record_span, CommObserver};
 use crate::error::{Error, Result};
@@ -307,11 +308,7 @@ impl BottleneckReport {
                 waiting_ms: per(s[5]),
                 collective_ms: per(s[6]),
                 busy_ms: per(s[7]),
-                hidden_comm_share: if s[8] > 0.0 {
-                    (1.0 - s[4] / s[8]).clamp(0.0, 1.0)
-                } else {
-                    1.0
-                },
+                hidden_comm_share: BottleneckReport::hidden_share(s[4], s[8]),
             })
             .collect();
         let straggler = (world > 1 && steps > 0).then(|| {
@@ -349,6 +346,29 @@ impl BottleneckReport {
             straggler,
             hidden_comm_share: hidden,
         }
+    }
+
+    /// The share of communication hidden behind the backward pass, the one definition every
+    /// output of ddp-rs prints (this report, `train-digits`' summary, `ddp-plot`'s step
+    /// breakdown): communication time hidden behind backward ÷ total communication time,
+    /// `1 - exposed / comm`, in 0..=1 (1 when there was no communication). `exposed` is the
+    /// communication wait that was not waiting for the slowest rank; `comm` is the time the
+    /// group's engine spent in collectives less that waiting (at least `exposed`).
+    pub fn hidden_share(exposed: f64, comm: f64) -> f64 {
+        if comm > 0.0 {
+            (1.0 - exposed / comm).clamp(0.0, 1.0)
+        } else {
+            1.0
+        }
+    }
+
+    /// The job's figure ([`hidden_share`](Self::hidden_share), mean over ranks) as every output
+    /// prints it: `communication hidden under backward: 17% (mean over ranks)`.
+    pub fn hidden_comm_line(&self) -> String {
+        format!(
+            "communication hidden under backward: {:.0}% (mean over ranks)",
+            100.0 * self.hidden_comm_share
+        )
     }
 
     /// The report as one JSON object.
@@ -397,11 +417,7 @@ impl fmt::Display for BottleneckReport {
             )?,
             None => write!(f, "  no straggler: a single rank")?,
         }
-        write!(
-            f,
-            "\n  communication hidden under backward: {:.0}% (mean over ranks)",
-            100.0 * self.hidden_comm_share
-        )
+        write!(f, "\n  {}", self.hidden_comm_line())
     }
 }
 

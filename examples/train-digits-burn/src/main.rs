@@ -9,6 +9,8 @@
 
 #[path = "../../train-digits/src/data.rs"]
 mod data;
+#[path = "../../train-digits/src/flags.rs"]
+mod flags;
 mod learner;
 mod model;
 mod train;
@@ -16,7 +18,7 @@ mod train;
 use clap::{Parser, ValueEnum};
 use ddprun::output::ConsoleStyle;
 use ddprun::spawn::{spawn, SpawnOptions};
-use ddprun::validate::{int_in, non_negative, positive, MAX_SECS};
+use ddprun::validate::{int_in, positive, MAX_SECS};
 
 /// Communication backend (`auto` picks the best available one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -46,7 +48,7 @@ pub struct Args {
     #[arg(long, value_enum)]
     pub backend: Option<Backend>,
     /// Number of passes over the training set.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = int_in::<u64>(1, u64::MAX))]
     pub epochs: u64,
     /// Batch size per rank (the global batch is this × world size).
     #[arg(long, default_value_t = 32, value_parser = int_in::<usize>(1, 1 << 20))]
@@ -57,8 +59,8 @@ pub struct Args {
     /// Learning rate [default: 0.2 for sgd, 0.005 for adamw].
     #[arg(long, value_parser = positive)]
     pub lr: Option<f64>,
-    /// SGD momentum (PyTorch's; 0 is plain SGD).
-    #[arg(long, default_value_t = 0.0, value_parser = non_negative)]
+    /// SGD momentum (PyTorch's; 0 is plain SGD), 0 up to (not including) 1.
+    #[arg(long, default_value_t = 0.0, value_parser = flags::momentum)]
     pub momentum: f64,
     /// Seed of the model initialization and of the sampler's shuffle.
     #[arg(long, default_value_t = 0)]
@@ -67,7 +69,7 @@ pub struct Args {
     #[arg(long, default_value_t = 128, value_parser = int_in::<usize>(1, 1 << 16))]
     pub hidden: usize,
     /// Stop after this many optimizer steps in total (across resumes).
-    #[arg(long)]
+    #[arg(long, value_parser = int_in::<u64>(1, u64::MAX))]
     pub max_steps: Option<u64>,
     /// Directory for checkpoints (written by rank 0 at the end of every epoch and at exit).
     #[arg(long)]
@@ -92,8 +94,9 @@ pub struct Args {
     #[arg(long, default_value = "none")]
     pub hook: ddp::hooks::HookSpec,
     /// Stop once rank 0's held-out accuracy at the end of an epoch reaches this, as in
-    /// train-digits (reports `time_to_target_s`, training time excluding evaluations).
-    #[arg(long)]
+    /// train-digits (reports `time_to_target_s`, training time excluding evaluations). A
+    /// fraction, 0 to 1.
+    #[arg(long, value_parser = flags::fraction)]
     pub target_accuracy: Option<f64>,
     /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over the ranks), 2 (+ gradients), with
     /// `ddp_burn::ZeroDdp`; its checkpoints are sharded sets (one shard per rank).

@@ -9,6 +9,7 @@
 //! Data and split: module [`data`]; model: module [`model`].
 
 mod data;
+mod flags;
 mod launcher;
 mod model;
 mod observe;
@@ -16,7 +17,7 @@ mod train;
 mod trainer;
 
 use clap::{Parser, ValueEnum};
-use ddprun::validate::{int_in, non_negative, positive, MAX_SECS};
+use ddprun::validate::{int_in, positive, MAX_SECS};
 
 /// Communication backend (`auto` picks the best available one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -58,7 +59,7 @@ pub struct Args {
     #[arg(long, value_enum)]
     pub backend: Option<Backend>,
     /// Number of passes over the training set.
-    #[arg(long, default_value_t = 30)]
+    #[arg(long, default_value_t = 30, value_parser = int_in::<u64>(1, u64::MAX))]
     pub epochs: u64,
     /// Batch size per rank (the global batch is this × world size).
     #[arg(long, default_value_t = 32, value_parser = int_in::<usize>(1, MAX_BATCH))]
@@ -69,8 +70,8 @@ pub struct Args {
     /// Learning rate [default: 0.2 for sgd, 0.005 for adamw].
     #[arg(long, value_parser = positive)]
     pub lr: Option<f64>,
-    /// SGD momentum (PyTorch's; 0 is plain SGD).
-    #[arg(long, default_value_t = 0.0, value_parser = non_negative)]
+    /// SGD momentum (PyTorch's; 0 is plain SGD), 0 up to (not including) 1.
+    #[arg(long, default_value_t = 0.0, value_parser = flags::momentum)]
     pub momentum: f64,
     /// Seed of the model initialization and of the sampler's shuffle.
     #[arg(long, default_value_t = 0)]
@@ -79,7 +80,7 @@ pub struct Args {
     #[arg(long, default_value_t = 128, value_parser = int_in::<usize>(1, MAX_HIDDEN))]
     pub hidden: usize,
     /// Stop after this many optimizer steps in total (across resumes).
-    #[arg(long)]
+    #[arg(long, value_parser = int_in::<u64>(1, u64::MAX))]
     pub max_steps: Option<u64>,
     /// Directory for checkpoints (written by rank 0 at the end of every epoch and at exit).
     #[arg(long)]
@@ -87,7 +88,8 @@ pub struct Args {
     /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none). A
     /// checkpoint of another world size (an elastic `ddprun --nnodes MIN:MAX` job that lost or
     /// gained nodes) resumes too: the rest of its epoch is re-sharded over the new ranks by the
-    /// global number of samples consumed.
+    /// global number of samples consumed. Any --zero loads any checkpoint: a plain one (written
+    /// at --zero 0) or a sharded set (--zero 1-3), the newer when both are there.
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
     /// Also checkpoint every this many optimizer steps (mid-epoch), not only at epoch ends.
@@ -119,7 +121,8 @@ pub struct Args {
     pub hook: ddp::hooks::HookSpec,
     /// Stop once rank 0's held-out accuracy, evaluated after every epoch, reaches this
     /// (reports `time_to_target_s`, training time excluding evaluations).
-    #[arg(long)]
+    /// A fraction, 0 to 1.
+    #[arg(long, value_parser = flags::fraction)]
     pub target_accuracy: Option<f64>,
     /// Device of every worker: `cpu`, or `cuda` (GPU `LOCAL_RANK % device_count`, like
     /// `torch.cuda.set_device(local_rank)`; needs a build with `--features cuda`). Gradients are
@@ -133,7 +136,7 @@ pub struct Args {
     pub no_check_finite: bool,
     /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over the ranks), 2 (+ gradients), 3 (+
     /// parameters: `ddp_candle::Fsdp`, units fc1 and fc2); with --checkpoint-dir, stages 1-3
-    /// write sharded checkpoints (`ddp::sharding`), loadable at any world size and stage.
+    /// write sharded checkpoints (`ddp::sharding`), loadable at any world size and any --zero.
     #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 3))]
     pub zero: u8,
     /// Record every rank's timeline (forward, backward, buckets, collectives, optimizer, data,

@@ -4,6 +4,7 @@
 
 #[path = "../../../crates/ddprun/tests/common/cli_bounds.rs"]
 mod cli_bounds;
+mod flag_table;
 
 use cli_bounds::{outcome, Binary, F64_MAX, U64_MAX};
 use std::time::Duration;
@@ -61,6 +62,74 @@ fn every_numeric_flag_at_its_bounds() {
     ] {
         let o = outcome(&all, flag, value);
         assert_eq!(o.code, Some(0), "{o:?}");
+    }
+}
+
+const BIN: &str = env!("CARGO_BIN_EXE_train-digits");
+
+/// Every numeric flag of `--help` has a row, and every value outside its bounds (non-finite,
+/// not a number, negative, zero where zero means nothing, a fraction above 1) is refused with
+/// exit status 2 and an error naming the flag and the value. `--target-accuracy 2` (or -1, nan)
+/// used to be accepted.
+#[test]
+fn every_numeric_flag_in_help_refuses_values_outside_its_bounds() {
+    use flag_table::U64_OVER;
+    flag_table::Table {
+        bin: BIN,
+        lead: &[],
+        base: &[
+            ("--nproc", "1"),
+            ("--epochs", "1"),
+            ("--max-steps", "1"),
+            ("--log-every", "0"),
+        ],
+        numeric: &[
+            ("--nproc", &["0", "1.5", "100000", U64_OVER]),
+            ("--epochs", &["0", "1.5", U64_OVER]),
+            ("--batch-size", &["0", "1.5", U64_OVER]),
+            ("--lr", &["0", "-0.001", "1e-400"]),
+            ("--momentum", &["1", "1.5", "-0.1"]),
+            ("--seed", &["1.5", U64_OVER]),
+            ("--hidden", &["0", "65537"]),
+            ("--max-steps", &["0", "1.5"]),
+            ("--checkpoint-every", &["0", "1.5"]),
+            ("--scale-lr", &["0", "1.5"]),
+            ("--timeout-s", &["0", "31536001", "1.5"]),
+            ("--log-every", &["1.5", U64_OVER]),
+            ("--target-accuracy", &["2", "1.0000001", "-0.1", "-1e-9"]),
+            ("--zero", &["4", "1.5"]),
+            ("--metrics-every", &["0", "1.5"]),
+        ],
+        not_numeric: &[
+            "--backend",
+            "--optimizer",
+            "--checkpoint-dir",
+            "--backward",
+            "--hook",
+            "--device",
+            "--trace",
+            "--metrics",
+            "--report",
+        ],
+    }
+    .check();
+    // The edges of the new bounds are accepted (one step of one rank each).
+    let quick = [
+        "--nproc",
+        "1",
+        "--epochs",
+        "1",
+        "--max-steps",
+        "1",
+        "--quiet",
+    ];
+    for extra in [
+        ["--target-accuracy", "0"],
+        ["--target-accuracy", "1"],
+        ["--momentum", "0.99"],
+    ] {
+        let args: Vec<&str> = quick.iter().chain(&extra).copied().collect();
+        flag_table::accepted(BIN, &args);
     }
 }
 

@@ -5,7 +5,8 @@
 //!
 //! ```text
 //!  SupervisedTraining::new(dir, train_loader (a ShardedDataset), valid_loader)
-//!      .with_training_strategy(DdpLearningStrategy::new(&pg, device).on_epoch(..).into())
+//!      .with_training_strategy(DdpLearningStrategy::new(&pg, device)
+//!          .on_epoch(move |e| shard.set_epoch(e as u64 - 1)).into())   // Burn's epochs from 1
 //!      .launch(Learner::new(model, optim, lr))          ── on every rank
 //!
 //!  fit (this module), per optimizer step, on every rank:
@@ -36,7 +37,9 @@ use crate::data_parallel::{DdpOptions, DistributedDataParallel};
 use crate::{Error, Result};
 use burn::data::dataloader::Progress;
 use burn::optim::GradientsParams;
+use burn::tensor::Bytes;
 use burn::tensor::Device;
+use burn_train::checkpoint::{Checkpoint as BurnCheckpoint, Checkpointer, CheckpointerError};
 use burn_train::logger::{EvaluationProgressLogger, TrainingProgressLogger};
 use burn_train::metric::store::EventStoreClient;
 use burn_train::metric::MetricDefinition;
@@ -52,10 +55,14 @@ use burn_train::{
 };
 use ddp::join::{Join, JoinStart, JoinStep};
 use ddp_comm::{ProcessGroup, ReduceOp};
+use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
-/// Called with the epoch number (Burn's, from 1) before each training epoch on every rank:
-/// typically `move |e| shard.set_epoch(e as u64)` for a [`crate::ShardedDataset`].
+/// Called with the epoch number before each training epoch on every rank. Burn numbers epochs
+/// from 1 (`burn-train` starts at `checkpoint.unwrap_or(0) + 1`, and a checkpoint of epoch `n`
+/// resumes at `n + 1`), while a sampler's epochs, as PyTorch's `set_epoch`, start at 0: for a
+/// [`crate::ShardedDataset`] pass `move |e| shard.set_epoch(e as u64 - 1)`, so that Burn's
+/// epoch `e` is shuffled as epoch `e - 1` of a plain loop (the same batches, bit for bit).
 pub type EpochHook = Arc<dyn Fn(usize) + Send + Sync>;
 
 /// What the last `fit` did (see [`DdpLearningStrategy::last_fit`]).
@@ -71,6 +78,8 @@ pub struct FitSummary {
     pub replicas_identical: bool,
     /// Largest absolute difference of any parameter between two ranks at the end.
     pub replica_max_diff: f64,
+    /// Bytes this rank sent for the gradients' all-reduces during the fit.
+    pub bytes_sent: u64,
 }
 
 /// ddp-rs data parallelism as a Burn `TrainingStrategy::Custom`: one process (or thread) per
@@ -109,7 +118,8 @@ impl DdpLearningStrategy {
         self
     }
 
-    /// Runs `f(epoch)` before each training epoch (e.g. `ShardedDataset::set_epoch`).
+    /// Runs `f(epoch)` before each training epoch, with Burn's epoch number (from 1; see
+    /// [`EpochHook`]): e.g. `move |e| shard.set_epoch(e as u64 - 1)`.
     pub fn on_epoch(mut self, f: impl Fn(usize) + Send + Sync + 'static) -> Self {
         self.on_epoch = Some(Arc::new(f));
         self
@@ -412,6 +422,7 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpLearningStrategy {
                     epochs,
                     replicas_identical: report.identical,
                     replica_max_diff: report.max_abs_diff,
+                    bytes_sent: fit.ddp.reducer().bytes_sent(),
                 })
             });
         match outcome {
@@ -433,6 +444,165 @@ impl<M: LearnerModel> SupervisedLearningStrategy<M> for DdpLearningStrategy {
             }
         }
         (fit.learner.model(), fit.events)
+    }
+}
+
+/// Blob name of a Burn record in a [`ChecksummedCheckpointer`] file.
+pub const RECORD_BLOB: &str = "burn.record";
+
+/// A Burn checkpointer (for `SupervisedTraining::with_custom_checkpointers`) with the integrity
+/// of every ddp-rs checkpoint. Burn's `FileCheckpointer` writes bare burnpack files in place: a
+/// torn write or one flipped bit loads silently as another model. This one stores each record
+/// (Burn's burnpack bytes, as Burn's `Checkpoint::checkpoint_into_bytes` makes them) as blob
+/// [`RECORD_BLOB`] of a `ddp::Checkpoint`, one per epoch:
+///
+/// ```text
+///   <directory>/<name>-<epoch>/checkpoint.safetensors   (ddp::checkpoint::save_atomic: temp
+///       └── "burn.record"  U8  Burn's record   crc32     file, fsync, rename, fsync of the
+///       └── metadata (epoch, name)             crc32     directory)
+/// ```
+///
+/// and verifies both checksums before Burn decodes anything: a damaged file is an error naming
+/// its path and the blob. Burn's own loop panics on a checkpoint it cannot restore, so check
+/// first with [`ChecksummedCheckpointer::verify`] (then a restore error names the file too).
+/// The metadata can carry the run's position ([`ChecksummedCheckpointer::with_meta`]), e.g. the
+/// optimizer steps taken, which Burn's records do not hold.
+#[derive(Clone)]
+pub struct ChecksummedCheckpointer {
+    directory: PathBuf,
+    name: String,
+    meta: Option<MetaFn>,
+}
+
+/// What [`ChecksummedCheckpointer::with_meta`] records with the checkpoint of an epoch.
+type MetaFn = Arc<dyn Fn(usize) -> ddp::checkpoint::CheckpointMeta + Send + Sync>;
+
+impl std::fmt::Debug for ChecksummedCheckpointer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ChecksummedCheckpointer")
+            .field("directory", &self.directory)
+            .field("name", &self.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ChecksummedCheckpointer {
+    /// Checkpoints `<directory>/<name>-<epoch>/` (the directory is created at the first save).
+    pub fn new(directory: impl AsRef<Path>, name: &str) -> Self {
+        ChecksummedCheckpointer {
+            directory: directory.as_ref().to_path_buf(),
+            name: name.to_string(),
+            meta: None,
+        }
+    }
+
+    /// Records `meta(epoch)` (its `epoch` set to Burn's) as the metadata of each checkpoint, for
+    /// [`ChecksummedCheckpointer::read_meta`]: e.g. the optimizer steps taken and the world size.
+    pub fn with_meta(
+        mut self,
+        meta: impl Fn(usize) -> ddp::checkpoint::CheckpointMeta + Send + Sync + 'static,
+    ) -> Self {
+        self.meta = Some(Arc::new(meta));
+        self
+    }
+
+    /// The metadata of the checkpoint of `epoch`, checksums verified.
+    pub fn read_meta(&self, epoch: usize) -> Result<ddp::checkpoint::CheckpointMeta> {
+        Ok(self.load(epoch)?.meta)
+    }
+
+    /// The directory of the checkpoint of `epoch`.
+    pub fn dir_for_epoch(&self, epoch: usize) -> PathBuf {
+        self.directory.join(format!("{}-{epoch}", self.name))
+    }
+
+    /// The file of the checkpoint of `epoch`.
+    pub fn path_for_epoch(&self, epoch: usize) -> PathBuf {
+        ddp::checkpoint::checkpoint_path(&self.dir_for_epoch(epoch))
+    }
+
+    /// The epochs that have a checkpoint of this name (complete: the file exists), ascending.
+    pub fn epochs(&self) -> Vec<usize> {
+        let prefix = format!("{}-", self.name);
+        let mut epochs: Vec<usize> = std::fs::read_dir(&self.directory)
+            .into_iter()
+            .flatten()
+            .filter_map(|e| {
+                let name = e.ok()?.file_name().into_string().ok()?;
+                name.strip_prefix(&prefix)?.parse().ok()
+            })
+            .filter(|&e| self.path_for_epoch(e).is_file())
+            .collect();
+        epochs.sort_unstable();
+        epochs
+    }
+
+    /// The record bytes of `epoch`, checksums verified; an error naming the file when it is
+    /// missing or damaged.
+    pub fn read(&self, epoch: usize) -> Result<Vec<u8>> {
+        let ckpt = self.load(epoch)?;
+        let blob = ckpt.require_blob(RECORD_BLOB).map_err(|e| {
+            Error::Ddp(ddp::Error::Checkpoint(format!(
+                "{}: {e}",
+                self.path_for_epoch(epoch).display()
+            )))
+        })?;
+        Ok(blob.to_vec())
+    }
+
+    fn load(&self, epoch: usize) -> Result<ddp::Checkpoint> {
+        let dir = self.dir_for_epoch(epoch);
+        ddp::checkpoint::load(&dir)?.ok_or_else(|| {
+            Error::Ddp(ddp::Error::Checkpoint(format!(
+                "Burn checkpoint {} is missing",
+                self.path_for_epoch(epoch).display()
+            )))
+        })
+    }
+
+    /// Checks the checkpoint of `epoch` (present, checksums right) without decoding it.
+    pub fn verify(&self, epoch: usize) -> Result<()> {
+        self.read(epoch).map(drop)
+    }
+}
+
+impl<R: BurnCheckpoint> Checkpointer<R> for ChecksummedCheckpointer {
+    fn save(&self, epoch: usize, record: R) -> std::result::Result<(), CheckpointerError> {
+        let bytes = record
+            .checkpoint_into_bytes()
+            .map_err(CheckpointerError::Record)?;
+        let meta = match &self.meta {
+            Some(f) => f(epoch),
+            None => ddp::checkpoint::CheckpointMeta {
+                extra: serde_json::json!({ "burn_checkpoint": self.name }),
+                ..Default::default()
+            },
+        };
+        let mut ckpt = ddp::Checkpoint::new(ddp::checkpoint::CheckpointMeta {
+            epoch: epoch as u64,
+            ..meta
+        });
+        ckpt.insert_blob(RECORD_BLOB, bytes.to_vec());
+        ddp::checkpoint::save_atomic(&self.dir_for_epoch(epoch), &ckpt)
+            .map_err(|e| CheckpointerError::Unknown(e.to_string()))?;
+        Ok(())
+    }
+
+    fn restore(&self, epoch: usize) -> std::result::Result<R, CheckpointerError> {
+        let bytes = self
+            .read(epoch)
+            .map_err(|e| CheckpointerError::Unknown(e.to_string()))?;
+        R::checkpoint_from_bytes(Bytes::from_bytes_vec(bytes)).map_err(CheckpointerError::Record)
+    }
+
+    fn delete(&self, epoch: usize) -> std::result::Result<(), CheckpointerError> {
+        let dir = self.dir_for_epoch(epoch);
+        match std::fs::remove_dir_all(&dir) {
+            Err(e) if e.kind() != std::io::ErrorKind::NotFound => {
+                Err(CheckpointerError::IOError(e))
+            }
+            _ => Ok(()),
+        }
     }
 }
 

@@ -1,7 +1,9 @@
 //! `train-digits-burn --learner`: the same training through Burn's own loop, `burn-train`'s
 //! `SupervisedTraining` + `Learner`, with `ddp_burn::DdpLearningStrategy` as its training
 //! strategy, as a Burn user who keeps Burn's loop writes it. Burn's checkpointer (rank 0) goes
-//! to `--checkpoint-dir`, and `--resume` continues from its last epoch. Same data, shard,
+//! to `--checkpoint-dir`, each record checksummed and written atomically
+//! (`ddp_burn::learner::ChecksummedCheckpointer`, with the step count in its metadata), and
+//! `--resume` continues from its last epoch after every rank verified the files. Same data, shard,
 //! optimizer, LR and summary as the plain loop (module `train`), and the same result bit for
 //! bit: the strategy runs the same reducer on the same gradients.
 
@@ -13,11 +15,14 @@ use burn::data::dataset::InMemDataset;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::tensor::{Int, Tensor};
-use burn_train::checkpoint::{FileCheckpointer, KeepLastNCheckpoints};
+use burn_train::checkpoint::KeepLastNCheckpoints;
 use burn_train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
+use ddp::checkpoint::CheckpointMeta;
+use ddp_burn::learner::ChecksummedCheckpointer;
 use ddp_burn::{Ddp, DdpLearningStrategy, DdpOptions, QuietRenderer};
+use ddp_comm::ProcessGroup;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -49,18 +54,62 @@ impl TrainStep for Mlp {
     }
 }
 
-/// The last epoch Burn's checkpointer wrote in `dir` (`model-<epoch>.bpk`).
+/// Burn's checkpointers of `--checkpoint-dir` (`DIR/checkpoint/{model,optim,scheduler}-<epoch>/`),
+/// each record stored with ddp-rs's checksums and atomic write.
+fn checkpointers(dir: &Path) -> [ChecksummedCheckpointer; 3] {
+    let ckpt = dir.join("checkpoint");
+    ["model", "optim", "scheduler"].map(|name| ChecksummedCheckpointer::new(&ckpt, name))
+}
+
+/// The last epoch whose three checkpoints Burn's checkpointers wrote in `dir`.
 fn last_checkpoint(dir: &Path) -> Option<usize> {
-    std::fs::read_dir(dir.join("checkpoint"))
-        .ok()?
-        .filter_map(|e| {
-            let name = e.ok()?.file_name().into_string().ok()?;
-            name.strip_prefix("model-")?
-                .strip_suffix(".bpk")?
-                .parse()
-                .ok()
-        })
-        .max()
+    let [model, optim, scheduler] = checkpointers(dir);
+    let (optim, scheduler) = (optim.epochs(), scheduler.epochs());
+    model
+        .epochs()
+        .into_iter()
+        .rev()
+        .find(|e| optim.contains(e) && scheduler.contains(e))
+}
+
+/// Makes sure every rank can write its learner directory `dir` (Burn writes its metric logs
+/// there, and rank 0 its checkpoints): created and probed on every rank, `--checkpoint-dir`
+/// locked by rank 0 (one job per directory). A collective: any rank's failure, with the real
+/// reason (a read-only file system, a path through a file), fails every rank before training.
+fn prepare_dirs(pg: &ProcessGroup, dir: &Path, checkpoint_dir: Option<&Path>) -> BoxResult<()> {
+    let mine = (|| -> ddp::Result<()> {
+        if let (Some(d), 0) = (checkpoint_dir, pg.rank()) {
+            ddp::checkpoint::ensure_writable(d)?;
+        }
+        let why = |what: &str, p: &Path, e| {
+            ddp::Error::io(format!("Burn's learner directory: cannot {what}"), p, e)
+        };
+        std::fs::create_dir_all(dir).map_err(|e| why("create", dir, e))?;
+        let probe = dir.join(format!(".write-probe.{}", std::process::id()));
+        std::fs::write(&probe, b"probe\n").map_err(|e| why("write a file in", dir, e))?;
+        std::fs::remove_file(&probe).map_err(|e| why("remove a file in", dir, e))?;
+        if let Some(d) = checkpoint_dir {
+            let c = d.join("checkpoint");
+            std::fs::create_dir_all(&c).map_err(|e| why("create", &c, e))?;
+        }
+        Ok(())
+    })();
+    ddp::sharding::agree(pg, "preparing the learner directories", mine)?;
+    Ok(())
+}
+
+/// Checks Burn's three checkpoints of `epoch` in `dir` on every rank (Burn panics on one it
+/// cannot restore): a missing or damaged file fails every rank, naming it.
+fn verify_checkpoint(pg: &ProcessGroup, dir: &Path, epoch: usize) -> BoxResult<()> {
+    let mine = checkpointers(dir)
+        .iter()
+        .try_for_each(|c| c.verify(epoch))
+        .map_err(|e| match e {
+            ddp_burn::Error::Ddp(e) => e,
+            other => ddp::Error::Checkpoint(other.to_string()),
+        });
+    ddp::sharding::agree(pg, "checking Burn's checkpoint", mine)?;
+    Ok(())
 }
 
 pub fn run(args: &Args) -> BoxResult<()> {
@@ -89,7 +138,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
         check_finite: !args.no_check_finite,
         ..Default::default()
     };
-    // Burn numbers epochs from 1; the sampler's epochs are the plain loop's (from 0).
+    // Burn numbers epochs from 1 (its loop starts at `checkpoint + 1`); the sampler's epochs
+    // are the plain loop's and PyTorch's (from 0), so Burn's epoch `e` is the sampler's `e - 1`.
     let s = shard.clone();
     let strategy = Arc::new(
         DdpLearningStrategy::new(&pg, device.clone())
@@ -106,6 +156,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     } else {
         dir.join(format!("rank{rank}"))
     };
+    prepare_dirs(&pg, &dir, args.checkpoint_dir.as_deref())?;
     let valid = DataLoaderBuilder::new(crate::train::Rows(Arc::new(test.clone())))
         .batch_size(256)
         .build(InMemDataset::new((0..test.len()).collect::<Vec<_>>()));
@@ -116,26 +167,23 @@ pub fn run(args: &Args) -> BoxResult<()> {
     if rank != 0 || args.log_every == 0 {
         training = training.renderer(Box::new(QuietRenderer));
     }
-    let mut first_epoch = 0;
+    // Optimizer steps before this run's first epoch (recorded with each checkpoint: earlier
+    // epochs may have run at another world size, with another number of steps per epoch).
+    let mut steps_before = 0u64;
+    let steps_per_epoch = samples_per_epoch.div_ceil(args.batch_size) as u64;
     if let Some(d) = &args.checkpoint_dir {
-        // Burn's checkpointers in DIR/checkpoint on every rank: the strategy saves from rank 0
-        // only, and on --resume every rank reads rank 0's files (one host or a shared file
-        // system; the strategy broadcasts rank 0's parameters anyway).
-        let ckpt = d.join("checkpoint");
-        training = training
-            .with_custom_checkpointers(
-                FileCheckpointer::new(&ckpt, "model"),
-                FileCheckpointer::new(&ckpt, "optim"),
-                FileCheckpointer::new(&ckpt, "scheduler"),
-            )
-            .with_checkpointing_strategy(KeepLastNCheckpoints::new(2));
+        let mut first_epoch = 0;
         match (args.resume, last_checkpoint(d)) {
             (true, Some(epoch)) => {
+                verify_checkpoint(&pg, d, epoch)?;
+                let [model, ..] = checkpointers(d);
+                steps_before = model.read_meta(epoch)?.step;
                 training = training.checkpoint(epoch);
                 first_epoch = epoch;
                 if rank == 0 {
                     println!(
-                        "resuming from Burn's checkpoint of epoch {epoch} in {}",
+                        "resuming from Burn's checkpoint of epoch {epoch} in {} (step \
+                         {steps_before})",
                         d.display()
                     );
                 }
@@ -145,6 +193,22 @@ pub fn run(args: &Args) -> BoxResult<()> {
             }
             _ => {}
         }
+        // Burn's checkpointers in DIR/checkpoint on every rank: the strategy saves from rank 0
+        // only, and on --resume every rank reads rank 0's files (one host or a shared file
+        // system; the strategy broadcasts rank 0's parameters anyway). Each file carries
+        // ddp-rs's checksums, verified on every rank before Burn loads it, and the steps taken
+        // at the end of its epoch.
+        let world_size = pg.size();
+        let [model, optim, scheduler] = checkpointers(d).map(|c| {
+            c.with_meta(move |epoch| CheckpointMeta {
+                step: steps_before + epoch.saturating_sub(first_epoch) as u64 * steps_per_epoch,
+                world_size,
+                ..Default::default()
+            })
+        });
+        training = training
+            .with_custom_checkpointers(model, optim, scheduler)
+            .with_checkpointing_strategy(KeepLastNCheckpoints::new(2));
     }
     if rank == 0 {
         println!(
@@ -172,7 +236,6 @@ pub fn run(args: &Args) -> BoxResult<()> {
     if args.checkpoint_dir.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
-    let steps_per_epoch = samples_per_epoch.div_ceil(args.batch_size) as u64;
     let no_sync = DdpOptions {
         init_sync: false,
         ..opts
@@ -182,12 +245,12 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let model = Mlp::new(args.hidden, args.seed, &device).load_record(result.model.into_record());
     let ddp = Ddp::new(model, &pg, no_sync)?;
     let run = RunCounts {
-        steps: first_epoch as u64 * steps_per_epoch + fit.steps,
+        steps: steps_before + fit.steps,
         steps_run: fit.steps,
         local_samples: (fit.epochs * samples_per_epoch) as u64,
         train_time,
         time_to_target: None,
-        bytes_sent: ddp.reducer().bytes_sent(),
+        bytes_sent: fit.bytes_sent,
     };
     report(args, &pg, &ddp, &train, &test, &device, run)
 }

@@ -553,3 +553,227 @@ fn zero_with_an_unwritable_checkpoint_dir_fails_at_start() {
         "training started:\n{out}"
     );
 }
+
+/// The files under `dir` (recursively).
+fn files_under(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).unwrap() {
+        let e = e.unwrap();
+        if e.file_type().unwrap().is_dir() {
+            out.extend(files_under(&e.path()));
+        } else {
+            out.push(e.path());
+        }
+    }
+    out
+}
+
+/// Issue 40, item 3: Burn's `--learner` checkpoints carry checksums. One flipped bit in the
+/// model checkpoint of the last epoch (in its record's data) makes `--resume` fail on every
+/// rank, naming the file; the same checkpoint unchanged resumes.
+#[test]
+fn learner_checkpoints_are_checksummed() {
+    let base = [
+        "--nproc",
+        "2",
+        "--json",
+        "--log-every",
+        "0",
+        "--momentum",
+        "0.9",
+        "--learner",
+    ];
+    let dir = temp_dir("learner-crc");
+    let d = dir.to_str().unwrap();
+    run_json(&[&base[..], &["--epochs", "2", "--checkpoint-dir", d]].concat());
+    let damaged = temp_dir("learner-crc-damaged");
+    copy_dir(&dir, &damaged);
+    // The largest file of the epoch-2 model checkpoint (whatever its layout).
+    let file = files_under(&damaged)
+        .into_iter()
+        .filter(|p| p.to_str().unwrap().contains("model-2"))
+        .max_by_key(|p| std::fs::metadata(p).unwrap().len())
+        .expect("a model checkpoint of epoch 2");
+    let mut bytes = std::fs::read(&file).unwrap();
+    let at = bytes.len() - 100;
+    bytes[at] ^= 1;
+    std::fs::write(&file, &bytes).unwrap();
+    let (code, out, err) = finish(
+        start(
+            &[
+                &base[..],
+                &["--epochs", "3", "--resume", "--checkpoint-dir"],
+                &[damaged.to_str().unwrap()],
+            ]
+            .concat(),
+        ),
+        Duration::from_secs(300),
+    );
+    assert_eq!(code, Some(1), "a damaged checkpoint resumed:\n{out}\n{err}");
+    assert!(
+        err.contains(file.to_str().unwrap()) && err.contains("checksum"),
+        "{err}"
+    );
+    let resumed = run_json(
+        &[
+            &base[..],
+            &["--epochs", "3", "--resume", "--checkpoint-dir", d],
+        ]
+        .concat(),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    let _ = std::fs::remove_dir_all(&damaged);
+    assert_eq!(resumed["steps"], 23 * 3, "{resumed}");
+}
+
+/// Issue 40, item 16: the `--learner` summary counts the run's steps across a resume (here at
+/// another world size: 2 epochs of 23 steps at world 2, then one of 45 at world 1) and the
+/// bytes its all-reduces sent per step.
+#[test]
+fn learner_json_counts_steps_and_bytes_across_a_resume() {
+    let base = [
+        "--json",
+        "--log-every",
+        "0",
+        "--momentum",
+        "0.9",
+        "--learner",
+    ];
+    let dir = temp_dir("learner-steps");
+    let d = dir.to_str().unwrap();
+    let first = run_json(
+        &[
+            &base[..],
+            &["--nproc", "2", "--epochs", "2", "--checkpoint-dir", d],
+        ]
+        .concat(),
+    );
+    assert_eq!(first["steps"], 46, "{first}");
+    // Plain all-reduce at two ranks: each rank sends its whole gradient once per step.
+    let params = (64 * 128 + 128 + 128 * 10 + 10) as f64;
+    assert_eq!(
+        first["bytes_per_step"].as_f64(),
+        Some(params * 4.0),
+        "{first}"
+    );
+    let (out, resumed) = run_out(
+        &[
+            &base[..],
+            &[
+                "--nproc",
+                "1",
+                "--epochs",
+                "3",
+                "--checkpoint-dir",
+                d,
+                "--resume",
+            ],
+        ]
+        .concat(),
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+    assert!(out.contains("checkpoint of epoch 2"), "{out}");
+    assert_eq!(resumed["steps"], 46 + 45, "{resumed}");
+    assert!(
+        resumed["bytes_per_step"].as_f64().unwrap() > 0.0,
+        "{resumed}"
+    );
+}
+
+/// Issue 40, item 20: `--learner` with a directory it cannot create (a path through a regular
+/// file, as a read-only file system would refuse it) fails before training with the real
+/// reason, naming the directory.
+#[test]
+fn learner_with_an_unwritable_directory_names_the_real_error() {
+    let root = temp_dir("learner-unwritable");
+    std::fs::create_dir_all(&root).unwrap();
+    let file = root.join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let bad = file.join("ckpt");
+    let (code, out, err) = finish(
+        start(&[
+            "--nproc",
+            "2",
+            "--log-every",
+            "0",
+            "--learner",
+            "--checkpoint-dir",
+            bad.to_str().unwrap(),
+        ]),
+        Duration::from_secs(120),
+    );
+    let _ = std::fs::remove_dir_all(&root);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains("Not a directory") && err.contains(bad.to_str().unwrap()),
+        "{err}"
+    );
+    assert!(!err.contains("No such file"), "{err}");
+    assert!(!out.contains("world_size"), "training started:\n{out}");
+}
+
+/// A read-only tmpfs mounted at a fresh directory while alive (root only); `None` where
+/// mounting is not allowed.
+struct ReadOnlyMount(std::path::PathBuf);
+
+impl ReadOnlyMount {
+    fn new(tag: &str) -> Option<ReadOnlyMount> {
+        let dir = temp_dir(tag);
+        std::fs::create_dir_all(&dir).unwrap();
+        let mounted = Command::new("mount")
+            .args(["-t", "tmpfs", "-o", "ro,size=1m", "tmpfs"])
+            .arg(&dir)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if !mounted {
+            let _ = std::fs::remove_dir(&dir);
+            return None;
+        }
+        Some(ReadOnlyMount(dir))
+    }
+}
+
+impl Drop for ReadOnlyMount {
+    fn drop(&mut self) {
+        let _ = Command::new("umount").arg(&self.0).status();
+        let _ = std::fs::remove_dir(&self.0);
+    }
+}
+
+/// Issue 40, item 20, on a real read-only file system (a read-only tmpfs; skipped with a
+/// message where this process may not mount one): `--learner` says so, naming the directory,
+/// instead of Burn's "No such file or directory" after an epoch of training.
+#[test]
+fn learner_on_a_read_only_file_system_says_so() {
+    let Some(ro) = ReadOnlyMount::new("learner-ro") else {
+        let _ = std::io::Write::write_all(
+            &mut std::io::stderr().lock(),
+            b"SKIPPED learner_on_a_read_only_file_system_says_so: cannot mount a tmpfs\n",
+        );
+        return;
+    };
+    let dir = ro.0.join("ckpt");
+    let (code, out, err) = finish(
+        start(&[
+            "--nproc",
+            "2",
+            "--log-every",
+            "0",
+            "--epochs",
+            "2",
+            "--learner",
+            "--checkpoint-dir",
+            dir.to_str().unwrap(),
+        ]),
+        Duration::from_secs(120),
+    );
+    drop(ro);
+    assert_eq!(code, Some(1), "{out}\n{err}");
+    assert!(
+        err.contains("Read-only file system") && err.contains(dir.to_str().unwrap()),
+        "{err}"
+    );
+    assert!(!err.contains("No such file"), "{err}");
+    assert!(!out.contains("world_size"), "training started:\n{out}");
+}

@@ -27,7 +27,7 @@ use crate::checkpoint::{
 };
 use crate::error::{Error, Result};
 use crate::reducer::ParamSpec;
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_comm::ProcessGroup;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::fs;

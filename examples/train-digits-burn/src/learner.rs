@@ -72,6 +72,33 @@ fn last_checkpoint(dir: &Path) -> Option<usize> {
         .find(|e| optim.contains(e) && scheduler.contains(e))
 }
 
+/// What else `dir` holds that `--learner --resume` cannot load: the plain loop's checkpoint or
+/// save set, or Burn checkpoints without checksums (`model-<epoch>.bpk`, an older
+/// train-digits-burn's).
+fn other_checkpoints(dir: &Path) -> BoxResult<Option<String>> {
+    if ddp::checkpoint::checkpoint_path(dir).exists() || ddp::sharding::set_meta(dir)?.is_some() {
+        return Ok(Some(
+            "a checkpoint of the plain loop (resume it without --learner)".into(),
+        ));
+    }
+    let bare = std::fs::read_dir(dir.join("checkpoint"))
+        .into_iter()
+        .flatten()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .find(|n| n.starts_with("model-") && n.ends_with(".bpk"));
+    Ok(bare.map(|n| {
+        format!(
+            "Burn checkpoints without checksums (checkpoint/{n}, an older train-digits-burn's), \
+             which cannot be verified"
+        )
+    }))
+}
+
+/// Whether `dir` holds checkpoints of Burn's Learner (for the plain loop's `--resume`).
+pub fn has_learner_checkpoints(dir: &Path) -> bool {
+    last_checkpoint(dir).is_some()
+}
+
 /// Makes sure every rank can write its learner directory `dir` (Burn writes its metric logs
 /// there, and rank 0 its checkpoints): created and probed on every rank, `--checkpoint-dir`
 /// locked by rank 0 (one job per directory). A collective: any rank's failure, with the real
@@ -188,8 +215,19 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     );
                 }
             }
-            (true, None) if rank == 0 => {
-                println!("no checkpoint in {}: starting fresh", d.display())
+            (true, None) => {
+                // Never a fresh start over a checkpoint this mode cannot load.
+                if let Some(other) = other_checkpoints(d)? {
+                    return Err(format!(
+                        "--resume: {} holds {other}, not checkpoints of Burn's Learner \
+                         (--learner); nothing was loaded",
+                        d.display()
+                    )
+                    .into());
+                }
+                if rank == 0 {
+                    println!("no checkpoint in {}: starting fresh", d.display())
+                }
             }
             _ => {}
         }

@@ -260,8 +260,19 @@ impl Start {
     ) -> BoxResult<Start> {
         let (rank, world) = (s.pg.rank(), s.pg.size());
         let Some((meta, what)) = loaded else {
-            if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
-                println!("no checkpoint in {}: starting fresh", dir.display());
+            if let (true, Some(dir)) = (args.resume, &args.checkpoint_dir) {
+                // Never a fresh start over checkpoints this loop cannot load.
+                if crate::learner::has_learner_checkpoints(dir) {
+                    return Err(format!(
+                        "--resume: {} holds checkpoints of Burn's Learner: resume them with \
+                         --learner; nothing was loaded",
+                        dir.display()
+                    )
+                    .into());
+                }
+                if rank == 0 {
+                    println!("no checkpoint in {}: starting fresh", dir.display());
+                }
             }
             return Ok(Start {
                 pos: TrainingState::default(),

@@ -777,3 +777,44 @@ fn learner_on_a_read_only_file_system_says_so() {
     assert!(!err.contains("No such file"), "{err}");
     assert!(!out.contains("world_size"), "training started:\n{out}");
 }
+
+/// `--resume` never starts fresh over a checkpoint it cannot load: the plain loop refuses a
+/// directory of Burn's Learner checkpoints and `--learner` one of the plain loop's, each
+/// naming the mode that wrote it, on every rank.
+#[test]
+fn resume_refuses_the_other_loops_checkpoints() {
+    let base = [
+        "--nproc",
+        "2",
+        "--json",
+        "--log-every",
+        "0",
+        "--epochs",
+        "2",
+    ];
+    let root = temp_dir("cross-mode");
+    let learner_dir = root.join("learner");
+    let plain_dir = root.join("plain");
+    let (l, p) = (learner_dir.to_str().unwrap(), plain_dir.to_str().unwrap());
+    run_json(&[&base[..], &["--learner", "--checkpoint-dir", l]].concat());
+    run_json(&[&base[..], &["--checkpoint-dir", p]].concat());
+    for (args, want) in [
+        (
+            vec!["--checkpoint-dir", l, "--resume"],
+            "resume them with --learner",
+        ),
+        (
+            vec!["--learner", "--checkpoint-dir", p, "--resume"],
+            "a checkpoint of the plain loop",
+        ),
+    ] {
+        let (code, out, err) = finish(
+            start(&[&base[..], &args[..]].concat()),
+            Duration::from_secs(120),
+        );
+        assert_eq!(code, Some(1), "{args:?} started:\n{out}\n{err}");
+        assert!(err.contains(want), "{args:?}:\n{err}");
+        assert!(!out.contains("starting fresh"), "{out}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+}

@@ -28,6 +28,13 @@
 //! through Burn's `Interrupter` with the error as its reason; [`DdpLearningStrategy::take_error`]
 //! returns it after `launch`.
 //!
+//! Checkpoints: Burn's `FileCheckpointer` writes bare burnpack files (no checksum: a flipped bit
+//! loads as another model). [`ChecksummedCheckpointer`] stores each record in a checksummed,
+//! atomically written `ddp::Checkpoint` instead; give it to
+//! `SupervisedTraining::with_custom_checkpointers`, and check the epoch to resume with
+//! [`ChecksummedCheckpointer::verify`] before `.checkpoint(epoch)` (Burn panics on a record it
+//! cannot restore).
+//!
 //! What stays per rank: training metrics are this rank's batches', validation metrics this
 //! rank's valid loader's (give every rank the whole valid set, or shard it with
 //! [`crate::ShardedDataset`]); Burn's renderer and metric loggers run on every rank (give the

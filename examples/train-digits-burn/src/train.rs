@@ -216,10 +216,17 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     // A save set into plain DDP: every parameter and optimizer tensor gathered
                     // from the shards into Burn's records (a set holds no comm hook state: its
                     // run had none, and the hook is a hyper-parameter the resume checks).
-                    let (flat, what) = resume::consolidated(dir)?;
+                    // Every rank reads the set; any rank's failure fails every rank.
                     let opt = std::mem::replace(&mut t.opt, optimizer_placeholder());
-                    t.opt = resume::flat_to_burn(&flat, &mut t.ddp, opt)?;
-                    Some((flat.meta, what))
+                    let read = resume::consolidated(dir).and_then(|(flat, what)| {
+                        let opt = resume::flat_to_burn(&flat, &mut t.ddp, opt)?;
+                        Ok((opt, flat.meta, what))
+                    });
+                    let read = read.map_err(|e| ddp::Error::Checkpoint(e.to_string()));
+                    let (opt, meta, what) =
+                        ddp::sharding::agree(&s.pg, "loading the save set", read)?;
+                    t.opt = opt;
+                    Some((meta, what))
                 }
                 None => None,
             };

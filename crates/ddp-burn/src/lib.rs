@@ -53,7 +53,7 @@
 //! let pg = ddp_comm::init_process_group(Default::default())?;
 //! let shard = Arc::new(ShardedDataset::new(Arc::new(train_set), sampler)?); // this rank's part
 //! let strategy = Arc::new(DdpLearningStrategy::new(&pg, device.clone())
-//!     .on_epoch({ let s = shard.clone(); move |e| s.set_epoch(e as u64) }));
+//!     .on_epoch({ let s = shard.clone(); move |e| s.set_epoch(e as u64 - 1) })); // from 1
 //! let result = SupervisedTraining::new(dir, loader_over(shard), valid_loader)
 //!     .with_training_strategy(strategy.into_training_strategy())
 //!     .num_epochs(10)

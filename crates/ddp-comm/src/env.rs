@@ -15,6 +15,39 @@ use crate::{Error, Result};
 /// Default rendezvous port, as in torchrun.
 pub const DEFAULT_MASTER_PORT: u16 = 29500;
 
+/// Largest world size accepted (`WORLD_SIZE`, `SLURM_NTASKS`, `OMPI_COMM_WORLD_SIZE`, and
+/// `ddprun`'s total of workers): 65536. Every rank joins one TCP store, which serves at most
+/// 4096 connections by default, so a larger world is a typo, not a job; it is refused at once
+/// instead of waiting for ranks that never come.
+pub const MAX_WORLD_SIZE: usize = 1 << 16;
+
+/// Items shown by [`list_bounded`] before `and K more`.
+pub const LIST_SHOWN: usize = 16;
+
+/// `items` joined by `, `, at most `shown` of them, then ` and K more`: error messages that list
+/// ranks or keys stay short whatever the world size.
+pub fn list_bounded<T: std::fmt::Display>(
+    items: impl IntoIterator<Item = T>,
+    shown: usize,
+) -> String {
+    let mut out = String::new();
+    let mut more = 0usize;
+    for (i, item) in items.into_iter().enumerate() {
+        if i < shown {
+            if i > 0 {
+                out.push_str(", ");
+            }
+            out.push_str(&item.to_string());
+        } else {
+            more += 1;
+        }
+    }
+    if more > 0 {
+        out.push_str(&format!(" and {more} more"));
+    }
+    out
+}
+
 /// Which launcher the environment came from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Launcher {
@@ -157,6 +190,12 @@ impl EnvConfig {
                 "world size is 0; it must be at least 1".into(),
             ));
         }
+        if world_size > MAX_WORLD_SIZE {
+            return Err(Error::Config(format!(
+                "world size {world_size} is more than ddp-rs supports (at most {MAX_WORLD_SIZE}); \
+                 check WORLD_SIZE (or SLURM_NTASKS / OMPI_COMM_WORLD_SIZE)"
+            )));
+        }
         if rank >= world_size {
             return Err(Error::Config(format!(
                 "rank {rank} is not below world size {world_size}"
@@ -251,6 +290,22 @@ mod tests {
         assert_eq!(c.map(|c| (c.restart_count, c.rdzv_round)).unwrap(), (1, 4));
         let e = cfg(&[base[0], base[1], base[2], port, ("DDP_RDZV_ROUND", "x")]);
         assert!(e.unwrap_err().to_string().contains("DDP_RDZV_ROUND"));
+    }
+
+    #[test]
+    fn huge_world_sizes_are_refused_and_lists_are_bounded() {
+        let base = [("MASTER_ADDR", "h"), ("MASTER_PORT", "1"), ("RANK", "0")];
+        let e = cfg(&[&base[..], &[("WORLD_SIZE", "1000000")]].concat()).unwrap_err();
+        let e = e.to_string();
+        assert!(
+            e.contains("world size 1000000") && e.contains("at most 65536"),
+            "{e}"
+        );
+        let max = MAX_WORLD_SIZE.to_string();
+        assert!(cfg(&[&base[..], &[("WORLD_SIZE", max.as_str())]].concat()).is_ok());
+        assert_eq!(list_bounded(0..3, 5), "0, 1, 2");
+        assert_eq!(list_bounded(0..1_000_000, 3), "0, 1, 2 and 999997 more");
+        assert_eq!(list_bounded(Vec::<u8>::new(), 3), "");
     }
 
     #[test]

@@ -599,3 +599,104 @@ fn running_out_of_descriptors_is_survived_and_named() {
         assert!(child.alive());
     });
 }
+
+#[test]
+fn a_write_past_the_byte_cap_is_refused_and_the_server_serves_on() {
+    bounded(Duration::from_secs(60), || {
+        const CAP: u64 = 1 << 20;
+        let server = StoreServer::bind_with(
+            "127.0.0.1:0",
+            ServerOptions {
+                max_bytes: Some(CAP),
+                ..ServerOptions::default()
+            },
+        )
+        .unwrap();
+        assert_eq!(server.max_bytes(), CAP);
+        let addr = server.local_addr().to_string();
+        let a = TcpStore::connect(&addr, opts(None)).unwrap();
+        let b = TcpStore::connect(&addr, opts(None)).unwrap();
+        let big = vec![7u8; 600 << 10];
+        a.set("first", &big).unwrap();
+        // 2 × 600 KiB > 1 MiB: refused, with the cap and how to raise it named.
+        let e = a.set("second", &big).unwrap_err().to_string();
+        assert!(
+            e.contains(&format!("cap of {CAP} bytes")) && e.contains("DDP_STORE_MAX_BYTES"),
+            "{e}"
+        );
+        assert!(e.contains("--store-max-bytes"), "{e}");
+        // Nothing of the refused write was kept; the same client and the others go on.
+        assert!(!a.check("second").unwrap());
+        assert_eq!(a.get("first").unwrap(), big);
+        b.set("small", b"1").unwrap();
+        assert_eq!(b.add("counter", 5).unwrap(), 5);
+        assert!(
+            b.compare_set("second", b"", &big).is_err(),
+            "compare_set is capped too"
+        );
+        // Space given back by a delete can be used again.
+        assert!(a.delete("first").unwrap());
+        a.set("second", &big).unwrap();
+        assert_eq!(b.get("second").unwrap(), big);
+    });
+}
+
+#[test]
+fn the_byte_cap_comes_from_its_environment_variable() {
+    // In a child process, so that the variable cannot reach the other tests' servers.
+    match std::env::var("STORE_CAP_CHILD").as_deref() {
+        Ok("valid") => {
+            let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
+            assert_eq!(server.max_bytes(), 12345);
+            let c = TcpStore::connect(&server.local_addr().to_string(), opts(None)).unwrap();
+            let e = c.set("k", &[0u8; 20000]).unwrap_err().to_string();
+            assert!(e.contains("cap of 12345 bytes"), "{e}");
+            return;
+        }
+        Ok(_) => {
+            let e = StoreServer::bind("127.0.0.1:0", None)
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("DDP_STORE_MAX_BYTES=\"lots\""), "{e}");
+            return;
+        }
+        Err(_) => {}
+    }
+    let default = StoreServer::bind("127.0.0.1:0", None).unwrap();
+    if std::env::var_os("DDP_STORE_MAX_BYTES").is_none() {
+        assert_eq!(default.max_bytes(), ddp_comm::store::DEFAULT_MAX_BYTES);
+    }
+    for (mode, value) in [("valid", "12345"), ("invalid", "lots")] {
+        let out = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "--exact",
+                "the_byte_cap_comes_from_its_environment_variable",
+                "--nocapture",
+            ])
+            .env("STORE_CAP_CHILD", mode)
+            .env("DDP_STORE_MAX_BYTES", value)
+            .output()
+            .unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "{mode}: {text}{err}");
+        assert!(text.contains("1 passed"), "{mode}: {text}");
+    }
+}
+
+#[test]
+fn a_timeout_on_many_keys_names_a_few_and_counts_the_rest() {
+    bounded(Duration::from_secs(30), || {
+        let server = StoreServer::bind("127.0.0.1:0", None).unwrap();
+        let c = TcpStore::connect(&server.local_addr().to_string(), opts(None)).unwrap();
+        let keys: Vec<String> = (0..100_000).map(|r| format!("members/{r}")).collect();
+        let refs: Vec<&str> = keys.iter().map(String::as_str).collect();
+        let e = c
+            .wait(&refs, Duration::from_millis(100))
+            .unwrap_err()
+            .to_string();
+        assert!(e.len() < 600, "{} bytes: {e:.300}", e.len());
+        assert!(e.contains("\"members/0\", \"members/1\""), "{e}");
+        assert!(e.contains(" and 99984 more]"), "{e}");
+    });
+}

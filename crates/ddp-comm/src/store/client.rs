@@ -375,7 +375,13 @@ fn check_value(key: &str, what: &str, value: &[u8]) -> Result<()> {
 
 fn timeout_error(keys: Vec<String>, timeout: Duration) -> Error {
     Error::Timeout {
-        what: format!("store key(s) {keys:?}"),
+        what: format!(
+            "store key(s) [{}]",
+            crate::env::list_bounded(
+                keys.iter().map(|k| format!("{k:?}")),
+                crate::env::LIST_SHOWN
+            )
+        ),
         timeout,
     }
 }

@@ -16,10 +16,13 @@
 //! quarters of the descriptor limit, at most 4096), unauthenticated ones capped separately and
 //! evicted oldest (and silent or garbage ones) first, a 5 s handshake deadline, no thread for a
 //! connection until it sends something, and an accept loop that survives running out of
-//! descriptors. A client refused at the limit gets an error naming it. See `server`.
+//! descriptors. A client refused at the limit gets an error naming it. See `server`. The bytes
+//! the store holds are capped too (`DDP_STORE_MAX_BYTES`, default 1 GiB): a write past the cap is
+//! refused to its client with an error naming the cap (`data`).
 //!
 //! - `server`: [`StoreServer`] and [`ServerOptions`], the listening side (hosted by rank 0 or by
 //!   `ddprun`) and its connection limits.
+//! - `data`: the key-value map and its cap on the bytes held.
 //! - `accept`: the accept loops, and the greeter that watches connections that sent nothing.
 //! - `serve`: one connection's handshake and requests.
 //! - `client`: [`TcpStore`], the connecting side.
@@ -32,6 +35,7 @@
 mod accept;
 mod auth;
 mod client;
+mod data;
 mod prefix;
 pub(crate) mod protocol;
 mod serve;
@@ -39,6 +43,7 @@ mod server;
 pub(crate) mod torch;
 
 pub use client::{StoreOptions, TcpStore};
+pub use data::{DEFAULT_MAX_BYTES, MAX_BYTES_ENV};
 pub use prefix::PrefixStore;
 pub use server::{
     raise_fd_limit, ServerOptions, StoreServer, DEFAULT_HANDSHAKE_TIMEOUT, MAX_CONNECTIONS_ENV,

@@ -243,16 +243,18 @@ fn execute(shared: &Shared, req: Request) -> Option<Response> {
         Request::Hello { .. } | Request::Auth { .. } => {
             unreachable!("handled by serve_connection")
         }
-        Request::Set { key, value } => {
-            st.data.insert(key, value);
-            shared.changed.notify_all();
-            Response::Ok
-        }
+        Request::Set { key, value } => match st.data.insert(key, value) {
+            Ok(()) => {
+                shared.changed.notify_all();
+                Response::Ok
+            }
+            Err(full) => error_reply(ErrorKind::Store, full),
+        },
         Request::Get { key, timeout_ms } => {
             let (guard, missing) = wait_for(shared, st, &[key.as_str()], timeout_ms);
             let guard = guard?;
             if missing.is_empty() {
-                Response::Value(guard.data[&key].clone())
+                Response::Value(guard.data.get(&key).cloned().unwrap_or_default())
             } else {
                 Response::Timeout(missing)
             }
@@ -276,11 +278,13 @@ fn execute(shared: &Shared, req: Request) -> Option<Response> {
                 cur.checked_add(delta)
                     .ok_or_else(|| format!("{cur} + {delta} overflows a 64-bit integer"))
             }) {
-                Ok(new) => {
-                    st.data.insert(key, new.to_string().into_bytes());
-                    shared.changed.notify_all();
-                    Response::Int(new)
-                }
+                Ok(new) => match st.data.insert(key, new.to_string().into_bytes()) {
+                    Ok(()) => {
+                        shared.changed.notify_all();
+                        Response::Int(new)
+                    }
+                    Err(full) => error_reply(ErrorKind::Store, full),
+                },
                 Err(why) => error_reply(
                     ErrorKind::InvalidArgument,
                     format!("cannot add {delta} to store key {key:?}: {why}"),
@@ -291,20 +295,24 @@ fn execute(shared: &Shared, req: Request) -> Option<Response> {
             key,
             expected,
             desired,
-        } => match st.data.get_mut(&key) {
-            Some(current) if *current == expected => {
-                *current = desired.clone();
-                shared.changed.notify_all();
-                Response::Value(desired)
+        } => {
+            let swap = match st.data.get(&key) {
+                Some(current) => *current == expected,
+                None => expected.is_empty(),
+            };
+            if !swap {
+                // The current value; a missing key answers an empty one.
+                Response::Value(st.data.get(&key).cloned().unwrap_or_default())
+            } else {
+                match st.data.insert(key, desired.clone()) {
+                    Ok(()) => {
+                        shared.changed.notify_all();
+                        Response::Value(desired)
+                    }
+                    Err(full) => error_reply(ErrorKind::Store, full),
+                }
             }
-            Some(current) => Response::Value(current.clone()),
-            None if expected.is_empty() => {
-                st.data.insert(key, desired.clone());
-                shared.changed.notify_all();
-                Response::Value(desired)
-            }
-            None => Response::Value(Vec::new()),
-        },
+        }
         Request::Delete { key } => Response::Bool(st.data.remove(&key).is_some()),
         Request::NumKeys => Response::Count(st.data.len() as u64),
         Request::Check { key } => Response::Bool(st.data.contains_key(&key)),
@@ -340,7 +348,7 @@ fn wait_for<'a>(
         }
         let missing: Vec<String> = keys
             .iter()
-            .filter(|k| !st.data.contains_key(**k))
+            .filter(|k| !st.data.contains_key(k))
             .map(|k| k.to_string())
             .collect();
         if missing.is_empty() {

@@ -22,8 +22,9 @@
 //! as Go's runtime does at start-up.
 
 use super::accept;
+use super::data::Data;
 use crate::{Error, Result};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::io::ErrorKind as IoKind;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -42,6 +43,8 @@ const DEFAULT_MAX_CONNECTIONS: usize = 4096;
 /// Threads accepting connections.
 const ACCEPT_THREADS: usize = 2;
 
+use super::data::{DEFAULT_MAX_BYTES, MAX_BYTES_ENV};
+
 /// How a [`StoreServer`] runs.
 #[derive(Clone)]
 pub struct ServerOptions {
@@ -56,6 +59,10 @@ pub struct ServerOptions {
     pub max_pending: Option<usize>,
     /// Time a connection has to complete its handshake (default 5 s).
     pub handshake_timeout: Duration,
+    /// Most bytes (keys and values together) the store holds; a write that would go past it is
+    /// refused to its client with an error naming the cap. `None`: env [`MAX_BYTES_ENV`], else
+    /// [`DEFAULT_MAX_BYTES`] (1 GiB).
+    pub max_bytes: Option<u64>,
 }
 
 impl Default for ServerOptions {
@@ -65,6 +72,7 @@ impl Default for ServerOptions {
             max_connections: None,
             max_pending: None,
             handshake_timeout: DEFAULT_HANDSHAKE_TIMEOUT,
+            max_bytes: None,
         }
     }
 }
@@ -76,6 +84,7 @@ impl std::fmt::Debug for ServerOptions {
             .field("max_connections", &self.max_connections)
             .field("max_pending", &self.max_pending)
             .field("handshake_timeout", &self.handshake_timeout)
+            .field("max_bytes", &self.max_bytes)
             .finish()
     }
 }
@@ -110,6 +119,7 @@ pub(super) struct Limits {
     pub(super) max_connections: usize,
     pub(super) max_pending: usize,
     pub(super) handshake_timeout: Duration,
+    pub(super) max_bytes: u64,
 }
 
 impl Limits {
@@ -139,10 +149,28 @@ impl Limits {
             .max_pending
             .unwrap_or((max_connections / 4).clamp(8, 1024))
             .clamp(1, max_connections);
+        let max_bytes = match opts.max_bytes {
+            Some(n) => n,
+            None => match std::env::var(MAX_BYTES_ENV) {
+                Ok(v) => v.trim().parse::<u64>().map_err(|_| {
+                    Error::Config(format!(
+                        "{MAX_BYTES_ENV}={v:?} is not a whole number of bytes"
+                    ))
+                })?,
+                Err(_) => DEFAULT_MAX_BYTES,
+            },
+        };
+        if max_bytes == 0 {
+            return Err(Error::Config(format!(
+                "the store's cap on the bytes it holds ({MAX_BYTES_ENV} / \
+                 ServerOptions::max_bytes) must be at least 1"
+            )));
+        }
         Ok(Limits {
             max_connections,
             max_pending,
             handshake_timeout: opts.handshake_timeout.max(Duration::from_millis(1)),
+            max_bytes,
         })
     }
 }
@@ -175,16 +203,16 @@ pub(super) struct Shared {
 
 /// The key-value data.
 pub(super) struct State {
-    pub(super) data: HashMap<String, Vec<u8>>,
+    pub(super) data: Data,
     pub(super) shutdown: bool,
     /// Where the keys of PyTorch clients live (see `torch`); read when such a client connects.
     pub(super) torch_prefix: String,
 }
 
-impl Default for State {
-    fn default() -> State {
+impl State {
+    fn new(max_bytes: u64) -> State {
         State {
-            data: HashMap::new(),
+            data: Data::new(max_bytes),
             shutdown: false,
             torch_prefix: super::torch::DEFAULT_TORCH_PREFIX.to_string(),
         }
@@ -441,7 +469,7 @@ impl StoreServer {
         let poller = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
             .map_err(|e| Error::io(context, e.into()))?;
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::default()),
+            state: Mutex::new(State::new(limits.max_bytes)),
             changed: Condvar::new(),
             secret: opts
                 .secret
@@ -507,6 +535,11 @@ impl StoreServer {
     /// The connection limit in force (see [`ServerOptions::max_connections`]).
     pub fn max_connections(&self) -> usize {
         self.shared.limits.max_connections
+    }
+
+    /// The most bytes (keys and values) this server holds (see [`ServerOptions::max_bytes`]).
+    pub fn max_bytes(&self) -> u64 {
+        self.shared.limits.max_bytes
     }
 }
 

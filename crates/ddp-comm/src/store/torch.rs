@@ -324,7 +324,7 @@ fn execute(st: &mut State, prefix: &str, req: TorchRequest) -> Result<(Step, boo
     let mut changed = false;
     let step = match req {
         TorchRequest::Set { key, value } => {
-            st.data.insert(k(&key), value);
+            st.data.insert(k(&key), value)?;
             changed = true;
             Step::Nothing
         }
@@ -334,17 +334,17 @@ fn execute(st: &mut State, prefix: &str, req: TorchRequest) -> Result<(Step, boo
             desired,
         } => {
             let mut out = Vec::new();
-            match st.data.get_mut(&k(&key)) {
-                Some(cur) => {
-                    if *cur == expected {
-                        *cur = desired;
-                        changed = true;
-                    }
-                    enc_bytes(&mut out, cur);
+            let key = k(&key);
+            match st.data.get(&key) {
+                Some(cur) if *cur != expected => enc_bytes(&mut out, cur),
+                Some(_) => {
+                    enc_bytes(&mut out, &desired);
+                    st.data.insert(key, desired)?;
+                    changed = true;
                 }
                 None if expected.is_empty() => {
                     enc_bytes(&mut out, &desired);
-                    st.data.insert(k(&key), desired);
+                    st.data.insert(key, desired)?;
                     changed = true;
                 }
                 // As PyTorch's server: a missing key with a non-empty expectation answers the
@@ -371,7 +371,7 @@ fn execute(st: &mut State, prefix: &str, req: TorchRequest) -> Result<(Step, boo
             let new = cur
                 .checked_add(delta)
                 .ok_or_else(|| format!("add to key {key:?}: {cur} + {delta} overflows"))?;
-            st.data.insert(k(&key), new.to_string().into_bytes());
+            st.data.insert(k(&key), new.to_string().into_bytes())?;
             changed = true;
             Step::Reply(new.to_le_bytes().to_vec())
         }
@@ -392,13 +392,13 @@ fn execute(st: &mut State, prefix: &str, req: TorchRequest) -> Result<(Step, boo
             Step::Reply(n.to_le_bytes().to_vec())
         }
         TorchRequest::Append { key, value } => {
-            let entry = st.data.entry(k(&key)).or_default();
-            if entry.len() + value.len() > MAX_VALUE_LEN {
+            let len = st.data.get(&k(&key)).map_or(0, Vec::len);
+            if len + value.len() > MAX_VALUE_LEN {
                 return Err(format!(
                     "append to key {key:?} would exceed the value limit of {MAX_VALUE_LEN} bytes"
                 ));
             }
-            entry.extend_from_slice(&value);
+            st.data.append(k(&key), &value)?;
             changed = true;
             Step::Nothing
         }
@@ -415,7 +415,7 @@ fn execute(st: &mut State, prefix: &str, req: TorchRequest) -> Result<(Step, boo
         }
         TorchRequest::MultiSet { pairs } => {
             for (key, value) in pairs {
-                st.data.insert(k(&key), value);
+                st.data.insert(k(&key), value)?;
             }
             changed = true;
             Step::Nothing
@@ -442,7 +442,8 @@ fn execute(st: &mut State, prefix: &str, req: TorchRequest) -> Result<(Step, boo
                     format!("barrier on key {key:?}, whose value is not a counter")
                 })?,
             };
-            st.data.insert(key.clone(), count.to_string().into_bytes());
+            st.data
+                .insert(key.clone(), count.to_string().into_bytes())?;
             changed = true;
             Step::Block {
                 keys: vec![key],

@@ -8,11 +8,14 @@ use candle_core::backprop::GradStore;
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp::adapter::{self, ParamAccess};
+use ddp::checkpoint::{Checkpoint, CheckpointMeta, OptimizerState};
 use ddp::join::{Join, JoinStep};
 use ddp::reducer::{CommHook, Reducer, ReducerOptions, StepStats, TotalStats};
+use ddp::sampler::SamplerState;
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
+use std::path::{Path, PathBuf};
 
 /// Construction options (PyTorch's names and defaults).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -428,6 +431,102 @@ impl DistributedDataParallel {
     pub fn param_sum_l2(&self) -> Result<(f64, f64)> {
         let vars: Vec<&Var> = self.params.vars().iter().map(|(_, v)| v).collect();
         tensors::param_sum_l2(&vars)
+    }
+}
+
+/// One-call checkpoints: what a training program calls on every rank to save its run.
+impl DistributedDataParallel {
+    /// Saves the model and `opt`'s state in one call, on every rank (a collective): rank 0 writes
+    /// `<dir>/checkpoint.safetensors` atomically (`ddp::checkpoint::save_atomic`: temp file,
+    /// fsync, rename), the other ranks write nothing. Returns the file on rank 0, `None`
+    /// elsewhere; a failure to write on rank 0 is an error on every rank.
+    ///
+    /// The metadata says where the run stands: the step is the reducer's count of synchronized
+    /// steps ([`Reducer::step`]; one per optimizer step, counting from the `set_step` of a resumed
+    /// run), the world size is the process group's, and the position is the start of epoch
+    /// `epoch` (sampler epoch `epoch`, nothing consumed) — pass the number of epochs completed
+    /// when saving after an epoch or at the end of training. Besides the parameters (under
+    /// their names) and `opt`'s state ([`ddp::checkpoint::OptimizerState`]), the comm hook's
+    /// state is saved, every rank's (PowerSGD's residuals differ between ranks).
+    ///
+    /// It resumes through `ddp::checkpoint::resume_or_start` with a `RunPlan` of the same world
+    /// size and no hyper-parameters (`hyper: Null`), then
+    /// `ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())` and
+    /// `r.checkpoint.load_optimizer(&mut opt)`. A mid-epoch position, hyper-parameters or an
+    /// RNG state: [`save_checkpoint_with`](Self::save_checkpoint_with) with `plan.meta(&pos)`.
+    ///
+    /// ```ignore
+    /// let saved = ddp.save_checkpoint(&dir, &opt, epochs)?; // every rank
+    /// ```
+    pub fn save_checkpoint<O>(&self, dir: &Path, opt: &O, epoch: u64) -> Result<Option<PathBuf>>
+    where
+        O: OptimizerState + ?Sized,
+        Error: From<O::Error>,
+    {
+        self.save_checkpoint_with(dir, Some(opt), self.epoch_meta(epoch))
+    }
+
+    /// [`save_checkpoint`](Self::save_checkpoint) without optimizer state: the parameters (and
+    /// the comm hook's state), e.g. a final model for inference. Loads with
+    /// `ddp_candle::checkpoint::load_vars`.
+    pub fn save_model(&self, dir: &Path, epoch: u64) -> Result<Option<PathBuf>> {
+        self.save_checkpoint_with::<crate::optim::Sgd>(dir, None, self.epoch_meta(epoch))
+    }
+
+    /// [`save_checkpoint`](Self::save_checkpoint) at the position `meta` gives (e.g.
+    /// `plan.meta(&pos)` of a `ddp::checkpoint::RunPlan`: a mid-epoch sampler position,
+    /// hyper-parameters, RNG state), with `opt`'s state when given. `meta.world_size` is set
+    /// to the process group's size whatever it was (`CheckpointMeta::default()` says 1); the
+    /// rest is written as given. A collective, like `save_checkpoint`.
+    pub fn save_checkpoint_with<O>(
+        &self,
+        dir: &Path,
+        opt: Option<&O>,
+        mut meta: CheckpointMeta,
+    ) -> Result<Option<PathBuf>>
+    where
+        O: OptimizerState + ?Sized,
+        Error: From<O::Error>,
+    {
+        meta.world_size = self.pg.size();
+        // Every rank's comm hook state (a collective, so before the rank-0-only part).
+        let hooks = ddp::hooks::gather_state(&self.pg, &self.reducer.comm_hook_state())?;
+        let written = if self.pg.rank() == 0 {
+            (|| -> Result<PathBuf> {
+                let mut ckpt = Checkpoint::new(meta);
+                crate::checkpoint::save_vars(&mut ckpt, self.params.vars())?;
+                if let Some(opt) = opt {
+                    ckpt.save_optimizer(opt)?;
+                }
+                ckpt.save_hook_state(&hooks)?;
+                Ok(ddp::checkpoint::save_atomic(dir, &ckpt)?)
+            })()
+            .map(Some)
+        } else {
+            Ok(None)
+        };
+        // Rank 0's failure fails every rank (the others would otherwise carry on without a
+        // checkpoint); the others' `Ok(None)` never fails rank 0.
+        let written = written.map_err(|e| match e {
+            Error::Ddp(e) => e,
+            other => ddp::Error::Checkpoint(other.to_string()),
+        });
+        Ok(ddp::sharding::agree(
+            &self.pg,
+            "saving the checkpoint",
+            written,
+        )?)
+    }
+
+    /// The metadata of a checkpoint at the start of epoch `epoch`, at the reducer's step.
+    fn epoch_meta(&self, epoch: u64) -> CheckpointMeta {
+        CheckpointMeta {
+            step: self.reducer.step(),
+            epoch,
+            sampler: SamplerState { epoch, consumed: 0 },
+            world_size: self.pg.size(),
+            ..Default::default()
+        }
     }
 }
 

@@ -199,7 +199,15 @@ fn run_round(
         Ok(Some(f)) => Some(Stop::Remote(f)),
         Err(stop) => Some(stop),
     };
-    let outcome = supervise(cfg, &launch, host, house.guard.as_ref(), &mut poll);
+    let mut note = |rank: usize, how: &str| rdzv.note_exit(round.attempt, rank, how);
+    let outcome = supervise(
+        cfg,
+        &launch,
+        host,
+        house.guard.as_ref(),
+        &mut poll,
+        &mut note,
+    );
     house.sweep();
     match outcome {
         Outcome::Success => {
@@ -311,10 +319,9 @@ fn wait_for_other_nodes(cfg: &Config, rdzv: &Rendezvous, attempt: u32) -> Result
             return Err(Stop::Signal(sig));
         }
         if !announced {
-            let m: Vec<String> = missing.iter().map(|r| r.to_string()).collect();
             eprintln!(
                 "ddprun: this node's workers finished; waiting for node(s) {}",
-                m.join(", ")
+                ddp_comm::env::list_bounded(&missing, ddp_comm::env::LIST_SHOWN)
             );
             announced = true;
         }
@@ -363,15 +370,18 @@ fn sinks(
 
 /// Start this node's workers for `launch` and watch them until the attempt ends. `poll` is asked
 /// every monitor interval whether the rest of the job wants the workers stopped.
+/// `note_exit(rank, how)` is told of each worker that exits while others still run, so ranks
+/// waiting for it in the rendezvous stop waiting (see [`note_exit`]).
 pub(crate) fn supervise(
     cfg: &Config,
     launch: &Launch,
     host: &str,
     guard: Option<&Guard>,
     poll: &mut dyn FnMut() -> Option<Stop>,
+    note_exit: &mut dyn FnMut(usize, &str),
 ) -> Outcome {
     let mut workers: Vec<Worker> = Vec::with_capacity(cfg.nproc_per_node);
-    let outcome = supervise_workers(cfg, launch, host, guard, poll, &mut workers);
+    let outcome = supervise_workers(cfg, launch, host, guard, poll, note_exit, &mut workers);
     // Every exit path has stopped the workers and SIGKILLed their groups.
     for w in &workers {
         if let Some(g) = guard {
@@ -387,6 +397,7 @@ fn supervise_workers(
     host: &str,
     guard: Option<&Guard>,
     poll: &mut dyn FnMut() -> Option<Stop>,
+    note_exit: &mut dyn FnMut(usize, &str),
     workers: &mut Vec<Worker>,
 ) -> Outcome {
     let (tx, rx) = mpsc::channel::<ExitEvent>();
@@ -399,28 +410,16 @@ fn supervise_workers(
         run_id: cfg.run_id.clone(),
         cores: available_cores(),
     };
-    for local_rank in 0..cfg.nproc_per_node {
-        let p = Placement {
-            rank: launch.rank_offset + local_rank,
-            local_rank,
-            world_size: launch.world_size,
-            local_world_size: cfg.nproc_per_node,
-            node_rank: launch.node_rank,
-            nnodes: launch.nnodes,
-        };
-        let env = worker_env(&p, &job, |k| std::env::var(k).ok());
-        let tail = Arc::new(Mutex::new(Tail::default()));
-        let started = sinks(cfg, &p, launch.round, &tail).and_then(|(out, err)| {
-            process::spawn(&cfg.program, &env, p, out, err, tail, tx.clone())
-        });
-        match started {
-            Ok(w) => {
-                if let Some(g) = guard {
-                    g.watch(w.pid);
-                }
-                workers.push(w)
-            }
+    let started = match start_workers(cfg, launch, &job, guard) {
+        Ok(s) => s,
+        Err(e) => return Outcome::SpawnFailed(e),
+    };
+    let mut started = started.into_iter();
+    while let Some(s) = started.next() {
+        match s.supervise(tx.clone()) {
+            Ok(w) => workers.push(w),
             Err(e) => {
+                abandon(started, guard);
                 stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
                 return Outcome::SpawnFailed(e);
             }
@@ -436,12 +435,27 @@ fn supervise_workers(
         while let Ok(ev) = rx.try_recv() {
             record_exit(workers, ev, Some(&mut failed));
         }
+        for w in workers.iter_mut() {
+            if let (Some((status, _)), false) = (w.exit, w.exit_noted) {
+                w.exit_noted = true;
+                note_exit(w.placement.rank, &process::describe_status(&status));
+            }
+        }
         if !failed.is_empty() {
             stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
-            let failures = failed
+            let mut failures: Vec<Failure> = failed
                 .iter()
                 .map(|&i| failure_of(&workers[i], host))
                 .collect();
+            // Workers that returned with status 0 before the failure: a peer waiting for one
+            // of them fails, so the summary names them beside the root cause.
+            let first = failures[0].at;
+            failures.extend(
+                workers
+                    .iter()
+                    .filter(|w| w.exit.is_some_and(|(st, at)| st.success() && at <= first))
+                    .map(|w| failure_of(w, host)),
+            );
             return Outcome::Failed(failures);
         }
         if workers.iter().all(|w| w.exit.is_some()) {
@@ -461,6 +475,57 @@ fn supervise_workers(
         if let Some(stop) = poll() {
             stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
             return Outcome::Stopped(stop);
+        }
+    }
+}
+
+/// Start every worker of this node, each watched by `guard`, before any of their threads
+/// exists: a fork copies the page tables of every thread stack, so with the threads of the
+/// workers already started each start would cost more, and starting N workers time in N²
+/// (see [`process`]). On error the workers already started are killed.
+fn start_workers(
+    cfg: &Config,
+    launch: &Launch,
+    job: &JobInfo,
+    guard: Option<&Guard>,
+) -> Result<Vec<process::Started>, String> {
+    let mut started = Vec::with_capacity(cfg.nproc_per_node);
+    for local_rank in 0..cfg.nproc_per_node {
+        let p = Placement {
+            rank: launch.rank_offset + local_rank,
+            local_rank,
+            world_size: launch.world_size,
+            local_world_size: cfg.nproc_per_node,
+            node_rank: launch.node_rank,
+            nnodes: launch.nnodes,
+        };
+        let env = worker_env(&p, job, |k| std::env::var(k).ok());
+        let tail = Arc::new(Mutex::new(Tail::default()));
+        let one = sinks(cfg, &p, launch.round, &tail)
+            .and_then(|(out, err)| process::start(&cfg.program, &env, p, out, err, tail));
+        match one {
+            Ok(s) => {
+                if let Some(g) = guard {
+                    g.watch(s.pid());
+                }
+                started.push(s);
+            }
+            Err(e) => {
+                abandon(started, guard);
+                return Err(e);
+            }
+        }
+    }
+    Ok(started)
+}
+
+/// Kill and reap workers that were started but will not be supervised.
+fn abandon(started: impl IntoIterator<Item = process::Started>, guard: Option<&Guard>) {
+    for s in started {
+        let pid = s.pid();
+        s.abandon();
+        if let Some(g) = guard {
+            g.forget(pid);
         }
     }
 }
@@ -521,14 +586,15 @@ fn stop_workers(workers: &mut [Worker], rx: &Receiver<ExitEvent>, sig: i32, grac
         }
     }
     if alive(workers) > 0 && sig != libc::SIGKILL {
-        let ranks: Vec<String> = workers
-            .iter()
-            .filter(|w| w.exit.is_none())
-            .map(|w| w.placement.rank.to_string())
-            .collect();
+        let ranks = ddp_comm::env::list_bounded(
+            workers
+                .iter()
+                .filter(|w| w.exit.is_none())
+                .map(|w| w.placement.rank),
+            ddp_comm::env::LIST_SHOWN,
+        );
         eprintln!(
-            "ddprun: rank(s) {} still running {grace:?} after {}; sending SIGKILL",
-            ranks.join(", "),
+            "ddprun: rank(s) {ranks} still running {grace:?} after {}; sending SIGKILL",
             signal_name(sig)
         );
     }
@@ -550,5 +616,86 @@ fn stop_workers(workers: &mut [Worker], rx: &Receiver<ExitEvent>, sig: i32, grac
     let drain = Instant::now() + DRAIN_WAIT;
     for w in workers.iter_mut() {
         w.join_readers(drain);
+    }
+}
+
+/// Records in `store` that global rank `rank` of rendezvous round `round` exited (`how`): a
+/// peer still waiting for it to join the process group fails at once, naming it, instead of
+/// running into the timeout (`ddp_comm::process_group::exited_key`). Best effort: a store that
+/// cannot be reached only loses the shortcut.
+pub(crate) fn note_exit(store: &dyn ddp_comm::store::Store, round: u32, rank: usize, how: &str) {
+    let key = ddp_comm::process_group::exited_key(round, rank);
+    let _ = store.set(&key, how.as_bytes());
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::Parser;
+
+    /// Threads of this process whose name starts with `prefix`.
+    fn threads_named(prefix: &str) -> usize {
+        std::fs::read_dir("/proc/self/task")
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+            .filter(|name| name.starts_with(prefix))
+            .count()
+    }
+
+    #[test]
+    fn every_worker_starts_before_any_worker_thread_exists() {
+        // Ranks no other test uses, so that their thread names ("rank7000NN-...") are ours.
+        const OFFSET: usize = 700_000;
+        const N: usize = 12;
+        let cfg = crate::Args::try_parse_from([
+            "ddprun",
+            "--nproc-per-node",
+            &N.to_string(),
+            "sleep",
+            "30",
+        ])
+        .unwrap()
+        .into_config()
+        .unwrap();
+        let launch = Launch {
+            master_addr: "127.0.0.1".into(),
+            master_port: 1,
+            restart_count: 0,
+            round: 0,
+            rank_offset: OFFSET,
+            world_size: OFFSET + N,
+            node_rank: 0,
+            nnodes: 1,
+        };
+        let job = JobInfo {
+            master_addr: launch.master_addr.clone(),
+            master_port: 1,
+            restart_count: 0,
+            rdzv_round: 0,
+            max_restarts: 0,
+            run_id: "t".into(),
+            cores: 1,
+        };
+        let started = start_workers(&cfg, &launch, &job, None).unwrap();
+        assert_eq!(started.len(), N);
+        // Every fork happened with the same threads: none of the workers' yet.
+        assert_eq!(threads_named("rank7000"), 0);
+        let (tx, rx) = mpsc::channel();
+        let mut workers: Vec<Worker> = started
+            .into_iter()
+            .map(|s| s.supervise(tx.clone()).unwrap())
+            .collect();
+        // A thread names itself once it runs: wait for the names.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while threads_named("rank7000") < 3 * N && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        assert_eq!(
+            threads_named("rank7000"),
+            3 * N,
+            "2 readers and a waiter each"
+        );
+        stop_workers(&mut workers, &rx, libc::SIGKILL, Duration::ZERO);
+        assert!(workers.iter().all(|w| w.exit.is_some()));
     }
 }

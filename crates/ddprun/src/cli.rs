@@ -180,6 +180,13 @@ pub struct Args {
     )]
     pub log_dir: Option<PathBuf>,
 
+    /// Most bytes (keys and values together) the rendezvous store hosted by this launcher holds:
+    /// a write past it is refused to the process that made it, with an error naming this cap.
+    #[arg(long = "store-max-bytes", alias = "store_max_bytes", env = "DDP_STORE_MAX_BYTES",
+          default_value_t = ddp_comm::store::DEFAULT_MAX_BYTES, value_name = "BYTES",
+          value_parser = crate::validate::int_in::<u64>(1, u64::MAX))]
+    pub store_max_bytes: u64,
+
     /// Only show the console output of these local ranks (e.g. `0` or `0,2`); logs keep everything.
     #[arg(long = "local-ranks-filter", alias = "local_ranks_filter",
           env = "PET_LOCAL_RANKS_FILTER", value_name = "LR,..", value_parser = parse_rank_set)]
@@ -397,6 +404,8 @@ pub struct Config {
     pub program: Vec<String>,
     /// `Some` for an elastic job (then `nnodes` is the maximum and `node_rank` unused).
     pub elastic: Option<Elastic>,
+    /// Most bytes (keys and values) the store this launcher hosts holds (`--store-max-bytes`).
+    pub store_max_bytes: u64,
 }
 
 impl Args {
@@ -464,6 +473,10 @@ impl Args {
         if master_addr.trim().is_empty() {
             return Err("--master-addr is empty".into());
         }
+        if self.rdzv_endpoint.is_none() {
+            check_host(&master_addr)
+                .map_err(|why| format!("--master-addr `{master_addr}` is refused: {why}"))?;
+        }
         let run_id = run_id.unwrap_or_else(|| "none".into());
         if run_id.is_empty() || run_id.contains(['/', '\0']) || run_id == "." || run_id == ".." {
             return Err(format!(
@@ -509,6 +522,7 @@ impl Args {
             local_ranks_filter: self.local_ranks_filter,
             console: ConsoleStyle::Prefixed,
             program: self.program,
+            store_max_bytes: self.store_max_bytes,
             elastic: elastic.then(|| Elastic {
                 min_nodes: range.min,
                 max_nodes: range.max,
@@ -519,24 +533,63 @@ impl Args {
     }
 }
 
-/// `host:port`, `[v6]:port` or a bare host → (host, port).
+/// `host:port`, `[v6]:port` or a bare host → (host, port); anything else is refused with a
+/// message naming the flag, the value and what is wrong with it.
 fn split_endpoint(ep: &str) -> Result<(String, Option<u16>), String> {
-    let bad = || format!("--rdzv-endpoint `{ep}` is not HOST or HOST:PORT");
-    if let Some(rest) = ep.strip_prefix('[') {
-        let (host, tail) = rest.split_once(']').ok_or_else(bad)?;
-        let port = match tail.strip_prefix(':') {
-            Some(p) => Some(p.parse().map_err(|_| bad())?),
-            None if tail.is_empty() => None,
-            None => return Err(bad()),
-        };
-        return Ok((host.to_string(), port));
-    }
-    match ep.rsplit_once(':') {
-        Some((h, p)) if !h.contains(':') => {
-            Ok((h.to_string(), Some(p.parse().map_err(|_| bad())?)))
+    let flag = "--rdzv-endpoint";
+    let bad = |why: String| format!("{flag} `{ep}` is not HOST or HOST:PORT: {why}");
+    let port = |p: &str| {
+        p.parse::<u16>()
+            .map_err(|_| bad(format!("`{p}` is not a port (0..=65535)")))
+    };
+    let (host, port) = if let Some(rest) = ep.strip_prefix('[') {
+        let (host, tail) = rest
+            .split_once(']')
+            .ok_or_else(|| bad("the `[` of an IPv6 address is not closed".into()))?;
+        if host.parse::<std::net::Ipv6Addr>().is_err() {
+            return Err(bad(format!("`{host}` is not an IPv6 address")));
         }
-        _ if !ep.is_empty() => Ok((ep.to_string(), None)),
-        _ => Err(bad()),
+        let port = match tail.strip_prefix(':') {
+            Some(p) => Some(port(p)?),
+            None if tail.is_empty() => None,
+            None => return Err(bad(format!("`{tail}` after `]` is not `:PORT`"))),
+        };
+        (host, port)
+    } else {
+        match ep.rsplit_once(':') {
+            Some((h, p)) if !h.contains(':') => (h, Some(port(p)?)),
+            _ => (ep, None),
+        }
+    };
+    check_host(host).map_err(bad)?;
+    Ok((host.to_string(), port))
+}
+
+/// An IP address, or a host name (RFC 1123 labels of letters, digits, `-` and `_`, 1 to 63
+/// characters each, at most 253 in all); `Err` says why not.
+pub fn check_host(host: &str) -> Result<(), String> {
+    if host.is_empty() {
+        return Err("the host is empty".into());
+    }
+    if host.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(());
+    }
+    let name = host.strip_suffix('.').unwrap_or(host);
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    };
+    if name.len() <= 253 && name.split('.').all(label_ok) {
+        Ok(())
+    } else {
+        let shown: String = host.chars().take(80).collect();
+        let more = if shown.len() < host.len() { "..." } else { "" };
+        Err(format!(
+            "`{shown}`{more} is not a host name or an IP address"
+        ))
     }
 }
 

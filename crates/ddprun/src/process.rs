@@ -1,6 +1,11 @@
-//! Worker processes: spawning one (its own process group, killed if the launcher dies, output
-//! piped to reader threads), reaping it on a waiter thread that reports the exit with its time,
-//! and describing exit statuses.
+//! Worker processes: starting one (its own process group, killed if the launcher dies, output
+//! piped), then supervising it (reader threads copying its output, a waiter thread that reaps
+//! it and reports the exit with its time), and describing exit statuses.
+//!
+//! Starting and supervising are two steps so that a launcher starts all its workers before it
+//! creates any of their threads: each start forks the launcher, and a fork copies the page
+//! tables of every thread stack there is, so forking among 3 threads per worker already started
+//! made starting N workers take time in N² (2,000 workers: 47 s).
 
 use crate::output::{spawn_reader, Console, Sink, Tail};
 use crate::signals::signal_name;
@@ -29,6 +34,8 @@ pub struct Worker {
     pub started: SystemTime,
     /// Set once the waiter thread has reaped the process.
     pub exit: Option<(ExitStatus, SystemTime)>,
+    /// Whether its exit was recorded for the rendezvous (`agent::note_exit`).
+    pub exit_noted: bool,
     /// Last lines of its stderr.
     pub stderr_tail: Arc<Mutex<Tail>>,
     readers: Vec<JoinHandle<()>>,
@@ -62,17 +69,18 @@ impl Worker {
     }
 }
 
-/// Start `program` with `env` added to the launcher's environment. The worker gets its own
-/// process group (so group signals reach anything it starts, and a Ctrl-C on the terminal reaches
-/// only the launcher, which forwards it), a parent-death signal (SIGKILL if the launcher dies),
-/// stdin from /dev/null and piped stdout/stderr copied by reader threads into `stdout`/`stderr`
-/// (the stderr sink's tail must be `tail`). Its exit is sent on `events`. A stdout shown
-/// unprefixed on the launcher's stdout and logged nowhere is the launcher's stdout itself when
-/// that is a terminal (rank 0 under `ConsoleStyle::Rank0Stdout`: its progress bar reaches the
-/// terminal).
-///
-/// Must be called from the thread that stays alive for the whole run (the parent-death signal
-/// is tied to the spawning thread).
+/// A started worker whose output threads and waiter do not exist yet (see
+/// [`Started::supervise`]).
+pub struct Started {
+    child: std::process::Child,
+    placement: Placement,
+    started: SystemTime,
+    stdout: Sink,
+    stderr: Sink,
+    tail: Arc<Mutex<Tail>>,
+}
+
+/// [`start`] then [`Started::supervise`]: one worker, started and supervised.
 pub fn spawn(
     program: &[String],
     env: &[(String, String)],
@@ -82,6 +90,29 @@ pub fn spawn(
     tail: Arc<Mutex<Tail>>,
     events: Sender<ExitEvent>,
 ) -> Result<Worker, String> {
+    start(program, env, placement, stdout, stderr, tail)?.supervise(events)
+}
+
+/// Start `program` with `env` added to the launcher's environment, creating no thread. The
+/// worker gets its own
+/// process group (so group signals reach anything it starts, and a Ctrl-C on the terminal reaches
+/// only the launcher, which forwards it), a parent-death signal (SIGKILL if the launcher dies),
+/// stdin from /dev/null and piped stdout/stderr, copied by [`Started::supervise`]'s reader
+/// threads into `stdout`/`stderr` (the stderr sink's tail must be `tail`). A stdout shown
+/// unprefixed on the launcher's stdout and logged nowhere is the launcher's stdout itself when
+/// that is a terminal (rank 0 under `ConsoleStyle::Rank0Stdout`: its progress bar reaches the
+/// terminal).
+///
+/// Must be called from the thread that stays alive for the whole run (the parent-death signal
+/// is tied to the spawning thread).
+pub fn start(
+    program: &[String],
+    env: &[(String, String)],
+    placement: Placement,
+    stdout: Sink,
+    stderr: Sink,
+    tail: Arc<Mutex<Tail>>,
+) -> Result<Started, String> {
     let (exe, args) = program
         .split_first()
         .ok_or_else(|| "no worker program given".to_string())?;
@@ -125,58 +156,94 @@ pub fn spawn(
         });
     }
     let rank = placement.rank;
-    let mut child = cmd
+    let child = cmd
         .spawn()
         .map_err(|e| format!("cannot start worker program `{exe}` for rank {rank}: {e}"))?;
-    let pid = child.id() as i32;
-    let started = SystemTime::now();
-    let mut readers = Vec::with_capacity(2);
-    let err = child.stderr.take().expect("stderr is piped");
-    let spawn_err = |e: std::io::Error| format!("cannot start output thread for rank {rank}: {e}");
-    let r1 = child
-        .stdout
-        .take()
-        .map(|out| spawn_reader(format!("rank{rank}-stdout"), out, stdout));
-    let r2 = spawn_reader(format!("rank{rank}-stderr"), err, stderr);
-    let local_rank = placement.local_rank;
-    let waiter = std::thread::Builder::new()
-        .name(format!("rank{rank}-wait"))
-        .spawn(move || {
-            // wait() only fails for a child that was already reaped, which cannot happen here.
-            let status = loop {
-                match child.wait() {
-                    Ok(s) => break s,
-                    Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                    Err(_) => break ExitStatus::from_raw(0xff00),
-                }
-            };
-            let _ = events.send(ExitEvent {
-                local_rank,
-                status,
-                at: SystemTime::now(),
-            });
-        });
-    let ok = (|| -> Result<(), String> {
-        if let Some(r1) = r1 {
-            readers.push(r1.map_err(spawn_err)?);
-        }
-        readers.push(r2.map_err(spawn_err)?);
-        waiter.map_err(spawn_err)?;
-        Ok(())
-    })();
-    if let Err(e) = ok {
-        // Could not supervise it: do not leave it running.
-        crate::signals::signal_group(pid, libc::SIGKILL);
-        return Err(e);
-    }
-    Ok(Worker {
+    Ok(Started {
+        child,
         placement,
-        pid,
-        started,
-        exit: None,
-        stderr_tail: tail,
-        readers,
+        started: SystemTime::now(),
+        stdout,
+        stderr,
+        tail,
     })
+}
+
+impl Started {
+    /// Process id, also the id of the worker's process group.
+    pub fn pid(&self) -> i32 {
+        self.child.id() as i32
+    }
+
+    /// Kill the worker's process group and reap it (it could not be supervised).
+    pub fn abandon(mut self) {
+        crate::signals::signal_group(self.pid(), libc::SIGKILL);
+        let _ = self.child.wait();
+    }
+
+    /// Start the threads that copy the worker's output and reap it; its exit is sent on
+    /// `events`. On error the worker is killed.
+    pub fn supervise(self, events: Sender<ExitEvent>) -> Result<Worker, String> {
+        let Started {
+            mut child,
+            placement,
+            started,
+            stdout,
+            stderr,
+            tail,
+        } = self;
+        let rank = placement.rank;
+        let pid = child.id() as i32;
+        let mut readers = Vec::with_capacity(2);
+        let err = child.stderr.take().expect("stderr is piped");
+        let spawn_err =
+            |e: std::io::Error| format!("cannot start output thread for rank {rank}: {e}");
+        let r1 = child
+            .stdout
+            .take()
+            .map(|out| spawn_reader(format!("rank{rank}-stdout"), out, stdout));
+        let r2 = spawn_reader(format!("rank{rank}-stderr"), err, stderr);
+        let local_rank = placement.local_rank;
+        let waiter = std::thread::Builder::new()
+            .name(format!("rank{rank}-wait"))
+            .spawn(move || {
+                // wait() only fails for a child that was already reaped, which cannot happen here.
+                let status = loop {
+                    match child.wait() {
+                        Ok(s) => break s,
+                        Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                        Err(_) => break ExitStatus::from_raw(0xff00),
+                    }
+                };
+                let _ = events.send(ExitEvent {
+                    local_rank,
+                    status,
+                    at: SystemTime::now(),
+                });
+            });
+        let ok = (|| -> Result<(), String> {
+            if let Some(r1) = r1 {
+                readers.push(r1.map_err(spawn_err)?);
+            }
+            readers.push(r2.map_err(spawn_err)?);
+            waiter.map_err(spawn_err)?;
+            Ok(())
+        })();
+        if let Err(e) = ok {
+            // Could not supervise it: do not leave it running.
+            crate::signals::signal_group(pid, libc::SIGKILL);
+            return Err(e);
+        }
+        Ok(Worker {
+            placement,
+            pid,
+            started,
+            exit: None,
+            exit_noted: false,
+            stderr_tail: tail,
+            readers,
+        })
+    }
 }
 
 /// `exit code 3`, `signal SIGSEGV (11), core dumped`, ...

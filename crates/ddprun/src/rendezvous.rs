@@ -13,9 +13,10 @@
 //!   the last round has left, so that nobody loses it while reading the job's outcome.
 
 use crate::cli::Config;
-use ddp_comm::store::{Store, StoreOptions, StoreServer, TcpStore, SECRET_ENV};
+use ddp_comm::env::{list_bounded, LIST_SHOWN, MAX_WORLD_SIZE};
+use ddp_comm::store::{ServerOptions, Store, StoreOptions, StoreServer, TcpStore, SECRET_ENV};
 use std::cell::RefCell;
-use std::net::IpAddr;
+use std::net::{IpAddr, TcpListener, ToSocketAddrs};
 use std::time::{Duration, Instant};
 
 /// Why a launcher stops waiting or running before its workers are done.
@@ -126,6 +127,36 @@ pub fn addresses(master_addr: &str) -> (String, String) {
     }
 }
 
+/// The address node 0's store listens on for a `--master-addr`: the address itself when it is
+/// one of this machine's (a name: the first of its addresses that is, unless they are all
+/// loopback ones, as a host name mapped to 127.0.1.1 is, which other nodes cannot reach),
+/// else every interface ([`addresses`]). `Err`: a name that does not resolve here, where the
+/// workers will need it.
+pub fn bind_address(master_addr: &str) -> Result<String, String> {
+    let (_, fallback) = addresses(master_addr);
+    if fallback != "0.0.0.0" && fallback != "::" {
+        return Ok(fallback); // loopback
+    }
+    let local = |ip: IpAddr| TcpListener::bind((ip, 0)).is_ok();
+    if let Ok(ip) = master_addr.parse::<IpAddr>() {
+        return Ok(if local(ip) { ip.to_string() } else { fallback });
+    }
+    let resolved: Vec<IpAddr> = (master_addr, 0)
+        .to_socket_addrs()
+        .map_err(|e| {
+            format!(
+                "--master-addr/--rdzv-endpoint host `{master_addr}` does not resolve on node 0 \
+                 ({e}); its workers, which reach the store there, could not start"
+            )
+        })?
+        .map(|a| a.ip())
+        .collect();
+    Ok(resolved
+        .into_iter()
+        .find(|&ip| !ip.is_loopback() && local(ip))
+        .map_or(fallback, |ip| ip.to_string()))
+}
+
 /// A launcher's connection to the rendezvous store (and, on node 0, the store itself).
 pub struct Rendezvous {
     // Declared before `server` so the client is closed before the server shuts down.
@@ -160,6 +191,7 @@ pub(crate) fn connect_store(
     interrupted: &mut dyn FnMut() -> Option<i32>,
 ) -> Result<TcpStore, Stop> {
     let deadline = Instant::now() + wait;
+    let mut pause = Duration::from_millis(200);
     loop {
         let remaining = deadline.saturating_duration_since(Instant::now());
         let opts = StoreOptions {
@@ -188,7 +220,14 @@ pub(crate) fn connect_store(
                          {wait:?} (--rdzv-timeout): {e}. {hint}"
                     )));
                 }
-                std::thread::sleep(Duration::from_millis(200).min(remaining));
+                let left = deadline.saturating_duration_since(Instant::now());
+                pause = pause.min(left);
+                eprintln!(
+                    "ddprun: the rendezvous store at {endpoint} ({hosted_by}) is not reachable \
+                     yet: {e}; retrying in {pause:.1?} ({left:.0?} left of --rdzv-timeout)"
+                );
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_secs(2));
             }
         }
     }
@@ -199,6 +238,12 @@ pub(crate) fn store_error(endpoint: &str, what: &str, e: impl std::fmt::Display)
 }
 
 impl Rendezvous {
+    /// Records that global rank `rank` of round `round` exited (`how`), for its peers still
+    /// waiting for it in the process group's rendezvous (see [`crate::agent::note_exit`]).
+    pub(crate) fn note_exit(&self, round: u32, rank: usize, how: &str) {
+        crate::agent::note_exit(&self.store, round, rank, how);
+    }
+
     /// Host the store (node 0) and connect to it, retrying until `cfg.rdzv_timeout`.
     /// `interrupted` is polled while waiting for the store to come up.
     pub fn start(
@@ -207,10 +252,16 @@ impl Rendezvous {
         interrupted: &mut dyn FnMut() -> Option<i32>,
     ) -> Result<Rendezvous, Stop> {
         let secret = std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty());
-        let (worker_addr, bind_addr) = addresses(&cfg.master_addr);
+        let (worker_addr, _) = addresses(&cfg.master_addr);
         let (server, port, connect_host) = if cfg.node_rank == 0 {
+            let bind_addr = bind_address(&cfg.master_addr).map_err(Stop::Error)?;
             let bind = join_host_port(&bind_addr, cfg.master_port);
-            let server = StoreServer::bind(&bind, secret.clone()).map_err(|e| {
+            let opts = ServerOptions {
+                secret: secret.clone(),
+                max_bytes: Some(cfg.store_max_bytes),
+                ..ServerOptions::default()
+            };
+            let server = StoreServer::bind_with(&bind, opts).map_err(|e| {
                 let msg = e.to_string();
                 let hint = if msg.to_lowercase().contains("in use") {
                     "; for a single-node job, --standalone or --master-port 0 picks a free port"
@@ -218,7 +269,7 @@ impl Rendezvous {
                     ""
                 };
                 Stop::Error(format!(
-                    "{msg} (node 0 hosts the rendezvous store at --master-addr {} --master-port                      {}){hint}",
+                    "{msg} (node 0 hosts the rendezvous store at --master-addr {} --master-port {}){hint}",
                     cfg.master_addr, cfg.master_port
                 ))
             })?;
@@ -337,6 +388,12 @@ impl Rendezvous {
             if nodes.iter().all(Option::is_some) {
                 let nodes: Vec<NodeInfo> = nodes.into_iter().map(Option::unwrap).collect();
                 let (rank_offset, world_size) = assign(&nodes, self.node_rank);
+                if world_size > MAX_WORLD_SIZE {
+                    return Err(Stop::Error(format!(
+                        "the nodes' workers add up to a world size of {world_size}, more than \
+                         ddp-rs supports (at most {MAX_WORLD_SIZE})"
+                    )));
+                }
                 return Ok(Round {
                     attempt,
                     rank_offset,
@@ -351,28 +408,30 @@ impl Rendezvous {
                 return Err(Stop::Signal(sig));
             }
             if Instant::now() >= deadline {
-                let missing: Vec<String> = nodes
+                let missing: Vec<usize> = nodes
                     .iter()
                     .enumerate()
                     .filter(|(_, n)| n.is_none())
-                    .map(|(r, _)| r.to_string())
+                    .map(|(r, _)| r)
                     .collect();
-                let joined: Vec<String> = nodes
-                    .iter()
-                    .flatten()
-                    .map(|n| format!("{} ({})", n.node_rank, n.host))
-                    .collect();
+                let joined = list_bounded(
+                    nodes
+                        .iter()
+                        .flatten()
+                        .map(|n| format!("{} ({})", n.node_rank, n.host)),
+                    LIST_SHOWN,
+                );
                 return Err(Stop::Error(format!(
                     "rendezvous timed out after {timeout:?} (--rdzv-timeout): node{} {} of \
                      --nnodes {} never arrived at the store {} (run id {}, attempt {attempt}); \
                      joined: {}. Start `ddprun --node-rank N` with the same --nnodes, \
                      --master-addr, --master-port and --run-id on the missing node(s).",
                     if missing.len() == 1 { "" } else { "s" },
-                    missing.join(", "),
+                    list_bounded(&missing, LIST_SHOWN),
                     self.nnodes,
                     self.endpoint,
                     self.run_id,
-                    joined.join(", ")
+                    joined
                 )));
             }
             std::thread::sleep(poll.min(deadline.saturating_duration_since(Instant::now())));

@@ -140,6 +140,7 @@ impl SpawnOptions {
             console: self.console,
             program,
             elastic: None,
+            store_max_bytes: ddp_comm::store::DEFAULT_MAX_BYTES,
         })
     }
 }

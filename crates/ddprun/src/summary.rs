@@ -44,8 +44,13 @@ pub struct SummaryContext<'a> {
     pub next: &'a str,
 }
 
-/// The full multi-line summary; `failures[0]` is the root cause.
-pub fn format_summary(ctx: &SummaryContext<'_>, failures: &[Failure]) -> String {
+/// The full multi-line summary; `failures[0]` is the root cause. Entries with a successful
+/// status are ranks that exited with status 0 before the failure (listed apart: a rank that
+/// returns while its peers still wait for it in a collective or the rendezvous makes them fail).
+pub fn format_summary(ctx: &SummaryContext<'_>, all: &[Failure]) -> String {
+    let (early, failed): (Vec<Failure>, Vec<Failure>) =
+        all.iter().cloned().partition(|f| f.status.success());
+    let failures = &failed[..];
     let mut s = String::new();
     let rule = "=".repeat(72);
     let _ = writeln!(s, "{rule}");
@@ -85,8 +90,25 @@ pub fn format_summary(ctx: &SummaryContext<'_>, failures: &[Failure]) -> String 
     }
     if failures.len() > 1 {
         let _ = writeln!(s, "Other failures (before the group was stopped):");
-        for f in &failures[1..] {
+        let shown = ddp_comm::env::LIST_SHOWN;
+        for f in failures[1..].iter().take(shown) {
             let _ = writeln!(s, "  {} at {}", f.one_line(), format_utc(f.at));
+        }
+        if failures.len() - 1 > shown {
+            let _ = writeln!(s, "  ... and {} more", failures.len() - 1 - shown);
+        }
+    }
+    if !early.is_empty() {
+        let _ = writeln!(
+            s,
+            "Exited with status 0 before that (ranks still waiting for them fail):"
+        );
+        let shown = ddp_comm::env::LIST_SHOWN;
+        for f in early.iter().take(shown) {
+            let _ = writeln!(s, "  {} at {}", f.one_line(), format_utc(f.at));
+        }
+        if early.len() > shown {
+            let _ = writeln!(s, "  ... and {} more", early.len() - shown);
         }
     }
     if !ctx.next.is_empty() {

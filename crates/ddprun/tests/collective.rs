@@ -72,6 +72,45 @@ fn allreduce_after_restart() {
     assert_eq!(attempt1.len(), 3, "all ranks succeed on attempt 1: {r}");
 }
 
+/// A rank that exits with status 0 before joining the group (a worker that returns early) makes
+/// its peers fail at once, naming it and its exit, instead of after the rendezvous timeout (120 s
+/// here); the summary names it beside the root cause.
+#[test]
+fn a_rank_that_exits_0_before_joining_fails_its_peers_at_once() {
+    let start = std::time::Instant::now();
+    let r = run(
+        &[
+            "--nproc-per-node",
+            "3",
+            "--master-port",
+            "0",
+            CHECK,
+            "--exit-rank",
+            "1",
+            "--timeout",
+            "120",
+        ],
+        Duration::from_secs(100),
+    );
+    assert_eq!(r.code(), Some(1), "{r}");
+    assert!(
+        r.stderr
+            .contains("rank 1 exited (exit code 0) without joining the rendezvous"),
+        "{r}"
+    );
+    assert!(
+        r.stderr.contains("Exited with status 0 before that")
+            && r.stderr.contains("  rank 1 (local rank 1 on node 0"),
+        "{r}"
+    );
+    // Far below the 120 s rendezvous timeout the peers would otherwise wait.
+    assert!(
+        start.elapsed() < Duration::from_secs(60),
+        "{:?}",
+        start.elapsed()
+    );
+}
+
 #[test]
 fn allreduce_under_mpirun() {
     if !have("mpirun") {

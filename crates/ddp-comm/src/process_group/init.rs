@@ -317,6 +317,14 @@ fn rendezvous(opts: &InitOptions, secret: Option<String>) -> Result<Rendezvous> 
     })
 }
 
+/// The store key where a launcher records that the worker of global rank `rank`, started for
+/// restart attempt `restart`, exited (the value says how, e.g. `exit code 0`): ranks still
+/// waiting for it to join the default group's rendezvous then fail at once, naming it, instead
+/// of waiting for the timeout. `ddprun` writes it.
+pub fn exited_key(restart: u32, rank: usize) -> String {
+    format!("attempt{restart}/default/members/{rank}/exited")
+}
+
 /// First rendezvous step: every rank claims its rank, announces itself with its world size and
 /// waits for all others, so that a rank given to two processes (the second to claim it fails,
 /// naming both, as on shared memory), a missing rank or a world-size disagreement is reported
@@ -335,6 +343,7 @@ pub(super) fn check_membership(
     claim_rank(store, rank, size)?;
     store.set(&format!("members/{rank}"), size.to_string().as_bytes())?;
     let deadline = Instant::now() + timeout;
+    let mut next_exit_check = Instant::now();
     let mut missing: Vec<usize> = (0..size).filter(|&r| r != rank).collect();
     let fail = |msg: String| -> Result<()> {
         store.add(SEEN, 1)?;
@@ -354,10 +363,25 @@ pub(super) fn check_membership(
             let msg = store.get(MISMATCH)?;
             return fail(String::from_utf8_lossy(&msg).into_owned());
         }
+        // A launcher records a worker that exited before the others finished: waiting for it
+        // to join would only run into the timeout (checked every 50 ms, not every poll).
+        let look_for_exits = Instant::now() >= next_exit_check;
+        if look_for_exits {
+            next_exit_check = Instant::now() + Duration::from_millis(50);
+        }
         let mut still = Vec::new();
         for &r in &missing {
             let key = format!("members/{r}");
             if !store.check(&key)? {
+                let exited = format!("members/{r}/exited");
+                if look_for_exits && store.check(&exited)? {
+                    let how = String::from_utf8_lossy(&store.get(&exited)?).into_owned();
+                    return Err(Error::Config(format!(
+                        "rank {r} exited ({how}) without joining the rendezvous, so the group \
+                         of world size {size} cannot form (this is rank {rank}): it returned or \
+                         failed before calling init_process_group"
+                    )));
+                }
                 still.push(r);
                 continue;
             }
@@ -377,7 +401,8 @@ pub(super) fn check_membership(
         if Instant::now() >= deadline {
             return Err(Error::Timeout {
                 what: format!(
-                    "rank(s) {missing:?} to join the rendezvous (world size {size}; this is rank {rank})"
+                    "rank(s) [{}] to join the rendezvous (world size {size}; this is rank {rank})",
+                    crate::env::list_bounded(&missing, crate::env::LIST_SHOWN)
                 ),
                 timeout,
             });

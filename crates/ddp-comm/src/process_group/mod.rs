@@ -22,7 +22,7 @@ mod init;
 pub use crate::backend::{Backend, Topology};
 pub use chain::Chain;
 pub use collectives::Placement;
-pub use init::{init_process_group, InitOptions, DEFAULT_TIMEOUT, SOCKET_IFNAME_ENV};
+pub use init::{exited_key, init_process_group, InitOptions, DEFAULT_TIMEOUT, SOCKET_IFNAME_ENV};
 
 use crate::backend::{select, BackendPlan, CollectiveBackend};
 use crate::dtype::{DType, ReduceOp};

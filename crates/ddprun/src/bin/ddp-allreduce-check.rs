@@ -11,7 +11,8 @@
 //!
 //! Options (for tests of restarts): `--elements N` (default 4096), `--timeout SECS` (default
 //! 60), `--fail-rank R --fail-attempt K`: rank R exits with status 1 after one successful
-//! all-reduce when `TORCHELASTIC_RESTART_COUNT` is K.
+//! all-reduce when `TORCHELASTIC_RESTART_COUNT` is K; `--exit-rank R`: rank R exits with status
+//! 0 at once, without joining the group (a worker that returns early).
 
 use ddp_comm::env::EnvConfig;
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
@@ -26,6 +27,7 @@ struct Opts {
     timeout: Duration,
     fail_rank: Option<usize>,
     fail_attempt: u32,
+    exit_rank: Option<usize>,
 }
 
 fn parse_opts() -> Result<Opts, String> {
@@ -34,6 +36,7 @@ fn parse_opts() -> Result<Opts, String> {
         timeout: Duration::from_secs(60),
         fail_rank: None,
         fail_attempt: 0,
+        exit_rank: None,
     };
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
@@ -63,10 +66,14 @@ fn parse_opts() -> Result<Opts, String> {
                 o.fail_attempt =
                     num("--fail-attempt", value("--fail-attempt")?, u32::MAX as u64)? as u32
             }
+            "--exit-rank" => {
+                o.exit_rank =
+                    Some(num("--exit-rank", value("--exit-rank")?, u32::MAX as u64)? as usize)
+            }
             "-h" | "--help" => {
                 println!(
                     "usage: ddp-allreduce-check [--elements N] [--timeout SECS] \
-                     [--fail-rank R --fail-attempt K]"
+                     [--fail-rank R --fail-attempt K] [--exit-rank R]"
                 );
                 std::process::exit(0);
             }
@@ -78,6 +85,13 @@ fn parse_opts() -> Result<Opts, String> {
 
 fn run(o: &Opts) -> Result<String, String> {
     let env = EnvConfig::from_env().map_err(|e| e.to_string())?;
+    if o.exit_rank == Some(env.rank) {
+        eprintln!(
+            "ddp-allreduce-check: rank {}: exiting with status 0 without joining (--exit-rank)",
+            env.rank
+        );
+        std::process::exit(0);
+    }
     let start = Instant::now();
     let pg = init_process_group(InitOptions {
         timeout: o.timeout,

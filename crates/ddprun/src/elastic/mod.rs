@@ -127,7 +127,15 @@ fn run_round(
         Ok(Some(end)) => Some(end_stop(&r, end)),
         Err(stop) => Some(stop),
     };
-    let outcome = supervise(cfg, &launch, host, house.guard.as_ref(), &mut poll);
+    let mut note = |rank: usize, how: &str| rdzv.note_exit(r.round, rank, how);
+    let outcome = supervise(
+        cfg,
+        &launch,
+        host,
+        house.guard.as_ref(),
+        &mut poll,
+        &mut note,
+    );
     house.sweep();
     match outcome {
         Outcome::Success => {
@@ -234,7 +242,7 @@ fn wait_for_members(cfg: &Config, rdzv: &ElasticRdzv, r: &Round) -> Result<(), S
         if !announced {
             eprintln!(
                 "ddprun: this node's workers finished; waiting for node(s) {}",
-                missing.join(", ")
+                ddp_comm::env::list_bounded(&missing, ddp_comm::env::LIST_SHOWN)
             );
             announced = true;
         }

@@ -203,10 +203,15 @@ pub struct ElasticRdzv {
 
 /// Try to serve the store on the endpoint's own address: succeeds on the endpoint's host for the
 /// first launcher there; elsewhere the address is not local, or the port is taken.
-fn try_host(addr: &str, port: u16, secret: Option<String>) -> Option<StoreServer> {
+fn try_host(addr: &str, port: u16, secret: Option<String>, max_bytes: u64) -> Option<StoreServer> {
     let addrs = (addr, port).to_socket_addrs().ok()?;
     for a in addrs {
-        if let Ok(s) = StoreServer::bind(&a.to_string(), secret.clone()) {
+        let opts = ddp_comm::store::ServerOptions {
+            secret: secret.clone(),
+            max_bytes: Some(max_bytes),
+            ..Default::default()
+        };
+        if let Ok(s) = StoreServer::bind_with(&a.to_string(), opts) {
             return Some(s);
         }
     }
@@ -214,6 +219,12 @@ fn try_host(addr: &str, port: u16, secret: Option<String>) -> Option<StoreServer
 }
 
 impl ElasticRdzv {
+    /// Records that global rank `rank` of round `round` exited (`how`), for its peers still
+    /// waiting for it in the process group's rendezvous (see [`crate::agent::note_exit`]).
+    pub(crate) fn note_exit(&self, round: u32, rank: usize, how: &str) {
+        crate::agent::note_exit(&self.store, round, rank, how);
+    }
+
     /// Serve the store if this launcher is the first on the endpoint's host, connect to it,
     /// take a node id and start beating.
     pub fn start(
@@ -224,7 +235,7 @@ impl ElasticRdzv {
     ) -> Result<ElasticRdzv, Stop> {
         let secret = std::env::var(SECRET_ENV).ok().filter(|s| !s.is_empty());
         let (addr, _) = addresses(&cfg.master_addr);
-        let server = try_host(&addr, cfg.master_port, secret.clone());
+        let server = try_host(&addr, cfg.master_port, secret.clone(), cfg.store_max_bytes);
         let endpoint = join_host_port(&addr, cfg.master_port);
         // Operations are answered at once; a store that stops answering (its host hung) is
         // noticed within the heartbeat timeout plus a few seconds.
@@ -648,7 +659,10 @@ impl ElasticRdzv {
     }
 
     fn too_few(&self, round: u32, joined: &[Member], prev: Option<Closed>) -> Stop {
-        let names: Vec<String> = joined.iter().map(Member::describe).collect();
+        let names = ddp_comm::env::list_bounded(
+            joined.iter().map(Member::describe),
+            ddp_comm::env::LIST_SHOWN,
+        );
         let mut lost = Vec::new();
         for id in prev.map(|c| c.members).unwrap_or_default() {
             if let Ok(Some(why)) = self.dead(id) {
@@ -662,14 +676,21 @@ impl ElasticRdzv {
              joined ({}), fewer than the minimum {} of --nnodes {}:{}{}",
             self.rdzv_timeout,
             joined.len(),
-            names.join(", "),
+            names,
             self.conf.min_nodes,
             self.conf.min_nodes,
             self.conf.max_nodes,
             if lost.is_empty() {
                 String::new()
             } else {
-                format!("; lost since the round before: {}", lost.join("; "))
+                let more = lost.len().saturating_sub(ddp_comm::env::LIST_SHOWN);
+                lost.truncate(ddp_comm::env::LIST_SHOWN);
+                let more = if more > 0 {
+                    format!("; and {more} more")
+                } else {
+                    String::new()
+                };
+                format!("; lost since the round before: {}{more}", lost.join("; "))
             }
         ))
     }

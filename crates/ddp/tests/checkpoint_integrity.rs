@@ -399,10 +399,14 @@ fn unwritable_checkpoint_directory_is_found_before_training() {
         .unwrap_err()
         .to_string();
     assert!(e.contains("not writable"), "{e}");
-    // A writable one is created, and the probe leaves nothing behind.
+    // A writable one is created, and the probe leaves nothing behind but the directory's lock.
     let fresh = dir.path().join("new/ckpt");
     ensure_writable(&fresh).unwrap();
-    assert_eq!(fs::read_dir(&fresh).unwrap().count(), 0);
+    let left: Vec<_> = fs::read_dir(&fresh)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(left, [ddp::checkpoint::LOCK_FILE]);
 }
 
 #[test]
@@ -430,6 +434,7 @@ fn temporary_files_of_interrupted_saves_are_removed_at_start() {
         left,
         [
             ".checkpoint.safetensors.tmpfoo",
+            ddp::checkpoint::LOCK_FILE,
             "checkpoint.safetensors",
             "notes.txt"
         ]

@@ -619,15 +619,6 @@ fn stop_workers(workers: &mut [Worker], rx: &Receiver<ExitEvent>, sig: i32, grac
     }
 }
 
-/// Records in `store` that global rank `rank` of rendezvous round `round` exited (`how`): a
-/// peer still waiting for it to join the process group fails at once, naming it, instead of
-/// running into the timeout (`ddp_comm::process_group::exited_key`). Best effort: a store that
-/// cannot be reached only loses the shortcut.
-pub(crate) fn note_exit(store: &dyn ddp_comm::store::Store, round: u32, rank: usize, how: &str) {
-    let key = ddp_comm::process_group::exited_key(round, rank);
-    let _ = store.set(&key, how.as_bytes());
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -34,7 +34,7 @@ pub struct Worker {
     pub started: SystemTime,
     /// Set once the waiter thread has reaped the process.
     pub exit: Option<(ExitStatus, SystemTime)>,
-    /// Whether its exit was recorded for the rendezvous (`agent::note_exit`).
+    /// Whether its exit was recorded for the rendezvous (`rendezvous::note_exit`).
     pub exit_noted: bool,
     /// Last lines of its stderr.
     pub stderr_tail: Arc<Mutex<Tail>>,

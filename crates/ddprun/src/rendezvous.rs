@@ -239,9 +239,9 @@ pub(crate) fn store_error(endpoint: &str, what: &str, e: impl std::fmt::Display)
 
 impl Rendezvous {
     /// Records that global rank `rank` of round `round` exited (`how`), for its peers still
-    /// waiting for it in the process group's rendezvous (see [`crate::agent::note_exit`]).
+    /// waiting for it in the process group's rendezvous (see [`note_exit`]).
     pub(crate) fn note_exit(&self, round: u32, rank: usize, how: &str) {
-        crate::agent::note_exit(&self.store, round, rank, how);
+        note_exit(&self.store, round, rank, how);
     }
 
     /// Host the store (node 0) and connect to it, retrying until `cfg.rdzv_timeout`.
@@ -552,6 +552,15 @@ impl Rendezvous {
             }
         }
     }
+}
+
+/// Records in `store` that global rank `rank` of rendezvous round `round` exited (`how`): a
+/// peer still waiting for it to join the process group fails at once, naming it, instead of
+/// running into the timeout (`ddp_comm::process_group::exited_key`). Best effort: a store that
+/// cannot be reached only loses the shortcut.
+pub(crate) fn note_exit(store: &dyn ddp_comm::store::Store, round: u32, rank: usize, how: &str) {
+    let key = ddp_comm::process_group::exited_key(round, rank);
+    let _ = store.set(&key, how.as_bytes());
 }
 
 #[cfg(test)]

@@ -220,9 +220,9 @@ fn try_host(addr: &str, port: u16, secret: Option<String>, max_bytes: u64) -> Op
 
 impl ElasticRdzv {
     /// Records that global rank `rank` of round `round` exited (`how`), for its peers still
-    /// waiting for it in the process group's rendezvous (see [`crate::agent::note_exit`]).
+    /// waiting for it in the process group's rendezvous (see [`crate::rendezvous::note_exit`]).
     pub(crate) fn note_exit(&self, round: u32, rank: usize, how: &str) {
-        crate::agent::note_exit(&self.store, round, rank, how);
+        crate::rendezvous::note_exit(&self.store, round, rank, how);
     }
 
     /// Serve the store if this launcher is the first on the endpoint's host, connect to it,

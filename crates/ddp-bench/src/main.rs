@@ -11,8 +11,6 @@
 
 mod launch;
 mod sweep;
-#[cfg(feature = "nccl")]
-mod sweep_cuda;
 mod trace_cost;
 mod train;
 mod train_burn;

@@ -3,7 +3,7 @@
 //! counts the elements differing from the exact expected result.
 //!
 //! The buffers live where the [`Target`] keeps them: host memory (`--backend tcp|shm|auto`) or,
-//! with feature `nccl`, device memory reduced by NCCL (`--backend nccl`, module `sweep_cuda`).
+//! with feature `nccl`, device memory reduced by NCCL (`--backend nccl`, submodule `cuda`).
 //! Each timed iteration ends when the collective has finished on the device.
 //!
 //! `algbw = bytes / time`; `busbw = algbw * factor` with nccl-tests' factors: all_reduce
@@ -13,6 +13,9 @@ use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
 use std::time::Instant;
 
 use crate::SweepArgs;
+
+#[cfg(feature = "nccl")]
+mod cuda;
 
 /// The collective being measured.
 #[derive(Clone, Copy, Debug)]
@@ -192,7 +195,7 @@ pub fn run(op: Op, args: &SweepArgs) -> Result<(), Box<dyn std::error::Error>> {
 
 #[cfg(feature = "nccl")]
 fn run_nccl(op: Op, args: &SweepArgs, pg: ProcessGroup) -> Result<(), Box<dyn std::error::Error>> {
-    let mut dev = crate::sweep_cuda::Device::new(pg)?;
+    let mut dev = cuda::Device::new(pg)?;
     sweep(op, args, &mut dev)
 }
 

@@ -4,7 +4,7 @@
 //! operation of the group (a broken group stays broken), and each of them must be able to say
 //! which peer, which collective and which sequence number failed.
 
-use crate::transport::Fingerprint;
+use crate::fingerprint::Fingerprint;
 use std::time::Duration;
 
 /// Result alias used throughout `ddp-comm`.

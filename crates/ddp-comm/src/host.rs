@@ -4,9 +4,12 @@
 //! hierarchical; the hierarchical transport uses it to find each host's ranks and leader.
 
 use crate::store::Store;
-use crate::transport::shm::SHM_DIR;
 use crate::{Error, Result};
 use std::time::Duration;
+
+/// Directory of POSIX shared memory: part of this host's identity ([`host_id`]), and where the
+/// shared-memory transport keeps its segments (plain files there).
+pub(crate) const SHM_DIR: &str = "/dev/shm";
 
 /// This host's identity for backend selection: hostname, boot id, and the device and inode of
 /// `/dev/shm` (containers on one machine with separate `/dev/shm` mounts differ).

@@ -12,7 +12,11 @@
 //! - [`backend`]: the [`backend::CollectiveBackend`] trait (TCP, shared memory, hierarchical),
 //!   the one selection function, requested [`Backend`] and resolved [`Topology`].
 //! - [`transport`]: the [`transport::Transport`] trait; TCP, shared memory, hierarchical (hosts).
+//! - [`fingerprint`]: what a collective is ([`fingerprint::Fingerprint`]: op, dtype, count,
+//!   root, sequence number), carried by every message and named by every error.
 //! - [`algorithms`]: one file per collective algorithm (ring, recursive doubling, trees, ...).
+//! - [`placement`]: the caller's side of an all-gather whose result it places
+//!   ([`placement::Place`]), shared by the backends and the shared-memory algorithm.
 //! - [`process_group`]: init, groups, subgroups, the engine thread and the public collective API.
 //! - [`work`]: async work handles.
 //! - [`observe`]: the hook through which timelines and profilers see each collective.
@@ -30,10 +34,12 @@ pub mod device;
 pub mod dtype;
 pub mod env;
 pub mod error;
+pub mod fingerprint;
 #[doc(hidden)]
 pub mod fuzzing;
 pub mod host;
 pub mod observe;
+pub mod placement;
 pub mod process_group;
 pub mod store;
 pub mod testing;

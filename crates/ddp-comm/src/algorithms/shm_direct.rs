@@ -59,8 +59,8 @@
 //! against 64-250 ms, medians; below 512 KiB it was slower).
 
 use super::segment;
-use crate::backend::{placed_range, Place};
 use crate::dtype::{DType, Element, ReduceOp};
+use crate::placement::{placed_range, Place};
 use crate::transport::shm::{Counter, Geometry, ShmTransport};
 use crate::transport::Transport;
 use crate::Result;

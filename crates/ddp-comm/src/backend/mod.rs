@@ -31,6 +31,7 @@ pub mod mpi;
 mod shm;
 mod tcp;
 
+pub use crate::placement::{place_from, Place};
 pub use buffer::{HostBuf, HostSlice};
 pub use hierarchical::HierarchicalBackend;
 #[cfg(feature = "mpi")]
@@ -52,35 +53,6 @@ use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// The caller's side of [`CollectiveBackend::all_gather_in_place_to`]: given `read(offset,
-/// dst)`, it reads the ranges of the gathered buffer it wants into its own memory.
-pub type Place<'a> =
-    &'a mut (dyn FnMut(&mut dyn FnMut(usize, &mut [u8]) -> Result<()>) -> Result<()> + Send);
-
-/// [`CollectiveBackend::all_gather_in_place_to`]'s reads out of the gathered buffer `bytes`
-/// (elements of `esz` bytes); a range outside it is an error naming it.
-pub fn place_from(bytes: &[u8], esz: usize, place: Place<'_>) -> Result<()> {
-    place(&mut |offset, dst| {
-        let start = placed_range(offset, dst.len(), bytes.len(), esz)?;
-        dst.copy_from_slice(&bytes[start..start + dst.len()]);
-        Ok(())
-    })
-}
-
-/// The first byte of a `read(offset, dst)` of `n` bytes out of a gathered buffer of `len`
-/// bytes (elements of `esz`), or the error naming a range outside it or not whole elements.
-pub(crate) fn placed_range(offset: usize, n: usize, len: usize, esz: usize) -> Result<usize> {
-    let start = offset * esz;
-    if start + n > len || !n.is_multiple_of(esz) {
-        return Err(Error::InvalidArgument(format!(
-            "all_gather_in_place_to: {n} bytes at element {offset} asked of a gathered buffer \
-             of {} elements",
-            len / esz
-        )));
-    }
-    Ok(start)
-}
 
 /// Which backend the user asked for ([`crate::InitOptions::backend`], env `DDP_BACKEND`).
 /// What a group then uses is its [`Topology`].

@@ -2,7 +2,8 @@
 //! [`Transport`] trait only, so a new transport needs no algorithm change. Which collective runs
 //! on which transport is the business of the backends above ([`crate::backend`]).
 //!
-//! Every message carries the [`Fingerprint`] of the collective that sent it; the receiving side
+//! Every message carries the [`Fingerprint`] of the collective that sent it (defined in the leaf
+//! [`crate::fingerprint`], re-exported here with [`OpKind`]); the receiving side
 //! compares it with its own and fails with [`Error::Mismatch`](crate::Error::Mismatch) (naming
 //! both sides) instead of reading data that belongs to another collective. A transport that fails
 //! tells the other ranks (an abort frame, or closing its connections) so no survivor hangs.
@@ -22,106 +23,11 @@ pub mod stall;
 pub mod subset;
 pub mod tcp;
 
-use crate::dtype::{DType, ReduceOp};
+pub(crate) use crate::fingerprint::NO_REDUCE;
+pub use crate::fingerprint::{Fingerprint, OpKind};
+
 use crate::Result;
-use std::fmt;
 use std::time::Instant;
-
-/// The kind of operation a message belongs to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum OpKind {
-    AllReduce = 0,
-    Broadcast,
-    Reduce,
-    AllGather,
-    ReduceScatter,
-    Gather,
-    Scatter,
-    AllToAll,
-    Barrier,
-    SendRecv,
-    Rendezvous,
-    /// [`crate::ProcessGroup::all_gather_in_place_to`]: an all-gather whose caller places the
-    /// result. On shared memory it runs another protocol than [`OpKind::AllGather`] (each rank
-    /// reads the peers' buffers), so it has its own code: a rank calling one while a peer calls
-    /// the other gets a mismatch naming both, not a wait until the timeout.
-    AllGatherPlaced,
-}
-
-impl OpKind {
-    pub(crate) fn from_code(code: u8) -> Option<OpKind> {
-        use OpKind::*;
-        [
-            AllReduce,
-            Broadcast,
-            Reduce,
-            AllGather,
-            ReduceScatter,
-            Gather,
-            Scatter,
-            AllToAll,
-            Barrier,
-            SendRecv,
-            Rendezvous,
-            AllGatherPlaced,
-        ]
-        .get(code as usize)
-        .copied()
-    }
-
-    /// The name users know (`all_reduce`, `broadcast`, ...).
-    pub fn name(self) -> &'static str {
-        use OpKind::*;
-        match self {
-            AllReduce => "all_reduce",
-            Broadcast => "broadcast",
-            Reduce => "reduce",
-            AllGather => "all_gather",
-            ReduceScatter => "reduce_scatter",
-            Gather => "gather",
-            Scatter => "scatter",
-            AllToAll => "all_to_all",
-            Barrier => "barrier",
-            SendRecv => "send/recv",
-            Rendezvous => "rendezvous",
-            AllGatherPlaced => "all_gather_in_place_to",
-        }
-    }
-}
-
-/// What a collective is: every rank of a group must issue the same fingerprints in the same order.
-/// Displays as `all_reduce(sum, f32 x 1024)` (the sequence number is reported separately).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Fingerprint {
-    /// Sequence number within the group (for send/recv: within the pair of ranks).
-    pub seq: u64,
-    pub op: OpKind,
-    pub dtype: DType,
-    pub reduce: Option<ReduceOp>,
-    /// Element count of the per-rank buffer the caller passed.
-    pub count: u64,
-    /// Root rank for rooted collectives, `u32::MAX` otherwise.
-    pub root: u32,
-}
-
-impl Fingerprint {
-    pub const NO_ROOT: u32 = u32::MAX;
-}
-
-impl fmt::Display for Fingerprint {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}(", self.op.name())?;
-        if let Some(r) = self.reduce {
-            write!(f, "{r}, ")?;
-        }
-        write!(f, "{} x {}", self.dtype, self.count)?;
-        if self.root != Self::NO_ROOT {
-            write!(f, ", root {}", self.root)?;
-        }
-        write!(f, ")")
-    }
-}
 
 /// Every message of every transport starts with this 40-byte header:
 ///
@@ -132,8 +38,6 @@ impl fmt::Display for Fingerprint {
 ///
 /// Each transport has its own `magic`; `kind` is transport-specific (TCP: data or abort).
 pub(crate) const HEADER_LEN: usize = 40;
-/// `reduce` byte of a fingerprint without a reduction op.
-pub(crate) const NO_REDUCE: u8 = 0xFF;
 
 /// A decoded message header.
 pub(crate) struct Header {
@@ -169,31 +73,6 @@ pub(crate) fn decode_header(magic: u32, h: &[u8; HEADER_LEN]) -> Option<Header> 
         fp: Fingerprint::from_codes(u64_at(12), u64_at(20), h[5], h[6], h[7], u32_at(8)),
         len: u64_at(28),
     })
-}
-
-impl Fingerprint {
-    /// Rebuild a fingerprint from its wire codes; `None` for unknown codes.
-    pub(crate) fn from_codes(
-        seq: u64,
-        count: u64,
-        op: u8,
-        dtype: u8,
-        reduce: u8,
-        root: u32,
-    ) -> Option<Fingerprint> {
-        Some(Fingerprint {
-            seq,
-            op: OpKind::from_code(op)?,
-            dtype: DType::from_code(dtype)?,
-            reduce: if reduce == NO_REDUCE {
-                None
-            } else {
-                Some(ReduceOp::from_code(reduce)?)
-            },
-            count,
-            root,
-        })
-    }
 }
 
 /// One receive of a [`Transport::exchange`].

@@ -4,6 +4,10 @@
 //!   `f16`, `bf16`, `i32`, `i64`, `u8`), with typed views ([`HostBuffer::as_slice`]) that check the
 //!   dtype tag instead of downcasting; [`HostSlice`] is the borrowed form (a gradient handed over
 //!   by a framework adapter, an averaged gradient read back).
+//! - [`DeviceSlice`]: the borrowed device counterpart of [`HostSlice`] (a gradient in device
+//!   memory; closed variants: `Cpu`, and `Cuda` (`CudaView`) with the cargo feature `cuda`).
+//!   It lives here, beside the trait that takes it; the device path it serves is described in
+//!   [`device`](super::device), which re-exports it.
 //! - [`DeviceBucket`]: what a bucket living in device memory implements (a GPU/NCCL bucket is an
 //!   addition: a type implementing this trait, allocated through
 //!   [`Reducer::with_buffers`](super::Reducer::with_buffers)).
@@ -16,9 +20,9 @@
 //! - [`BucketWork`]: a bucket whose reduction is in flight (what a comm hook returns, like the
 //!   `Future` of PyTorch's hooks), with [`then`](BucketWork::then) to chain a step after it.
 
-use super::device::DeviceSlice;
 use ddp_comm::{DType, Element, ProcessGroup, ReduceOp, Work};
 use half::{bf16, f16};
+use std::marker::PhantomData;
 
 /// Expands `$body` once per host dtype with `$v` bound to the typed payload of `$value` (an
 /// expression of type `$Enum`, `&$Enum` or `&mut $Enum`).
@@ -299,6 +303,98 @@ impl<'a> HostSlice<'a> {
     /// An owned copy.
     pub fn to_buffer(&self) -> HostBuffer {
         each_host!(HostSlice, self, |v| HostBuffer::from(v.to_vec()))
+    }
+}
+
+/// A borrowed, flat range of device memory of one of the collective dtypes.
+#[derive(Debug)]
+pub enum DeviceSlice<'a> {
+    /// Host memory standing in for a device (what [`CpuBucket`](super::CpuBucket) takes).
+    Cpu(HostSlice<'a>),
+    /// CUDA device memory (a view into a cudarc `CudaSlice`).
+    #[cfg(feature = "cuda")]
+    Cuda(CudaView<'a>),
+    #[doc(hidden)]
+    _Lifetime(PhantomData<&'a ()>, std::convert::Infallible),
+}
+
+/// A view of CUDA device memory, one variant per float dtype a gradient can have.
+#[cfg(feature = "cuda")]
+#[derive(Debug)]
+pub enum CudaView<'a> {
+    F32(cudarc::driver::CudaView<'a, f32>),
+    F64(cudarc::driver::CudaView<'a, f64>),
+    F16(cudarc::driver::CudaView<'a, half::f16>),
+    BF16(cudarc::driver::CudaView<'a, half::bf16>),
+}
+
+#[cfg(feature = "cuda")]
+impl CudaView<'_> {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            CudaView::F32(_) => DType::F32,
+            CudaView::F64(_) => DType::F64,
+            CudaView::F16(_) => DType::F16,
+            CudaView::BF16(_) => DType::BF16,
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            CudaView::F32(v) => v.len(),
+            CudaView::F64(v) => v.len(),
+            CudaView::F16(v) => v.len(),
+            CudaView::BF16(v) => v.len(),
+        }
+    }
+
+    /// Whether the view has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl DeviceSlice<'_> {
+    /// The element type.
+    pub fn dtype(&self) -> DType {
+        match self {
+            DeviceSlice::Cpu(s) => s.dtype(),
+            #[cfg(feature = "cuda")]
+            DeviceSlice::Cuda(v) => v.dtype(),
+            DeviceSlice::_Lifetime(_, never) => match *never {},
+        }
+    }
+
+    /// Number of elements.
+    pub fn len(&self) -> usize {
+        match self {
+            DeviceSlice::Cpu(s) => s.len(),
+            #[cfg(feature = "cuda")]
+            DeviceSlice::Cuda(v) => v.len(),
+            DeviceSlice::_Lifetime(_, never) => match *never {},
+        }
+    }
+
+    /// Whether the slice has no elements.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Where the memory is, for error messages: "a cpu f32 gradient of 12 elements".
+    pub fn describe(&self) -> String {
+        let place = match self {
+            DeviceSlice::Cpu(_) => "cpu",
+            #[cfg(feature = "cuda")]
+            DeviceSlice::Cuda(_) => "cuda",
+            DeviceSlice::_Lifetime(_, never) => match *never {},
+        };
+        format!(
+            "a {place} {} gradient of {} elements",
+            self.dtype(),
+            self.len()
+        )
     }
 }
 

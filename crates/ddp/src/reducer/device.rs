@@ -1,5 +1,6 @@
 //! Gradients in device memory: [`DeviceSlice`], the borrowed device counterpart of
-//! [`HostSlice`], and [`CpuBucket`], the CPU implementation of [`DeviceBucket`].
+//! [`HostSlice`] (defined in [`buffer`](super::buffer) beside the [`DeviceBucket`] trait that
+//! takes it, re-exported here), and [`CpuBucket`], the CPU implementation of [`DeviceBucket`].
 //!
 //! A framework adapter whose gradients live on a device hands them to the reducer as
 //! `DeviceSlice`s ([`Reducer::mark_ready_device`](super::Reducer::mark_ready_device)); the
@@ -19,101 +20,11 @@
 //! `cuda`, `Cuda` (cudarc device views, the memory candle's CUDA tensors and
 //! `ddp_comm::cuda::CudaGroup` share).
 
+#[cfg(feature = "cuda")]
+pub use super::buffer::CudaView;
+pub use super::buffer::DeviceSlice;
 use super::buffer::{BucketBuffer, BucketWork, DeviceBucket, HostBuffer, HostSlice};
 use ddp_comm::{DType, ProcessGroup, ReduceOp};
-use std::marker::PhantomData;
-
-/// A borrowed, flat range of device memory of one of the collective dtypes.
-#[derive(Debug)]
-pub enum DeviceSlice<'a> {
-    /// Host memory standing in for a device (what [`CpuBucket`] takes).
-    Cpu(HostSlice<'a>),
-    /// CUDA device memory (a view into a cudarc `CudaSlice`).
-    #[cfg(feature = "cuda")]
-    Cuda(CudaView<'a>),
-    #[doc(hidden)]
-    _Lifetime(PhantomData<&'a ()>, std::convert::Infallible),
-}
-
-/// A view of CUDA device memory, one variant per float dtype a gradient can have.
-#[cfg(feature = "cuda")]
-#[derive(Debug)]
-pub enum CudaView<'a> {
-    F32(cudarc::driver::CudaView<'a, f32>),
-    F64(cudarc::driver::CudaView<'a, f64>),
-    F16(cudarc::driver::CudaView<'a, half::f16>),
-    BF16(cudarc::driver::CudaView<'a, half::bf16>),
-}
-
-#[cfg(feature = "cuda")]
-impl CudaView<'_> {
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            CudaView::F32(_) => DType::F32,
-            CudaView::F64(_) => DType::F64,
-            CudaView::F16(_) => DType::F16,
-            CudaView::BF16(_) => DType::BF16,
-        }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            CudaView::F32(v) => v.len(),
-            CudaView::F64(v) => v.len(),
-            CudaView::F16(v) => v.len(),
-            CudaView::BF16(v) => v.len(),
-        }
-    }
-
-    /// Whether the view has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-}
-
-impl DeviceSlice<'_> {
-    /// The element type.
-    pub fn dtype(&self) -> DType {
-        match self {
-            DeviceSlice::Cpu(s) => s.dtype(),
-            #[cfg(feature = "cuda")]
-            DeviceSlice::Cuda(v) => v.dtype(),
-            DeviceSlice::_Lifetime(_, never) => match *never {},
-        }
-    }
-
-    /// Number of elements.
-    pub fn len(&self) -> usize {
-        match self {
-            DeviceSlice::Cpu(s) => s.len(),
-            #[cfg(feature = "cuda")]
-            DeviceSlice::Cuda(v) => v.len(),
-            DeviceSlice::_Lifetime(_, never) => match *never {},
-        }
-    }
-
-    /// Whether the slice has no elements.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-
-    /// Where the memory is, for error messages: "a cpu f32 gradient of 12 elements".
-    pub fn describe(&self) -> String {
-        let place = match self {
-            DeviceSlice::Cpu(_) => "cpu",
-            #[cfg(feature = "cuda")]
-            DeviceSlice::Cuda(_) => "cuda",
-            DeviceSlice::_Lifetime(_, never) => match *never {},
-        };
-        format!(
-            "a {place} {} gradient of {} elements",
-            self.dtype(),
-            self.len()
-        )
-    }
-}
 
 /// The CPU implementation of [`DeviceBucket`]: a host buffer behind the device-bucket trait,
 /// taking [`DeviceSlice::Cpu`] gradients and reducing over the process group's own

@@ -15,9 +15,9 @@
 //! - [`hook`]: how a full bucket is reduced ([`CommHook`], default [`AllReduceHook`];
 //!   [`Reducer::register_comm_hook`]).
 //! - [`state`]: the per-step state machine ([`Reducer::mark_ready`], [`Reducer::finish`],
-//!   `no_sync`, Join's divisor) and its timing ([`StepStats`]).
-//! - `finite`: the optional check that the averaged gradients are finite
-//!   ([`Reducer::set_check_finite`], [`Error::NonFinite`](crate::Error::NonFinite)).
+//!   `no_sync`, Join's divisor) and its timing ([`StepStats`]); in its private `state::finite`,
+//!   the optional check that the averaged gradients are finite ([`Reducer::set_check_finite`],
+//!   [`Error::NonFinite`](crate::Error::NonFinite)).
 //!
 //! ```text
 //!  backward ──mark_ready(i, grad)──► bucket buffer (copy / add under no_sync)
@@ -32,7 +32,6 @@
 pub mod assign;
 pub mod buffer;
 pub mod device;
-mod finite;
 pub mod hook;
 pub mod spec;
 pub mod state;

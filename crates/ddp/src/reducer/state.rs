@@ -13,7 +13,7 @@
 //!   reduces the accumulated sum.
 //! - Overlap measurement ([`StepStats`]): time blocked waiting for communication inside `finish`
 //!   versus the whole backward+communication time of the step.
-//! - The finite check ([`Reducer::set_check_finite`], module `finite`).
+//! - The finite check ([`Reducer::set_check_finite`], submodule `finite`).
 //! - The timeline ([`crate::trace`], when on): a `backward` span from the start of backward to
 //!   the end of `finish`, each bucket's `ready` instant, its flight from launch to the end of the
 //!   wait for it, and each wait.
@@ -37,6 +37,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 mod alive;
+mod finite;
 mod handover;
 use handover::reallocate_released;
 
@@ -500,7 +501,7 @@ impl Reducer {
         }
         if self.check_finite
             && self.local_nonfinite.is_none()
-            && !super::finite::all_finite(buf, slot.offset, slot.numel)
+            && !finite::all_finite(buf, slot.offset, slot.numel)
         {
             self.local_nonfinite = Some(index);
         }

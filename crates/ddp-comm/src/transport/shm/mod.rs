@@ -89,7 +89,6 @@ pub use config::{
     ENTRY_SLEEP_AFTER, PIECE, PURE_SPIN, SLEEP_SLICE,
 };
 pub(crate) use fast::Counter;
-pub(crate) use segment::SHM_DIR;
 pub use segment::{sweep_stale_segments, Geometry, NAME_PREFIX};
 
 use super::stall::StallWarning;

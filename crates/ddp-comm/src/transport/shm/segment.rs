@@ -5,14 +5,13 @@
 //! block, the producer index of a ring, the consumer index of a ring), or bytes whose ownership
 //! is handed over through those words with release/acquire ordering.
 
+use crate::host::SHM_DIR;
 use crate::{Error, Result};
 use std::fs::OpenOptions;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::OpenOptionsExt;
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 
-/// Directory of POSIX shared memory; segments are plain files there.
-pub(crate) const SHM_DIR: &str = "/dev/shm";
 /// File-name prefix of every segment: `ddp-rs-{creator pid}-{random nonce}`.
 pub const NAME_PREFIX: &str = "ddp-rs-";
 

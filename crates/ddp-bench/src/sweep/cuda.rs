@@ -3,7 +3,7 @@
 //! finished on the device; inputs are made on the host and uploaded, results downloaded for
 //! the correctness count.
 
-use crate::sweep::{count_wrong, setup, Bufs, Op, Target};
+use super::{count_wrong, setup, Bufs, Op, Target};
 use cudarc::driver::CudaSlice;
 use ddp_comm::cuda::{CudaGroup, CudaOptions, DeviceBackend};
 use ddp_comm::{Error, ProcessGroup, ReduceOp};

@@ -11,9 +11,9 @@
 //!   parameter. If every local gradient was finite, the sum overflowed in the reduction: the
 //!   error names the parameter of the averaged gradient and no rank.
 
-use super::buffer::{BucketBuffer, HostBuffer};
-use super::state::Reducer;
+use super::Reducer;
 use crate::error::{Error, Result};
+use crate::reducer::buffer::{BucketBuffer, HostBuffer};
 
 /// Whether `x * 0` summed over `s` is zero: `x * 0` is `±0` for a finite `x` and NaN for NaN or
 /// infinity, and the fixed-width accumulators let the compiler vectorize the loop.

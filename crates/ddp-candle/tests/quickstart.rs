@@ -57,13 +57,13 @@ fn files(dir: &Path) -> Vec<PathBuf> {
     v
 }
 
+/// What the save returned, the wrapper, the optimizer, the samples per rank per epoch.
+type Trained = (Option<PathBuf>, Ddp, Sgd, usize);
+
 /// The README snippet, as written there (model, DDP, PyTorch's SGD, sampler, epochs), then the
 /// one-call save into this rank's `dir`. Returns what the save returned, the trained parameters,
 /// the optimizer and the wrapper.
-fn readme_program(
-    pg: &ProcessGroup,
-    dir: &Path,
-) -> Result<(Option<PathBuf>, Ddp, Sgd, usize), Box<dyn std::error::Error>> {
+fn readme_program(pg: &ProcessGroup, dir: &Path) -> Result<Trained, Box<dyn std::error::Error>> {
     let (epochs, batch_size) = (EPOCHS, BATCH);
     let varmap = candle_nn::VarMap::new();
     let model = build_model(candle_nn::VarBuilder::from_varmap(

@@ -1,17 +1,23 @@
 //! [`DistributedDataParallel`]: the Burn-facing wrapper around `ddp::reducer::Reducer`.
 
+use crate::checkpoint::MODEL_BLOB;
 use crate::params::BurnParams;
 use crate::{Error, Result};
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
+use burn::store::ModuleRecord;
+use burn::tensor::Bytes;
 use burn::tensor::Tensor;
 use ddp::adapter::{self, ParamAccess};
+use ddp::checkpoint::{Checkpoint, CheckpointMeta};
 use ddp::hooks::PeriodicModelAverager;
 use ddp::join::{Join, JoinStep};
 use ddp::reducer::{CommHook, HostBuffer, Reducer, ReducerOptions, StepStats, TotalStats};
+use ddp::sampler::SamplerState;
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
+use std::path::{Path, PathBuf};
 
 /// The learning-rate argument of Burn's `ModuleOptimizer::step`.
 pub use burn::lr_scheduler::module_lr_scheduler::ModuleLearningRate;
@@ -460,6 +466,110 @@ impl<M: Module> DistributedDataParallel<M> {
     pub fn param_count(&self) -> usize {
         self.params.param_count()
     }
+}
+
+/// One-call checkpoints: what a training program calls on every rank to save its run.
+impl<M: Module> DistributedDataParallel<M> {
+    /// Saves the module and `optim`'s state in one call, on every rank (a collective): rank 0
+    /// writes `<dir>/checkpoint.safetensors` atomically (`ddp::checkpoint::save_atomic`), the
+    /// other ranks write nothing. Returns the file on rank 0, `None` elsewhere; a failure to write
+    /// on rank 0 is an error on every rank.
+    ///
+    /// Burn's records (module and optimizer, burnpack) are stored as blobs, as
+    /// [`crate::checkpoint::save_records`] does, with every rank's comm hook state. The metadata:
+    /// the reducer's count of synchronized steps ([`Reducer::step`]), the process group's world
+    /// size, and the start of epoch `epoch` as position (pass the epochs completed). It resumes
+    /// through `ddp::checkpoint::resume_or_start` (a `RunPlan` of the same world size and
+    /// `hyper: Null`) and [`load_records`](Self::load_records); other positions:
+    /// [`save_checkpoint_with`](Self::save_checkpoint_with).
+    pub fn save_checkpoint(
+        &self,
+        dir: &Path,
+        optim: &ModuleOptimizer,
+        epoch: u64,
+    ) -> Result<Option<PathBuf>> {
+        self.save_checkpoint_with(dir, Some(optim), self.epoch_meta(epoch))
+    }
+
+    /// [`save_checkpoint`](Self::save_checkpoint) of the module alone (blob
+    /// [`crate::checkpoint::MODEL_BLOB`]); loads with [`load_model`](Self::load_model).
+    pub fn save_model(&self, dir: &Path, epoch: u64) -> Result<Option<PathBuf>> {
+        self.save_checkpoint_with(dir, None, self.epoch_meta(epoch))
+    }
+
+    /// [`save_checkpoint`](Self::save_checkpoint) at the position `meta` gives (e.g.
+    /// `plan.meta(&pos)` of a `RunPlan`), with `optim`'s state when given. `meta.world_size` is
+    /// set to the process group's size (`CheckpointMeta::default()` says 1); the rest is written
+    /// as given. A collective.
+    pub fn save_checkpoint_with(
+        &self,
+        dir: &Path,
+        optim: Option<&ModuleOptimizer>,
+        mut meta: CheckpointMeta,
+    ) -> Result<Option<PathBuf>> {
+        meta.world_size = self.pg.size();
+        let hooks = ddp::hooks::gather_state(&self.pg, &self.reducer.comm_hook_state())?;
+        let written = if self.pg.rank() == 0 {
+            (|| -> Result<PathBuf> {
+                let mut ckpt = Checkpoint::new(meta);
+                match optim {
+                    Some(o) => crate::checkpoint::save_records(&mut ckpt, self.module(), o)?,
+                    None => ckpt.insert_blob(MODEL_BLOB, model_bytes(self.module())?),
+                }
+                ckpt.save_hook_state(&hooks)?;
+                Ok(ddp::checkpoint::save_atomic(dir, &ckpt)?)
+            })()
+            .map(Some)
+        } else {
+            Ok(None)
+        };
+        let written = written.map_err(|e| match e {
+            Error::Ddp(e) => e,
+            other => ddp::Error::Checkpoint(other.to_string()),
+        });
+        Ok(ddp::sharding::agree(
+            &self.pg,
+            "saving the checkpoint",
+            written,
+        )?)
+    }
+
+    /// Loads the module record of `ckpt` (blob [`crate::checkpoint::MODEL_BLOB`], e.g. of
+    /// [`save_model`](Self::save_model)) into the wrapped module.
+    pub fn load_model(&mut self, ckpt: &Checkpoint) -> Result<()> {
+        let what = format!("checkpoint blob {MODEL_BLOB:?}");
+        let record = ModuleRecord::from_bytes(Bytes::from_bytes_vec(
+            ckpt.require_blob(MODEL_BLOB)?.to_vec(),
+        ))
+        .map_err(|e| Error::Record(format!("{what}: {e}")))?;
+        let module = self
+            .module()
+            .clone()
+            .try_load_record(record)
+            .map_err(|e| Error::Record(format!("{what}: {e}")))?;
+        self.map_module(|_| module)
+    }
+
+    /// The metadata of a checkpoint at the start of epoch `epoch`, at the reducer's step.
+    fn epoch_meta(&self, epoch: u64) -> CheckpointMeta {
+        CheckpointMeta {
+            step: self.reducer.step(),
+            epoch,
+            sampler: SamplerState { epoch, consumed: 0 },
+            world_size: self.pg.size(),
+            ..Default::default()
+        }
+    }
+}
+
+/// `module`'s record as burnpack bytes.
+fn model_bytes<M: Module>(module: &M) -> Result<Vec<u8>> {
+    let bytes = module
+        .clone()
+        .into_record()
+        .into_bytes()
+        .map_err(|e| Error::Record(format!("cannot serialize the module record: {e}")))?;
+    Ok(bytes.to_vec())
 }
 
 /// Guard returned by [`DistributedDataParallel::no_sync`]; restores synchronization on drop.

@@ -37,8 +37,10 @@
 //!
 //! What stays per rank: training metrics are this rank's batches', validation metrics this
 //! rank's valid loader's (give every rank the whole valid set, or shard it with
-//! [`crate::ShardedDataset`]); Burn's renderer and metric loggers run on every rank (give the
-//! ranks different directories, or a quiet renderer off rank 0).
+//! [`crate::ShardedDataset`]); Burn's renderer and metric loggers run on every rank:
+//! [`DdpLearningStrategy::supervised`] gives each rank its own directory (`base/rank<r>` off
+//! rank 0) and a quiet renderer off rank 0, and [`DdpLearningStrategy::launch`] returns the
+//! strategy's error (or Burn's) as an `Err` instead of leaving it to `take_error`.
 
 use crate::data_parallel::{DdpOptions, DistributedDataParallel};
 use crate::{Error, Result};
@@ -56,9 +58,9 @@ use burn_train::renderer::{
 };
 use burn_train::{
     CloneEarlyStoppingStrategy, EventProcessorTraining, InferenceStep, Interrupter, Learner,
-    LearnerEvent, LearnerModel, LearnerSummary, LearningCheckpointer, SupervisedLearningStrategy,
-    SupervisedTrainingEventProcessor, TrainLoader, TrainStep, TrainingComponents, TrainingItem,
-    TrainingStrategy, ValidLoader,
+    LearnerEvent, LearnerModel, LearnerSummary, LearningCheckpointer, LearningResult,
+    SupervisedLearningStrategy, SupervisedTraining, SupervisedTrainingEventProcessor, TrainLoader,
+    TrainStep, TrainingComponents, TrainingItem, TrainingStrategy, ValidLoader,
 };
 use ddp::join::{Join, JoinStart, JoinStep};
 use ddp_comm::{ProcessGroup, ReduceOp};
@@ -154,6 +156,86 @@ impl DdpLearningStrategy {
     fn record_error(&self, e: Error) {
         let mut slot = self.error.lock().unwrap_or_else(|p| p.into_inner());
         slot.get_or_insert(e);
+    }
+}
+
+/// What the strategy arranges for a Burn program itself: the per-rank directory, the quiet
+/// renderer off rank 0, and errors after `launch`.
+///
+/// Why these are helpers around `SupervisedTraining` and not done inside the strategy: Burn 0.22
+/// gives a `TrainingStrategy` only `fit(components, learner, loaders, epoch)`. By then
+/// `SupervisedTraining::launch` has already registered its `FileMetricLogger` on the directory
+/// given to `SupervisedTraining::new` (a private field, with no setter) and built the event
+/// processor around its renderer, and `launch` returns Burn's `LearningResult`, whose `error`
+/// holds only Burn's own `TrainingError` kinds (events, datasets, workers, checkpoints). So the
+/// directory and the renderer must be chosen before `SupervisedTraining::new` returns
+/// ([`DdpLearningStrategy::supervised`]), and our error must be read after `launch`
+/// ([`DdpLearningStrategy::launch`]).
+impl DdpLearningStrategy {
+    /// This rank's learner directory under `base`: `base` on rank 0, `base/rank<r>` on rank `r`
+    /// (Burn writes metric logs there on every rank; rank 0 also its checkpoints). Created and
+    /// probed on every rank; a collective: any rank's failure (a read-only file system, a path
+    /// through a file) fails every rank, naming it.
+    pub fn rank_dir(&self, base: impl AsRef<Path>) -> Result<PathBuf> {
+        let base = base.as_ref();
+        let rank = self.pg.rank();
+        let dir = match rank {
+            0 => base.to_path_buf(),
+            r => base.join(format!("rank{r}")),
+        };
+        let mine = (|| -> ddp::Result<()> {
+            let why = |what: &str, p: &Path, e| {
+                ddp::Error::io(format!("Burn's learner directory: cannot {what}"), p, e)
+            };
+            std::fs::create_dir_all(&dir).map_err(|e| why("create", &dir, e))?;
+            let probe = dir.join(format!(".write-probe.{}.{rank}", std::process::id()));
+            std::fs::write(&probe, b"probe\n").map_err(|e| why("write a file in", &dir, e))?;
+            std::fs::remove_file(&probe).map_err(|e| why("remove a file in", &dir, e))?;
+            Ok(())
+        })();
+        ddp::sharding::agree(&self.pg, "preparing the learner directories", mine)?;
+        Ok(dir)
+    }
+
+    /// Burn's `SupervisedTraining` set up for this rank: over [`rank_dir(base)`](Self::rank_dir),
+    /// with this strategy as its training strategy and, on ranks other than 0, the
+    /// [`QuietRenderer`] (Burn's default renderer would print every rank's progress). Configure
+    /// the rest as usual (`.num_epochs(..)`, metrics, checkpointers), then
+    /// [`launch`](Self::launch). A collective (the directory check).
+    pub fn supervised<M: LearnerModel>(
+        self: &Arc<Self>,
+        base: impl AsRef<Path>,
+        train: TrainLoader<M>,
+        valid: ValidLoader<M>,
+    ) -> Result<SupervisedTraining<M>> {
+        let dir = self.rank_dir(base)?;
+        let training = SupervisedTraining::new(dir, train, valid)
+            .with_training_strategy(self.into_training_strategy());
+        Ok(match self.pg.rank() {
+            0 => training,
+            _ => training.renderer(Box::new(QuietRenderer)),
+        })
+    }
+
+    /// `training.launch(learner)` with the errors surfaced: this strategy's error (a dead peer,
+    /// a timeout, a model that differs between ranks: [`take_error`](Self::take_error)), else
+    /// the error Burn's loop recorded (`LearningResult::error`, as [`Error::Training`]). A stop
+    /// without an error (early stopping, an interrupter) is `Ok`, with
+    /// `LearningResult::interrupted` set. `training` must use this strategy (as
+    /// [`supervised`](Self::supervised) sets it up).
+    pub fn launch<M: LearnerModel>(
+        &self,
+        training: SupervisedTraining<M>,
+        learner: Learner<M>,
+    ) -> Result<LearningResult<M>> {
+        let result = training.launch(learner);
+        if let Some(e) = self.take_error() {
+            return Err(e);
+        }
+        if let Some(e) = &result.error {
+            return Err(Error::Training(e.to_string()));
+        }
+        Ok(result)
     }
 }
 

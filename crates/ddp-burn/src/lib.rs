@@ -32,7 +32,10 @@
 //!   `.init()` optimizers. [`DistributedDataParallel::no_sync`] accumulates locally;
 //!   [`DistributedDataParallel::backward_join`] handles uneven inputs with `ddp::Join`.
 //! - **Data** (module [`data`]): [`ShardedDataset`] applies `ddp::DistributedSampler` to any
-//!   Burn `Dataset`, so `DataLoaderBuilder` works unchanged.
+//!   Burn `Dataset`, so `DataLoaderBuilder` works unchanged; one call:
+//!   `ShardedDataset::new(Arc::new(data), &pg)?.seed(7).shared()`.
+//! - **One-call save**: [`DistributedDataParallel::save_checkpoint`] on every rank (rank 0
+//!   writes); `use ddp_burn::prelude::*;` brings the common imports.
 //! - **Checkpoints** (module [`checkpoint`]): Burn's module and optimizer records (burnpack) as
 //!   checksummed blobs of a `ddp::Checkpoint` beside our metadata, written atomically by rank 0;
 //!   `ddp::checkpoint::resume_or_start` resumes exactly.
@@ -77,10 +80,11 @@ mod data_parallel;
 #[cfg(feature = "learner")]
 pub mod learner;
 pub mod params;
+pub mod prelude;
 pub mod staged;
 pub mod zero;
 
-pub use data::ShardedDataset;
+pub use data::{ShardedDataset, Sharding};
 pub use data_parallel::{DdpOptions, DistributedDataParallel, ModuleLearningRate, NoSync};
 pub use ddp_comm::ProcessGroup;
 #[cfg(feature = "learner")]
@@ -107,6 +111,10 @@ pub enum Error {
     /// A model or tensor that this adapter cannot handle (the message names the parameter).
     #[error("{0}")]
     Unsupported(String),
+    /// Burn's training loop recorded an error (`LearningResult::error`; see
+    /// `DdpLearningStrategy::launch`).
+    #[error("Burn's training loop failed: {0}")]
+    Training(String),
 }
 
 impl From<ddp_comm::Error> for Error {

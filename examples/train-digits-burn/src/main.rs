@@ -74,7 +74,10 @@ pub struct Args {
     /// Directory for checkpoints (written by rank 0 at the end of every epoch and at exit).
     #[arg(long)]
     pub checkpoint_dir: Option<std::path::PathBuf>,
-    /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none).
+    /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none). A
+    /// checkpoint of another world size resumes too (the rest of its epoch re-sharded over the
+    /// new ranks), and any --zero loads any checkpoint of the plain loop: a plain one or a
+    /// sharded set, the newer when both are there. --learner resumes its own checkpoints only.
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
     /// Timeout of rendezvous and of every collective, in seconds.

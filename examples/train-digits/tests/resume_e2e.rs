@@ -144,6 +144,8 @@ fn a_second_job_on_one_checkpoint_directory_is_refused_naming_the_holder() {
     let d = dir.path().to_str().unwrap();
     for zero in ["0", "1"] {
         let long = args_epochs("2", zero, "100000", &["--checkpoint-dir", d]);
+        // The previous iteration's holder (killed) left its name: wait for this job's.
+        let before = std::fs::read_to_string(dir.path().join(".ddp-lock")).unwrap_or_default();
         let mut first = Command::new(BIN)
             .args(&long)
             .env_remove("RANK")
@@ -156,7 +158,7 @@ fn a_second_job_on_one_checkpoint_directory_is_refused_naming_the_holder() {
             .unwrap();
         let lock = dir.path().join(".ddp-lock");
         let start = Instant::now();
-        while std::fs::read_to_string(&lock).map_or(true, |s| !s.contains("pid")) {
+        while std::fs::read_to_string(&lock).map_or(true, |s| !s.contains("pid") || s == before) {
             assert!(start.elapsed() < Duration::from_secs(60), "no lock taken");
             std::thread::sleep(Duration::from_millis(50));
         }

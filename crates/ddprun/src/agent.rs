@@ -80,27 +80,10 @@ pub(crate) struct Launch {
     pub nnodes: usize,
 }
 
-/// Run the job described by `cfg`; returns the launcher's exit status.
-pub fn run(cfg: &Config) -> i32 {
-    // Before anything else: the guard must not inherit the store socket or worker pipes.
-    let guard = Guard::start()
-        .map_err(|e| eprintln!("ddprun: warning: cannot start the orphan guard ({e}); processes started by workers may outlive a SIGKILLed launcher"))
-        .ok();
-    signals::install();
-    // Here rather than in `main` so that programs using `ddprun::spawn` get it too: the store
-    // and a pipe per worker stream need descriptors, and workers inherit the raised limit.
-    ddp_comm::store::raise_fd_limit();
-    // Children this process already had (a program calling `spawn`) are never swept.
-    let mut keep = guard::children();
-    if !guard::become_subreaper() {
-        eprintln!("ddprun: warning: cannot become a child subreaper; processes that workers leave behind outside their process group may survive them");
-    }
-    keep.extend(guard.as_ref().map(Guard::pid));
-    let house = Housekeeping { guard, keep };
-    let host = hostname();
-    if cfg.elastic.is_some() {
-        return crate::elastic::run(cfg, &host, &house);
-    }
+/// Run a static (non-elastic) job: `cfg` after [`crate::launch::run`]'s set-up, on `host`, with
+/// `house`'s orphan guard; returns the launcher's exit status.
+pub(crate) fn run_static(cfg: &Config, host: &str, house: &Housekeeping) -> i32 {
+    let host = host.to_string();
     let rdzv = match Rendezvous::start(cfg, &host, &mut signals::take_pending) {
         Ok(r) => r,
         Err(Stop::Signal(sig)) => {
@@ -121,7 +104,7 @@ pub fn run(cfg: &Config) -> i32 {
     };
     let mut attempt = 0;
     let code = loop {
-        match run_round(cfg, &rdzv, &host, attempt, &house) {
+        match run_round(cfg, &rdzv, &host, attempt, house) {
             Next::Restart => attempt += 1,
             Next::Exit(code) => break code,
         }

@@ -21,6 +21,7 @@ pub mod agent;
 pub mod cli;
 pub mod elastic;
 pub mod guard;
+pub mod launch;
 pub mod output;
 pub mod process;
 pub mod rendezvous;
@@ -51,5 +52,5 @@ pub fn main_with_args(args: impl IntoIterator<Item = String>) -> i32 {
             return 2;
         }
     };
-    agent::run(&cfg)
+    launch::run(&cfg)
 }

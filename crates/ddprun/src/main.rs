@@ -7,7 +7,7 @@ fn main() {
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
         .try_init();
-    // The soft descriptor limit is raised to the hard one in `agent::run` (shared with
+    // The soft descriptor limit is raised to the hard one in `launch::run` (shared with
     // `ddprun::spawn`; see ddp_comm::store::raise_fd_limit).
     std::process::exit(ddprun::main_with_args(std::env::args()));
 }

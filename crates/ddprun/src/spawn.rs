@@ -172,7 +172,7 @@ pub fn is_worker() -> bool {
 /// exit status (`ddprun`'s; 2 with a message on stderr for invalid options).
 pub fn spawn(opts: &SpawnOptions) -> i32 {
     match opts.to_config() {
-        Ok(cfg) => crate::agent::run(&cfg),
+        Ok(cfg) => crate::launch::run(&cfg),
         Err(e) => {
             eprintln!("ddprun::spawn: error: {e}");
             2

@@ -51,7 +51,8 @@ mod lock;
 mod resume;
 
 pub use elastic::{
-    global_consumed, resume_or_start_global, GlobalPosition, ResumedGlobal, GLOBAL_CONSUMED_KEY,
+    global_consumed, resume_or_start_global, GlobalPosition, ResumePoint, ResumedGlobal,
+    GLOBAL_CONSUMED_KEY,
 };
 pub use integrity::{ensure_writable, MAX_COUNT, MAX_WORLD_SIZE};
 pub use lock::{lock_dir, LOCK_FILE};

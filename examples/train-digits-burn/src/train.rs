@@ -286,32 +286,13 @@ impl Start {
                 reshard: None,
             });
         };
-        let p = plan.check_any(&meta, s.train.len())?;
-        let resharded = plan.needs_global(&meta);
-        let pos = TrainingState {
-            step: p.step,
-            epoch: p.epoch,
-            consumed: if resharded {
-                0
-            } else {
-                p.global_consumed / world
-            },
-        };
-        if rank == 0 && resharded {
-            println!(
-                "resuming from {what} at step {}, epoch {}, {} samples of the epoch consumed \
-                 (written at world size {}): the rest of the epoch re-sharded over {world} ranks",
-                pos.step, pos.epoch, p.global_consumed, p.from_world_size
-            );
-        } else if rank == 0 {
-            println!(
-                "resuming from {what} at step {}, epoch {}, {} samples into the epoch",
-                pos.step, pos.epoch, pos.consumed
-            );
+        let point = plan.resume_point(&meta, s.train.len())?;
+        if rank == 0 {
+            println!("{}", point.describe(&what, world));
         }
         Ok(Start {
-            pos,
-            reshard: resharded.then_some(p.global_consumed),
+            pos: point.state,
+            reshard: point.reshard,
         })
     }
 }

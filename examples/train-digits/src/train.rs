@@ -296,31 +296,11 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let mut resharded_run = false;
     if let Some(source) = source {
         let (meta, what) = load_source(&mut ddp, &source, &mut averager, rank)?;
-        let p = plan.check_any(&meta, train.len())?;
-        resharded_run = plan.needs_global(&meta);
-        pos = TrainingState {
-            step: p.step,
-            epoch: p.epoch,
-            consumed: if resharded_run {
-                0
-            } else {
-                p.global_consumed / world
-            },
-        };
-        if resharded_run {
-            reshard = Some(p.global_consumed);
-        }
-        if rank == 0 && resharded_run {
-            println!(
-                "resuming from {what} at step {}, epoch {}, {} samples of the epoch consumed \
-                 (written at world size {}): the rest of the epoch re-sharded over {world} ranks",
-                pos.step, pos.epoch, p.global_consumed, p.from_world_size
-            );
-        } else if rank == 0 {
-            println!(
-                "resuming from {what} at step {}, epoch {}, {} samples into the epoch",
-                pos.step, pos.epoch, pos.consumed
-            );
+        let point = plan.resume_point(&meta, train.len())?;
+        (pos, reshard) = (point.state, point.reshard);
+        resharded_run = reshard.is_some();
+        if rank == 0 {
+            println!("{}", point.describe(&what, world));
         }
     } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
         println!("no checkpoint in {}: starting fresh", dir.display());

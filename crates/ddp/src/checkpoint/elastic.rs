@@ -149,6 +149,59 @@ impl RunPlan {
     }
 }
 
+/// Where a run of this world continues from a checkpoint ([`RunPlan::resume_point`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ResumePoint {
+    /// This world's per-rank position: `consumed` is 0 when the epoch is re-sharded.
+    pub state: TrainingState,
+    /// `Some(global samples of the epoch consumed)` when the rest of the epoch is re-sharded
+    /// over this world ([`crate::DistributedSampler::indices_from_global`]); its checkpoints
+    /// then record the global position ([`RunPlan::meta_global`]).
+    pub reshard: Option<usize>,
+    /// The checkpoint's position.
+    pub position: GlobalPosition,
+}
+
+impl ResumePoint {
+    /// The line a training program prints on resume, `what` naming the checkpoint.
+    pub fn describe(&self, what: &str, world_size: usize) -> String {
+        let (s, p) = (&self.state, &self.position);
+        match self.reshard {
+            Some(g) => format!(
+                "resuming from {what} at step {}, epoch {}, {g} samples of the epoch consumed \
+                 (written at world size {}): the rest of the epoch re-sharded over \
+                 {world_size} ranks",
+                s.step, s.epoch, p.from_world_size
+            ),
+            None => format!(
+                "resuming from {what} at step {}, epoch {}, {} samples into the epoch",
+                s.step, s.epoch, s.consumed
+            ),
+        }
+    }
+}
+
+impl RunPlan {
+    /// [`RunPlan::check_any`], then where this world continues: the exact per-rank position,
+    /// or the start of a re-sharded rest of the epoch.
+    pub fn resume_point(&self, meta: &CheckpointMeta, dataset_len: usize) -> Result<ResumePoint> {
+        let position = self.check_any(meta, dataset_len)?;
+        let reshard = self.needs_global(meta).then_some(position.global_consumed);
+        Ok(ResumePoint {
+            state: TrainingState {
+                step: position.step,
+                epoch: position.epoch,
+                consumed: match reshard {
+                    Some(_) => 0,
+                    None => position.global_consumed / self.world_size,
+                },
+            },
+            reshard,
+            position,
+        })
+    }
+}
+
 /// [`super::resume_or_start`] for runs whose world size may change: rank 0 checks `dir`, loads
 /// the checkpoint (with `resume`) and shares it; every rank checks it, with [`RunPlan::check`]
 /// when it was written at this world size in an epoch that was not re-sharded (the exact

@@ -1,14 +1,15 @@
 //! The front door of the [`super::StoreServer`]: the accept loops and the greeter.
 //!
-//! An accept loop admits each new connection under the limits (see `server`) and hands it to
+//! An accept loop admits each new connection under the limits (see `server`; the bookkeeping is `conns`) and hands it to
 //! the greeter, which watches every connection that has sent nothing yet with one epoll set and
 //! no thread: it answers garbage itself, starts a thread (`serve`) once a plausible `HELLO`
 //! arrives, and closes silent connections at the handshake deadline. The accept loops survive
 //! running out of descriptors.
 
-use super::protocol::{ErrorKind, Response, HELLO_OPCODE, MAGIC, MAX_HANDSHAKE_FRAME};
+use super::conns::{Admission, Shared, Stage, MAX_CONNECTIONS_ENV};
+use super::protocol::{ErrorKind, Response};
 use super::serve;
-use super::server::{Admission, Shared, Stage, MAX_CONNECTIONS_ENV};
+use super::sniff::{first_bytes, is_torch_client, FirstBytes};
 use super::torch;
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
@@ -17,56 +18,6 @@ use std::time::{Duration, Instant};
 
 /// Stack size of a connection thread (it only parses frames and touches the map).
 const CONN_STACK: usize = 256 << 10;
-
-/// What the first bytes of a connection say about it.
-pub(super) enum FirstBytes {
-    /// Nothing to read after all.
-    NotYet,
-    /// End of stream or an error: nothing to answer.
-    HungUp,
-    /// Cannot be a `HELLO`: the reply to send before closing.
-    Garbage(String),
-    /// A `HELLO` (or PyTorch's `VALIDATE`) as far as can be seen: a thread reads it.
-    Plausible,
-}
-
-/// Peek at the frame header, opcode and magic of a new connection's first frame.
-pub(super) fn first_bytes(stream: &TcpStream) -> FirstBytes {
-    use rustix::net::{recv, RecvFlags};
-    let mut head = [0u8; 9];
-    let n = match recv(stream, &mut head[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
-        Ok((0, _)) => return FirstBytes::HungUp,
-        Ok((n, _)) => n,
-        Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => return FirstBytes::NotYet,
-        Err(_) => return FirstBytes::HungUp,
-    };
-    if torch::may_be_torch(&head[..n]) {
-        // PyTorch's TCPStore client: its thread tells it apart (`torch::is_torch_client`).
-        return FirstBytes::Plausible;
-    }
-    if n >= 4 {
-        let len = u32::from_le_bytes([head[0], head[1], head[2], head[3]]) as usize;
-        if len == 0 {
-            return FirstBytes::Garbage("bad handshake frame: empty frame (no opcode)".into());
-        }
-        if len > MAX_HANDSHAKE_FRAME {
-            return FirstBytes::Garbage(format!(
-                "bad handshake frame: frame of {len} bytes exceeds the limit of \
-                 {MAX_HANDSHAKE_FRAME} bytes"
-            ));
-        }
-    }
-    if n >= 5 && head[4] != HELLO_OPCODE {
-        return FirstBytes::Garbage("expected a handshake first".into());
-    }
-    if n >= 9 && head[5..9] != MAGIC {
-        return FirstBytes::Garbage(format!(
-            "bad handshake: magic {:02x?}, expected {MAGIC:02x?} (not a ddp-rs store client)",
-            &head[5..9]
-        ));
-    }
-    FirstBytes::Plausible
-}
 
 /// Send `why` as an `ERROR` frame on a connection about to be closed (without blocking), and
 /// read what the peer sent so that closing does not reset the connection before it reads it.
@@ -272,7 +223,7 @@ pub(super) fn greeter(shared: &Arc<Shared>) {
                 .name(format!("ddp-store-conn-{id}"))
                 .stack_size(CONN_STACK)
                 .spawn(move || {
-                    if torch::is_torch_client(&stream, until) {
+                    if is_torch_client(&stream, until) {
                         torch::serve_connection(&stream, peer, &conn_shared, id, until);
                     } else {
                         serve::serve_connection(&stream, peer, &conn_shared, id, until);

@@ -23,6 +23,9 @@
 //! - `server`: [`StoreServer`] and [`ServerOptions`], the listening side (hosted by rank 0 or by
 //!   `ddprun`) and its connection limits.
 //! - `data`: the key-value map and its cap on the bytes held.
+//! - `conns`: what the server's threads share: the key-value state, the open connections, their
+//!   limits and admission (a leaf below `server`, `accept`, `serve` and `torch`).
+//! - `sniff`: what a new connection's first bytes say (ours, PyTorch's, or garbage).
 //! - `accept`: the accept loops, and the greeter that watches connections that sent nothing.
 //! - `serve`: one connection's handshake and requests.
 //! - `client`: [`TcpStore`], the connecting side.
@@ -35,11 +38,13 @@
 mod accept;
 mod auth;
 mod client;
+mod conns;
 mod data;
 mod prefix;
 pub(crate) mod protocol;
 mod serve;
 mod server;
+mod sniff;
 pub(crate) mod torch;
 
 pub use client::{StoreOptions, TcpStore};

@@ -6,11 +6,11 @@
 //! variable that every `set`, `add` and `compare_set` notifies, so waiting costs no CPU.
 
 use super::auth::{self, Side, NONCE_LEN};
+use super::conns::{lock, Shared, Stage, State};
 use super::protocol::{
     self, read_frame, write_frame, ErrorKind, FrameError, Request, Response, MAX_FRAME,
     MAX_HANDSHAKE_FRAME, VERSION,
 };
-use super::server::{lock, Shared, Stage, State};
 use std::io::{self, Read};
 use std::net::{SocketAddr, TcpStream};
 use std::sync::MutexGuard;

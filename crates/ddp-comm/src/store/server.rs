@@ -22,17 +22,15 @@
 //! as Go's runtime does at start-up.
 
 use super::accept;
-use super::data::Data;
+pub use super::conns::MAX_CONNECTIONS_ENV;
+use super::conns::{lock, Conns, Limits, Shared, State, Throttle};
+use super::torch::DEFAULT_TORCH_PREFIX;
 use crate::{Error, Result};
-use std::collections::BTreeMap;
 use std::io::ErrorKind as IoKind;
 use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
-use std::sync::{Arc, Condvar, Mutex, MutexGuard};
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
-
-/// Environment variable bounding the number of open store connections.
-pub const MAX_CONNECTIONS_ENV: &str = "DDP_STORE_MAX_CONNECTIONS";
+use std::time::Duration;
 
 /// Default time an unauthenticated connection has to complete its handshake.
 pub const DEFAULT_HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(5);
@@ -113,66 +111,56 @@ pub fn raise_fd_limit() -> Option<u64> {
     Some(soft)
 }
 
-/// The resolved limits of one server.
-#[derive(Debug, Clone, Copy)]
-pub(super) struct Limits {
-    pub(super) max_connections: usize,
-    pub(super) max_pending: usize,
-    pub(super) handshake_timeout: Duration,
-    pub(super) max_bytes: u64,
-}
-
-impl Limits {
-    fn resolve(opts: &ServerOptions, fd_limit: Option<u64>) -> Result<Limits> {
-        let max_connections = match opts.max_connections {
-            Some(n) => n,
-            None => match std::env::var(MAX_CONNECTIONS_ENV) {
-                Ok(v) => v.trim().parse::<usize>().map_err(|_| {
-                    Error::Config(format!(
-                        "{MAX_CONNECTIONS_ENV}={v:?} is not a positive integer"
-                    ))
-                })?,
-                Err(_) => {
-                    let fds = fd_limit.unwrap_or(u64::MAX);
-                    let usable = fds - fds / 4;
-                    usable.clamp(16, DEFAULT_MAX_CONNECTIONS as u64) as usize
-                }
-            },
-        };
-        if max_connections == 0 {
-            return Err(Error::Config(format!(
+/// The limits of a server with `opts` in a process allowed `fd_limit` descriptors.
+fn resolve_limits(opts: &ServerOptions, fd_limit: Option<u64>) -> Result<Limits> {
+    let max_connections = match opts.max_connections {
+        Some(n) => n,
+        None => match std::env::var(MAX_CONNECTIONS_ENV) {
+            Ok(v) => v.trim().parse::<usize>().map_err(|_| {
+                Error::Config(format!(
+                    "{MAX_CONNECTIONS_ENV}={v:?} is not a positive integer"
+                ))
+            })?,
+            Err(_) => {
+                let fds = fd_limit.unwrap_or(u64::MAX);
+                let usable = fds - fds / 4;
+                usable.clamp(16, DEFAULT_MAX_CONNECTIONS as u64) as usize
+            }
+        },
+    };
+    if max_connections == 0 {
+        return Err(Error::Config(format!(
                 "the store's connection limit ({MAX_CONNECTIONS_ENV} / ServerOptions::max_connections) \
                  must be at least 1"
             )));
-        }
-        let max_pending = opts
-            .max_pending
-            .unwrap_or((max_connections / 4).clamp(8, 1024))
-            .clamp(1, max_connections);
-        let max_bytes = match opts.max_bytes {
-            Some(n) => n,
-            None => match std::env::var(MAX_BYTES_ENV) {
-                Ok(v) => v.trim().parse::<u64>().map_err(|_| {
-                    Error::Config(format!(
-                        "{MAX_BYTES_ENV}={v:?} is not a whole number of bytes"
-                    ))
-                })?,
-                Err(_) => DEFAULT_MAX_BYTES,
-            },
-        };
-        if max_bytes == 0 {
-            return Err(Error::Config(format!(
-                "the store's cap on the bytes it holds ({MAX_BYTES_ENV} / \
-                 ServerOptions::max_bytes) must be at least 1"
-            )));
-        }
-        Ok(Limits {
-            max_connections,
-            max_pending,
-            handshake_timeout: opts.handshake_timeout.max(Duration::from_millis(1)),
-            max_bytes,
-        })
     }
+    let max_pending = opts
+        .max_pending
+        .unwrap_or((max_connections / 4).clamp(8, 1024))
+        .clamp(1, max_connections);
+    let max_bytes = match opts.max_bytes {
+        Some(n) => n,
+        None => match std::env::var(MAX_BYTES_ENV) {
+            Ok(v) => v.trim().parse::<u64>().map_err(|_| {
+                Error::Config(format!(
+                    "{MAX_BYTES_ENV}={v:?} is not a whole number of bytes"
+                ))
+            })?,
+            Err(_) => DEFAULT_MAX_BYTES,
+        },
+    };
+    if max_bytes == 0 {
+        return Err(Error::Config(format!(
+            "the store's cap on the bytes it holds ({MAX_BYTES_ENV} / \
+                 ServerOptions::max_bytes) must be at least 1"
+        )));
+    }
+    Ok(Limits {
+        max_connections,
+        max_pending,
+        handshake_timeout: opts.handshake_timeout.max(Duration::from_millis(1)),
+        max_bytes,
+    })
 }
 
 /// The store server. Serves until dropped.
@@ -183,235 +171,6 @@ pub struct StoreServer {
     listener: TcpListener,
     accept_threads: Vec<JoinHandle<()>>,
     greeter_thread: Option<JoinHandle<()>>,
-}
-
-/// What every thread of a server shares.
-pub(super) struct Shared {
-    pub(super) state: Mutex<State>,
-    /// Notified on every change of `state.data` and on shutdown.
-    pub(super) changed: Condvar,
-    pub(super) secret: Option<Vec<u8>>,
-    pub(super) local_addr: SocketAddr,
-    pub(super) limits: Limits,
-    conns: Mutex<Conns>,
-    /// Connections that have sent nothing yet wait here, without a thread (see `greeter`).
-    pub(super) poller: rustix::fd::OwnedFd,
-    pub(super) log_handshake: Throttle,
-    pub(super) log_accept: Throttle,
-    pub(super) log_limit: Throttle,
-}
-
-/// The key-value data.
-pub(super) struct State {
-    pub(super) data: Data,
-    pub(super) shutdown: bool,
-    /// Where the keys of PyTorch clients live (see `torch`); read when such a client connects.
-    pub(super) torch_prefix: String,
-}
-
-impl State {
-    fn new(max_bytes: u64) -> State {
-        State {
-            data: Data::new(max_bytes),
-            shutdown: false,
-            torch_prefix: super::torch::DEFAULT_TORCH_PREFIX.to_string(),
-        }
-    }
-}
-
-/// Where a connection is in its life.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Stage {
-    /// Accepted, nothing received yet: watched by the greeter, no thread.
-    Connected,
-    /// Bytes arrived: a thread reads the `HELLO`.
-    Greeted,
-    /// Valid `HELLO` received, challenge sent, waiting for the proof.
-    Challenged,
-    /// May use the store.
-    Authenticated,
-}
-
-pub(super) struct Entry {
-    pub(super) stream: Arc<TcpStream>,
-    pub(super) stage: Stage,
-    pub(super) peer: SocketAddr,
-    pub(super) since: Instant,
-}
-
-/// Every open connection, oldest (lowest id) first.
-#[derive(Default)]
-pub(super) struct Conns {
-    pub(super) map: BTreeMap<u64, Entry>,
-    next: u64,
-    pub(super) pending: usize,
-    pub(super) authenticated: usize,
-    pub(super) threads: Vec<JoinHandle<()>>,
-    pub(super) shutdown: bool,
-}
-
-impl Entry {
-    /// Close the connection: at once when no thread holds it, else by waking its thread.
-    pub(super) fn close(self) -> SocketAddr {
-        if Arc::strong_count(&self.stream) > 1 {
-            let _ = self.stream.shutdown(Shutdown::Both);
-        }
-        self.peer
-    }
-}
-
-impl Conns {
-    pub(super) fn forget(&mut self, id: u64) -> Option<Entry> {
-        let e = self.map.remove(&id)?;
-        match e.stage {
-            Stage::Authenticated => self.authenticated -= 1,
-            _ => self.pending -= 1,
-        }
-        Some(e)
-    }
-
-    /// Close the oldest pending connection, preferring, in this order: one that has sent
-    /// nothing, hung up or sent what cannot be a `HELLO`; one whose `HELLO` waits unread; one
-    /// whose thread reads its `HELLO`; one waiting for its proof. Returns its peer and whether its descriptor is closed
-    /// already (no thread held it).
-    pub(super) fn evict_oldest_pending(&mut self) -> Option<(SocketAddr, bool)> {
-        if self.pending == 0 {
-            return None;
-        }
-        let (mut with_data, mut greeted, mut challenged) = (None, None, None);
-        let mut idle = None;
-        for (id, e) in &self.map {
-            match e.stage {
-                Stage::Connected
-                    if !matches!(
-                        accept::first_bytes(&e.stream),
-                        accept::FirstBytes::Plausible
-                    ) =>
-                {
-                    idle = Some(*id);
-                    break;
-                }
-                Stage::Connected => {
-                    with_data.get_or_insert(*id);
-                }
-                Stage::Greeted => {
-                    greeted.get_or_insert(*id);
-                }
-                Stage::Challenged => {
-                    challenged.get_or_insert(*id);
-                }
-                Stage::Authenticated => {}
-            }
-        }
-        let id = idle.or(with_data).or(greeted).or(challenged)?;
-        let e = self.forget(id)?;
-        let closed = e.stage == Stage::Connected && Arc::strong_count(&e.stream) == 1;
-        Some((e.close(), closed))
-    }
-}
-
-/// Logs at most one line per second; counts the ones it swallowed.
-#[derive(Default)]
-pub(super) struct Throttle(Mutex<(Option<Instant>, u64)>);
-
-impl Throttle {
-    pub(super) fn warn(&self, local_addr: SocketAddr, message: impl FnOnce() -> String) {
-        let mut g = self.0.lock().unwrap_or_else(|p| p.into_inner());
-        let now = Instant::now();
-        if g.0
-            .is_some_and(|last| now.duration_since(last) < Duration::from_secs(1))
-        {
-            g.1 += 1;
-            return;
-        }
-        let suppressed = std::mem::take(&mut g.1);
-        g.0 = Some(now);
-        drop(g);
-        if suppressed > 0 {
-            tracing::warn!(%local_addr, "{} ({suppressed} similar messages suppressed)", message());
-        } else {
-            tracing::warn!(%local_addr, "{}", message());
-        }
-    }
-}
-
-/// What the accept loop does with a new connection.
-pub(super) enum Admission {
-    Serve(u64, Arc<TcpStream>),
-    Refuse(TcpStream, String),
-    ShuttingDown,
-}
-
-impl Shared {
-    pub(super) fn conns(&self) -> MutexGuard<'_, Conns> {
-        self.conns.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    fn limit_message(&self) -> String {
-        format!(
-            "the store is at its connection limit: {} connections are open and authenticated \
-             (set {MAX_CONNECTIONS_ENV} on the store's host to raise the limit, or close idle \
-             clients)",
-            self.limits.max_connections
-        )
-    }
-
-    pub(super) fn admit(&self, stream: TcpStream, peer: SocketAddr) -> Admission {
-        let mut c = self.conns();
-        if c.shutdown {
-            return Admission::ShuttingDown;
-        }
-        let mut evicted = Vec::new();
-        if c.pending >= self.limits.max_pending {
-            evicted.extend(c.evict_oldest_pending());
-        }
-        if c.pending + c.authenticated >= self.limits.max_connections {
-            match c.evict_oldest_pending() {
-                Some(e) => evicted.push(e),
-                None => return Admission::Refuse(stream, self.limit_message()),
-            }
-        }
-        let id = c.next;
-        c.next += 1;
-        let stream = Arc::new(stream);
-        c.map.insert(
-            id,
-            Entry {
-                stream: Arc::clone(&stream),
-                stage: Stage::Connected,
-                peer,
-                since: Instant::now(),
-            },
-        );
-        c.pending += 1;
-        let pending = c.pending;
-        drop(c);
-        for (peer, _) in evicted {
-            self.log_limit.warn(self.local_addr, || {
-                format!(
-                    "store closes the pending connection from {peer}: {pending} connections are \
-                     in their handshake (limit {}, of {} connections in all)",
-                    self.limits.max_pending, self.limits.max_connections
-                )
-            });
-        }
-        Admission::Serve(id, stream)
-    }
-
-    /// Move connection `id` to `stage`; `false` if it was evicted meanwhile (then it must end).
-    pub(super) fn set_stage(&self, id: u64, stage: Stage) -> bool {
-        let mut c = self.conns();
-        let c = &mut *c;
-        let Some(e) = c.map.get_mut(&id) else {
-            return false;
-        };
-        if stage == Stage::Authenticated && e.stage != Stage::Authenticated {
-            c.pending -= 1;
-            c.authenticated += 1;
-        }
-        e.stage = stage;
-        true
-    }
 }
 
 impl StoreServer {
@@ -432,7 +191,7 @@ impl StoreServer {
     /// [`StoreServer::bind`] with every setting.
     pub fn bind_with(addr: &str, opts: ServerOptions) -> Result<StoreServer> {
         let fd_limit = raise_fd_limit();
-        let limits = Limits::resolve(&opts, fd_limit)?;
+        let limits = resolve_limits(&opts, fd_limit)?;
         let context = format!("cannot host the store on {addr}");
         let listener = TcpListener::bind(addr).map_err(|e| match e.kind() {
             IoKind::AddrInUse => Error::Io {
@@ -469,7 +228,10 @@ impl StoreServer {
         let poller = rustix::event::epoll::create(rustix::event::epoll::CreateFlags::CLOEXEC)
             .map_err(|e| Error::io(context, e.into()))?;
         let shared = Arc::new(Shared {
-            state: Mutex::new(State::new(limits.max_bytes)),
+            state: Mutex::new(State::new(
+                limits.max_bytes,
+                DEFAULT_TORCH_PREFIX.to_string(),
+            )),
             changed: Condvar::new(),
             secret: opts
                 .secret
@@ -592,10 +354,4 @@ impl Drop for StoreServer {
         self.shared.conns().map.clear();
         tracing::debug!(local_addr = %self.local_addr, "store server stopped");
     }
-}
-
-pub(super) fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
-    // A panic while holding the lock cannot leave the map half-updated (every update is a single
-    // map operation), so a poisoned lock is still usable.
-    m.lock().unwrap_or_else(|p| p.into_inner())
 }

@@ -34,14 +34,13 @@
 //! connection with a warning, as PyTorch's own server does; nothing is allocated before the
 //! bytes it is for arrive.
 
+use super::conns::{lock, Shared, Stage, State};
 use super::protocol::{MAX_KEY_LEN, MAX_VALUE_LEN};
-use super::server::{lock, Shared, Stage, State};
+use super::sniff::PREAMBLE;
 use std::io::{self, Read, Write};
 use std::net::{SocketAddr, TcpStream};
 use std::time::{Duration, Instant};
 
-/// `VALIDATE` (query 0) followed by PyTorch's magic number `0x3C85F7CE`, little-endian.
-pub(crate) const PREAMBLE: [u8; 5] = [0x00, 0xce, 0xf7, 0x85, 0x3c];
 /// Where PyTorch's keys live in the shared map unless the server was told otherwise.
 pub const DEFAULT_TORCH_PREFIX: &str = "torch/";
 /// Most keys one `CHECK`, `WAIT`, `MULTI_GET` or `MULTI_SET` may name.
@@ -269,33 +268,6 @@ pub(crate) fn read_request(r: &mut impl Read) -> Result<TorchRequest, TorchError
         }
         q => return Err(bad(format!("unknown query {q}"))),
     })
-}
-
-/// Whether the connection starts with PyTorch's [`PREAMBLE`]. Waits (until `until`) while the
-/// bytes that arrived are a strict prefix of it; never consumes anything.
-pub(crate) fn is_torch_client(stream: &TcpStream, until: Instant) -> bool {
-    use rustix::net::{recv, RecvFlags};
-    loop {
-        let mut head = [0u8; PREAMBLE.len()];
-        let n = match recv(stream, &mut head[..], RecvFlags::PEEK | RecvFlags::DONTWAIT) {
-            Ok((n, _)) => n,
-            Err(rustix::io::Errno::AGAIN) | Err(rustix::io::Errno::INTR) => 0,
-            Err(_) => return false,
-        };
-        if n == PREAMBLE.len() {
-            return head == PREAMBLE;
-        }
-        if head[..n] != PREAMBLE[..n] || Instant::now() >= until {
-            return false;
-        }
-        std::thread::sleep(Duration::from_millis(1));
-    }
-}
-
-/// Whether the first `n` bytes of a connection could begin PyTorch's [`PREAMBLE`].
-pub(crate) fn may_be_torch(head: &[u8]) -> bool {
-    let n = head.len().min(PREAMBLE.len());
-    n > 0 && head[..n] == PREAMBLE[..n]
 }
 
 /// The reply bytes of a request; `Err` closes the connection with that reason.
@@ -581,6 +553,7 @@ pub(super) fn serve_connection(
 
 #[cfg(test)]
 mod tests {
+    use super::super::sniff::may_be_torch;
     use super::*;
 
     fn s(b: &mut Vec<u8>, x: &[u8]) {

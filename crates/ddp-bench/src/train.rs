@@ -200,7 +200,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             zero.step()?;
             loss
         } else {
-            let (_, loss, _) = zero.forward_backward_staged(&stages, &x, |logits| {
+            let (_, loss, _) = zero.forward_backward_blockwise(&stages, &x, |logits| {
                 candle_nn::loss::cross_entropy(logits, &y)
             })?;
             let _s = trace::span("optimizer", "train");

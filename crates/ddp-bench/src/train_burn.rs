@@ -5,7 +5,7 @@
 //! with `--hook` as for candle (post-local SGD averages through `Ddp::average_parameters`).
 //! `--optimizer sgd|adamw` picks Burn's `SgdConfig` (lr 0.01) or `AdamWConfig` (lr 1e-3, Burn's
 //! defaults); `--zero 1|2` shards optimizer state (and gradients) with `ddp_burn::ZeroDdp`;
-//! `--staged` runs the backward one layer at a time (`forward_backward_staged`).
+//! `--staged` runs the backward one layer at a time (`forward_backward_blockwise`).
 
 use crate::train::{measure, report, Error, StepCost};
 use crate::TrainArgs;
@@ -113,7 +113,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             let grads = if args.staged {
                 let stages = stages.iter().map(|s| &**s).collect::<Vec<_>>();
                 let loss = |o| loss_fn.forward(o, y.clone());
-                ddp.forward_backward_staged(&stages, x.clone(), loss)?.0
+                ddp.forward_backward_blockwise(&stages, x.clone(), loss)?.0
             } else {
                 let loss = loss_fn.forward(ddp.module().forward(x.clone()), y.clone());
                 ddp.backward(loss)?
@@ -192,7 +192,8 @@ fn run_zero<O: Optimizer>(
             let stats = if args.staged {
                 let stages = b.stages.iter().map(|s| &**s).collect::<Vec<_>>();
                 let loss = |o| b.loss_fn.forward(o, b.y.clone());
-                zero.forward_backward_staged(&stages, b.x.clone(), loss)?.0
+                zero.forward_backward_blockwise(&stages, b.x.clone(), loss)?
+                    .0
             } else {
                 let loss = b
                     .loss_fn

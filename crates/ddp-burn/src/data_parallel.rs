@@ -8,12 +8,11 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
 use burn::tensor::Tensor;
-use ddp::adapter::{self, ParamAccess};
+use ddp::adapter::{self, DdpCore, DdpWrapper, ParamAccess};
 use ddp::checkpoint::{Checkpoint, CheckpointMeta};
 use ddp::hooks::PeriodicModelAverager;
 use ddp::join::{Join, JoinStep};
-use ddp::reducer::{CommHook, HostBuffer, Reducer, ReducerOptions, StepStats, TotalStats};
-use ddp::sampler::SamplerState;
+use ddp::reducer::{HostBuffer, Reducer, ReducerOptions, StepStats};
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
@@ -51,13 +50,35 @@ impl Default for DdpOptions {
 /// Data-parallel training of a Burn module: gradients averaged over every rank of a process
 /// group, replicas kept identical. Owns the module (Burn's optimizers take and return it by
 /// value); see the crate documentation.
+///
+/// The framework-agnostic half (process group, reducer, `register_comm_hook`, statistics,
+/// parameter names, ...) is `ddp`'s [`DdpCore`], reached through `Deref`: `ddp.rank()`,
+/// `ddp.reducer_mut()` and the like are its methods.
 pub struct DistributedDataParallel<M: Module> {
-    pg: ProcessGroup,
-    pub(crate) params: BurnParams,
-    pub(crate) reducer: Reducer,
-    /// Always `Some` between calls (taken only while an optimizer maps it, or a staged backward
-    /// runs).
+    pub(crate) core: DdpCore<BurnParams>,
+    /// Always `Some` between calls (taken only while an optimizer maps it, or a blockwise
+    /// backward runs).
     pub(crate) module: Option<M>,
+}
+
+/// Guard returned by [`DistributedDataParallel::no_sync`]; restores synchronization on drop.
+pub type NoSync<'a, M> = adapter::NoSync<'a, DistributedDataParallel<M>>;
+
+impl<M: Module> DdpWrapper for DistributedDataParallel<M> {
+    type Params = BurnParams;
+}
+
+impl<M: Module> Deref for DistributedDataParallel<M> {
+    type Target = DdpCore<BurnParams>;
+    fn deref(&self) -> &DdpCore<BurnParams> {
+        &self.core
+    }
+}
+
+impl<M: Module> DerefMut for DistributedDataParallel<M> {
+    fn deref_mut(&mut self) -> &mut DdpCore<BurnParams> {
+        &mut self.core
+    }
 }
 
 impl<M: Module> DistributedDataParallel<M> {
@@ -78,9 +99,7 @@ impl<M: Module> DistributedDataParallel<M> {
         )?;
         reducer.set_check_finite(opts.check_finite);
         let mut ddp = DistributedDataParallel {
-            pg: pg.clone(),
-            params,
-            reducer,
+            core: DdpCore::new(pg, params, reducer),
             module: Some(module),
         };
         if opts.init_sync {
@@ -94,11 +113,11 @@ impl<M: Module> DistributedDataParallel<M> {
     /// 52 M-parameter ZeRO benchmark's peak at world 4 was set here: 443 MiB per rank, when a
     /// stage-2 step needs 365).
     pub fn broadcast_parameters(&mut self, root: usize) -> Result<()> {
-        for i in 0..self.params.param_count() {
-            let mut values = self.params.read_one(self.module(), i)?;
+        for i in 0..self.param_count() {
+            let mut values = self.params().read_one(self.module(), i)?;
             match &mut values {
-                HostBuffer::F32(v) => self.pg.broadcast(v, root)?,
-                HostBuffer::F64(v) => self.pg.broadcast(v, root)?,
+                HostBuffer::F32(v) => self.process_group().broadcast(v, root)?,
+                HostBuffer::F64(v) => self.process_group().broadcast(v, root)?,
                 other => {
                     return Err(Error::Unsupported(format!(
                         "a {} parameter buffer (f32 and f64 only)",
@@ -106,7 +125,7 @@ impl<M: Module> DistributedDataParallel<M> {
                     )))
                 }
             }
-            self.params.stage_owned(i, values)?;
+            self.params().stage_owned(i, values)?;
             self.apply_staged()?;
         }
         Ok(())
@@ -119,10 +138,10 @@ impl<M: Module> DistributedDataParallel<M> {
     pub fn average_parameters(&mut self, averager: &mut PeriodicModelAverager) -> Result<bool> {
         if !averager.is_due() {
             // Counts the step; reads no parameter.
-            return averager.average_parameters(&self.pg, &self.params);
+            return averager.average_parameters(self.process_group(), self.params());
         }
-        self.params.capture(self.module())?;
-        averager.average_parameters(&self.pg, &self.params)?;
+        self.params().capture(self.module())?;
+        averager.average_parameters(self.process_group(), self.params())?;
         self.update(|m| Ok(m), |params, m| params.apply(m))?;
         Ok(true)
     }
@@ -130,8 +149,8 @@ impl<M: Module> DistributedDataParallel<M> {
     /// Averages the parameters over all ranks now (e.g. at the end of a local SGD run, so that
     /// every replica holds the same model). A collective.
     pub fn average_parameters_now(&mut self, averager: &mut PeriodicModelAverager) -> Result<()> {
-        self.params.capture(self.module())?;
-        averager.average_now(&self.pg, &self.params)?;
+        self.params().capture(self.module())?;
+        averager.average_now(self.process_group(), self.params())?;
         self.update(|m| Ok(m), |params, m| params.apply(m))
     }
 
@@ -164,8 +183,8 @@ impl<M: Module> DistributedDataParallel<M> {
             .module
             .take()
             .expect("the module is present between calls");
-        let m = then(&self.params, f(m)?)?;
-        self.params.refresh_ids(&m)?;
+        let m = then(self.params(), f(m)?)?;
+        self.params_mut().refresh_ids(&m)?;
         self.module = Some(m);
         Ok(())
     }
@@ -185,46 +204,12 @@ impl<M: Module> DistributedDataParallel<M> {
         self.module = Some(optim.step(lr, m, grads));
     }
 
-    /// The wrapped parameters as `ddp`'s adapter contract sees them.
-    pub fn params(&self) -> &BurnParams {
-        &self.params
-    }
-
-    pub fn process_group(&self) -> &ProcessGroup {
-        &self.pg
-    }
-
-    pub fn rank(&self) -> usize {
-        self.pg.rank()
-    }
-
-    pub fn world_size(&self) -> usize {
-        self.pg.size()
-    }
-
-    /// The underlying reducer (bucket assignment, timing).
-    pub fn reducer(&self) -> &Reducer {
-        &self.reducer
-    }
-
-    /// The underlying reducer, e.g. to set the step after resuming.
-    pub fn reducer_mut(&mut self) -> &mut Reducer {
-        &mut self.reducer
-    }
-
-    /// PyTorch's `register_comm_hook` (see `ddp::reducer::CommHook`).
-    pub fn register_comm_hook(&mut self, hook: impl CommHook + 'static) -> Result<()> {
-        Ok(self.reducer.register_comm_hook(hook)?)
-    }
-
     /// PyTorch's `with ddp.no_sync():` — while the guard lives, backwards accumulate gradients
     /// locally without communicating and return this micro-batch's *local* gradients (do not
     /// step the optimizer on them). The first backward after the guard is dropped reduces the sum
     /// of everything accumulated.
     pub fn no_sync(&mut self) -> NoSync<'_, M> {
-        let prev = self.reducer.require_backward_grad_sync();
-        self.reducer.set_require_backward_grad_sync(false);
-        NoSync { ddp: self, prev }
+        NoSync::new(self)
     }
 
     /// `loss.backward()`, then the bucketed, pipelined all-reduce (buckets in reverse parameter
@@ -232,7 +217,7 @@ impl<M: Module> DistributedDataParallel<M> {
     /// for one that got no gradient on any rank), ready for Burn's optimizers.
     pub fn backward<const D: usize>(&mut self, loss: Tensor<D>) -> Result<GradientsParams> {
         let local = self.local_backward(loss)?;
-        self.finish(local)
+        self.finish_grads(local)
     }
 
     /// Averages gradients that Burn already computed (e.g. a `TrainStep`'s
@@ -241,7 +226,7 @@ impl<M: Module> DistributedDataParallel<M> {
     /// `grads` unchanged.
     pub fn sync_gradients(&mut self, grads: GradientsParams) -> Result<GradientsParams> {
         let grads = self.mark(|_| grads)?;
-        self.finish(grads)
+        self.finish_grads(grads)
     }
 
     fn local_backward<const D: usize>(&mut self, loss: Tensor<D>) -> Result<GradientsParams> {
@@ -251,12 +236,12 @@ impl<M: Module> DistributedDataParallel<M> {
     /// Starts a reducer step, gets this rank's gradients from `grads(module)` and hands every
     /// one of them to the reducer (last parameter first); returns them.
     fn mark(&mut self, grads: impl FnOnce(&M) -> GradientsParams) -> Result<GradientsParams> {
-        self.reducer.prepare_for_backward()?;
+        self.prepare_for_backward()?;
         let module = self
             .module
             .as_ref()
             .expect("the module is present between calls");
-        self.params.refresh_ids(module)?;
+        self.core.params_mut().refresh_ids(module)?;
         let mut grads = grads(module);
         self.hand_over(&mut grads)?;
         Ok(grads)
@@ -266,12 +251,12 @@ impl<M: Module> DistributedDataParallel<M> {
     /// synchronized step they are taken out of `grads` (owned: no copy), else left there.
     pub(crate) fn hand_over(&mut self, grads: &mut GradientsParams) -> Result<()> {
         // A synchronized step returns the averaged gradients, not these: hand them over owned.
-        let take = self.reducer.require_backward_grad_sync();
+        let take = self.reducer().require_backward_grad_sync();
         if take {
-            self.params.take_grads(grads)?;
+            self.params().take_grads(grads)?;
         }
-        let marked = adapter::mark_grads(&self.params, &mut self.reducer, grads, |_, _| Ok(()));
-        self.params.clear_taken();
+        let marked = self.mark_grads(grads, |_, _| Ok(()));
+        self.params().clear_taken();
         marked
     }
 
@@ -285,14 +270,11 @@ impl<M: Module> DistributedDataParallel<M> {
         join: &Join,
         step: &JoinStep,
     ) -> Result<GradientsParams> {
-        self.check_has_data("backward_join", loss.is_some(), "loss", step)?;
-        self.reducer.set_divisor(step.divisor)?;
-        let local = match loss {
-            Some(loss) => self.local_backward(loss)?,
-            None => GradientsParams::new(),
-        };
-        let stats = join.sync_gradients(&mut self.reducer, step)?;
-        self.reduced_grads(stats, local)
+        let (stats, local) =
+            self.join_step("backward_join", "loss", loss, join, step, |d, l| {
+                d.local_backward(l)
+            })?;
+        self.reduced_grads(stats, local.unwrap_or_default())
     }
 
     /// [`backward_join`](Self::backward_join) for gradients Burn already computed (a
@@ -305,41 +287,17 @@ impl<M: Module> DistributedDataParallel<M> {
         join: &Join,
         step: &JoinStep,
     ) -> Result<GradientsParams> {
-        self.check_has_data("sync_gradients_join", grads.is_some(), "gradients", step)?;
-        self.reducer.set_divisor(step.divisor)?;
-        let local = match grads {
-            Some(grads) => self.mark(|_| grads)?,
-            None => GradientsParams::new(),
-        };
-        let stats = join.sync_gradients(&mut self.reducer, step)?;
-        self.reduced_grads(stats, local)
+        let what = "sync_gradients_join";
+        let (stats, local) =
+            self.join_step(what, "gradients", grads, join, step, |d, g| d.mark(|_| g))?;
+        self.reduced_grads(stats, local.unwrap_or_default())
     }
 
     /// ZeRO's backward: this rank's gradients handed to the reducer and reduced; the reduced
     /// buckets stay in the reducer (for `sharding::take_shard_grads`).
     pub(crate) fn reduce_backward<const D: usize>(&mut self, loss: Tensor<D>) -> Result<StepStats> {
         self.local_backward(loss)?;
-        Ok(self.reducer.finish()?)
-    }
-
-    /// A `Join` step's input must agree with what this rank told `Join::begin_step`.
-    pub(crate) fn check_has_data(
-        &self,
-        what: &str,
-        given: bool,
-        input: &str,
-        step: &JoinStep,
-    ) -> Result<()> {
-        if given == step.has_data {
-            return Ok(());
-        }
-        Err(Error::Unsupported(format!(
-            "{what} on rank {}: this rank reported has_data = {} to Join::begin_step but passed \
-             {} {input}",
-            self.rank(),
-            step.has_data,
-            if given { "its" } else { "no" }
-        )))
+        self.finish()
     }
 
     /// [`reduce_backward`](Self::reduce_backward) under [`Join`].
@@ -349,17 +307,15 @@ impl<M: Module> DistributedDataParallel<M> {
         join: &Join,
         step: &JoinStep,
     ) -> Result<StepStats> {
-        self.check_has_data("backward_join", loss.is_some(), "loss", step)?;
-        self.reducer.set_divisor(step.divisor)?;
-        if let Some(loss) = loss {
-            self.local_backward(loss)?;
-        }
-        Ok(join.sync_gradients(&mut self.reducer, step)?)
+        let (stats, _) = self.join_step("backward_join", "loss", loss, join, step, |d, l| {
+            d.local_backward(l)
+        })?;
+        Ok(stats)
     }
 
     /// Stages new values of parameter `index` for [`apply_staged`](Self::apply_staged).
     pub(crate) fn stage_param(&self, index: usize, values: &[f32]) -> Result<()> {
-        self.params
+        self.params()
             .write_param(index, ddp::reducer::HostSlice::of(values))
     }
 
@@ -373,8 +329,8 @@ impl<M: Module> DistributedDataParallel<M> {
         self.update(|m| Ok(m), |params, m| params.apply(m))
     }
 
-    fn finish(&mut self, local: GradientsParams) -> Result<GradientsParams> {
-        let stats = self.reducer.finish()?;
+    fn finish_grads(&mut self, local: GradientsParams) -> Result<GradientsParams> {
+        let stats = self.finish()?;
         self.reduced_grads(stats, local)
     }
 
@@ -386,35 +342,21 @@ impl<M: Module> DistributedDataParallel<M> {
         if !stats.synced {
             return Ok(local);
         }
-        let n = self.params.param_count();
-        if (0..n).any(|i| self.reducer.is_device_bucket(i)) {
-            return adapter::averaged_grads(&self.params, &self.reducer);
+        let n = self.param_count();
+        if (0..n).any(|i| self.reducer().is_device_bucket(i)) {
+            return adapter::averaged_grads(self.params(), self.reducer());
         }
         // Host buckets: the gradients are windows of the buckets' buffers, which the reducer
         // hands over (PyTorch's `gradient_as_bucket_view`), not copies.
-        let taken = self.reducer.take_averaged_buffers()?;
-        self.params.grads_from_buckets(taken.into_iter().flatten())
-    }
-
-    /// Timing of the last backward.
-    pub fn last_step_stats(&self) -> Option<StepStats> {
-        self.reducer.last_step_stats()
-    }
-
-    /// Timing summed over all synchronized steps.
-    pub fn total_stats(&self) -> TotalStats {
-        self.reducer.total_stats()
-    }
-
-    /// The parameter paths, in order (for [`ReplicaReport::describe`]).
-    pub fn param_names(&self) -> Vec<&str> {
-        self.params.names()
+        let taken = self.reducer_mut().take_averaged_buffers()?;
+        self.params()
+            .grads_from_buckets(taken.into_iter().flatten())
     }
 
     /// Every parameter's values as `f64` (exact for F32 and F64), in order.
     pub fn param_values_f64(&self) -> Result<Vec<Vec<f64>>> {
-        self.params.capture(self.module())?;
-        self.params
+        self.params().capture(self.module())?;
+        self.params()
             .take_staged()
             .into_iter()
             .map(|v| match v {
@@ -430,8 +372,8 @@ impl<M: Module> DistributedDataParallel<M> {
 
     /// Checks across ranks that every replica holds bit-identical parameters (a collective).
     pub fn verify_replicas(&self) -> Result<ReplicaReport> {
-        self.params.capture(self.module())?;
-        let staged = self.params.take_staged();
+        self.params().capture(self.module())?;
+        let staged = self.params().take_staged();
         // In the parameters' own dtype (no f64 copy of an f32 model) when they share one.
         let f32s: Option<Vec<&[f32]>> = staged
             .iter()
@@ -441,12 +383,12 @@ impl<M: Module> DistributedDataParallel<M> {
             })
             .collect();
         if let Some(slices) = f32s {
-            return Ok(ddp::verify::verify_replicas(&self.pg, &slices)?);
+            return Ok(ddp::verify::verify_replicas(self.process_group(), &slices)?);
         }
         drop(staged);
         let values = self.param_values_f64()?;
         let slices: Vec<&[f64]> = values.iter().map(Vec::as_slice).collect();
-        Ok(ddp::verify::verify_replicas(&self.pg, &slices)?)
+        Ok(ddp::verify::verify_replicas(self.process_group(), &slices)?)
     }
 
     /// Largest absolute difference of any parameter element between any two ranks (a
@@ -460,11 +402,6 @@ impl<M: Module> DistributedDataParallel<M> {
         let flat: Vec<f64> = self.param_values_f64()?.concat();
         let sq: f64 = flat.iter().map(|x| x * x).sum();
         Ok((flat.iter().sum(), sq.sqrt()))
-    }
-
-    /// Number of trainable parameters (tensors) wrapped.
-    pub fn param_count(&self) -> usize {
-        self.params.param_count()
     }
 }
 
@@ -505,33 +442,18 @@ impl<M: Module> DistributedDataParallel<M> {
         &self,
         dir: &Path,
         optim: Option<&ModuleOptimizer>,
-        mut meta: CheckpointMeta,
+        meta: CheckpointMeta,
     ) -> Result<Option<PathBuf>> {
-        meta.world_size = self.pg.size();
-        let hooks = ddp::hooks::gather_state(&self.pg, &self.reducer.comm_hook_state())?;
-        let written = if self.pg.rank() == 0 {
-            (|| -> Result<PathBuf> {
-                let mut ckpt = Checkpoint::new(meta);
-                match optim {
-                    Some(o) => crate::checkpoint::save_records(&mut ckpt, self.module(), o)?,
-                    None => ckpt.insert_blob(MODEL_BLOB, model_bytes(self.module())?),
+        let fill = |ckpt: &mut Checkpoint| -> Result<()> {
+            match optim {
+                Some(o) => crate::checkpoint::save_records(ckpt, self.module(), o),
+                None => {
+                    ckpt.insert_blob(MODEL_BLOB, model_bytes(self.module())?);
+                    Ok(())
                 }
-                ckpt.save_hook_state(&hooks)?;
-                Ok(ddp::checkpoint::save_atomic(dir, &ckpt)?)
-            })()
-            .map(Some)
-        } else {
-            Ok(None)
+            }
         };
-        let written = written.map_err(|e| match e {
-            Error::Ddp(e) => e,
-            other => ddp::Error::Checkpoint(other.to_string()),
-        });
-        Ok(ddp::sharding::agree(
-            &self.pg,
-            "saving the checkpoint",
-            written,
-        )?)
+        Ok(self.write_checkpoint(dir, meta, |ckpt| fill(ckpt).map_err(Error::into_ddp))?)
     }
 
     /// Loads the module record of `ckpt` (blob [`crate::checkpoint::MODEL_BLOB`], e.g. of
@@ -549,17 +471,6 @@ impl<M: Module> DistributedDataParallel<M> {
             .map_err(|e| Error::Record(format!("{what}: {e}")))?;
         self.map_module(|_| module)
     }
-
-    /// The metadata of a checkpoint at the start of epoch `epoch`, at the reducer's step.
-    fn epoch_meta(&self, epoch: u64) -> CheckpointMeta {
-        CheckpointMeta {
-            step: self.reducer.step(),
-            epoch,
-            sampler: SamplerState { epoch, consumed: 0 },
-            world_size: self.pg.size(),
-            ..Default::default()
-        }
-    }
 }
 
 /// `module`'s record as burnpack bytes.
@@ -572,27 +483,13 @@ fn model_bytes<M: Module>(module: &M) -> Result<Vec<u8>> {
     Ok(bytes.to_vec())
 }
 
-/// Guard returned by [`DistributedDataParallel::no_sync`]; restores synchronization on drop.
-pub struct NoSync<'a, M: Module> {
-    ddp: &'a mut DistributedDataParallel<M>,
-    prev: bool,
-}
-
-impl<M: Module> Deref for NoSync<'_, M> {
-    type Target = DistributedDataParallel<M>;
-    fn deref(&self) -> &Self::Target {
-        self.ddp
-    }
-}
-
-impl<M: Module> DerefMut for NoSync<'_, M> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        self.ddp
-    }
-}
-
-impl<M: Module> Drop for NoSync<'_, M> {
-    fn drop(&mut self) {
-        self.ddp.reducer.set_require_backward_grad_sync(self.prev);
+impl Error {
+    /// This error as `ddp`'s: its own when it carries one, else a checkpoint error with its
+    /// message (for `ddp`'s collectives that agree on a result over the ranks).
+    pub(crate) fn into_ddp(self) -> ddp::Error {
+        match self {
+            Error::Ddp(e) => e,
+            other => ddp::Error::Checkpoint(other.to_string()),
+        }
     }
 }

@@ -40,8 +40,8 @@
 //!   checksummed blobs of a `ddp::Checkpoint` beside our metadata, written atomically by rank 0;
 //!   `ddp::checkpoint::resume_or_start` resumes exactly.
 //!
-//! - **Staged backward** (module [`staged`]): `forward_backward_staged` runs the backward one
-//!   stage at a time, each stage's buckets reduced while earlier stages compute.
+//! - **Blockwise backward** (module [`blockwise`]): `forward_backward_blockwise` runs the
+//!   backward one block at a time, each block's buckets reduced while earlier blocks compute.
 //! - **ZeRO** (module [`zero`]): [`ZeroDdp`] shards the optimizer state (stage 1) and the
 //!   gradients (stage 2) over the ranks on `ddp::sharding`, stepping each owned chunk with Burn's
 //!   own optimizer; its sharded checkpoints resume at any world size.
@@ -74,6 +74,7 @@
 
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
+pub mod blockwise;
 pub mod checkpoint;
 pub mod data;
 mod data_parallel;
@@ -81,16 +82,15 @@ mod data_parallel;
 pub mod learner;
 pub mod params;
 pub mod prelude;
-pub mod staged;
 pub mod zero;
 
+pub use blockwise::{Block, Stage};
 pub use data::{ShardedDataset, Sharding};
 pub use data_parallel::{DdpOptions, DistributedDataParallel, ModuleLearningRate, NoSync};
 pub use ddp_comm::ProcessGroup;
 #[cfg(feature = "learner")]
 pub use learner::{DdpLearningStrategy, FitSummary, QuietRenderer};
 pub use params::BurnParams;
-pub use staged::Stage;
 pub use zero::ZeroDdp;
 
 /// Short alias of [`DistributedDataParallel`].

@@ -25,7 +25,7 @@
 //! Memory per rank, fp32 AdamW: stage 1 holds ZeRO's `8Ψ + 8Ψ/N` (parameters, gradient buckets
 //! from the backward to the step, moments). Burn 0.22's backward returns every gradient of a
 //! graph at once, so with a plain `loss.backward()` stage 2's peak holds them whole once
-//! (`8Ψ + 8Ψ/N`); [`ZeroDdp::forward_backward_staged`] runs the backward a stage at a time
+//! (`8Ψ + 8Ψ/N`); [`ZeroDdp::forward_backward_blockwise`] runs the backward a stage at a time
 //! (module [`staged`](crate::staged)) and keeps them at their shard (`4Ψ + 12Ψ/N`). Measured, 52
 //! M parameters (`ddp-bench train --framework burn`, see the README), peak RSS at world 2 / 4:
 //! DDP 842 / 843 MiB (1.06 of 16Ψ), stage 1 661 / 546 (1.11 / 1.10), stage 2 staged 570 / 436
@@ -202,24 +202,26 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         self.after_reduce(stats)
     }
 
-    /// The staged path ([`DistributedDataParallel::forward_backward_staged`]): forward through
+    /// The staged path ([`DistributedDataParallel::forward_backward_blockwise`]): forward through
     /// `stages`, `loss_fn` on the last output, then the backward one stage at a time, each
     /// stage's buckets reduce-scattered while earlier stages compute. At stage 2 this is what
     /// keeps the gradients at their shard: a plain `loss.backward()` holds every gradient at
     /// once. Returns the statistics and the loss (detached).
-    pub fn forward_backward_staged<const D: usize, const L: usize>(
+    pub fn forward_backward_blockwise<const D: usize, const L: usize>(
         &mut self,
-        stages: &[crate::Stage<'_, M, D>],
+        stages: &[crate::Block<'_, M, D>],
         input: Tensor<D>,
         loss_fn: impl FnOnce(Tensor<D>) -> Tensor<L>,
     ) -> Result<(StepStats, Tensor<L>)> {
         if self.stage == ZeroStage::Ddp {
-            let (grads, loss) = self.ddp.forward_backward_staged(stages, input, loss_fn)?;
+            let (grads, loss) = self
+                .ddp
+                .forward_backward_blockwise(stages, input, loss_fn)?;
             let stats = self.ddp.last_step_stats().unwrap_or_default();
             self.full_grads = stats.synced.then_some(grads);
             return Ok((stats, loss));
         }
-        let (stats, loss) = self.ddp.reduce_staged(stages, input, loss_fn)?;
+        let (stats, loss) = self.ddp.reduce_blockwise(stages, input, loss_fn)?;
         Ok((self.after_reduce(stats)?, loss))
     }
 
@@ -507,7 +509,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         })
     }
 
-    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::checkpoint`).
+    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::sets`).
     /// It loads at any world size, at stage 1 or 2.
     pub fn save(&self, dir: &Path, meta: &CheckpointMeta) -> Result<PathBuf> {
         self.require_sharded("save")?;

@@ -418,7 +418,7 @@ fn stage2(m: &Mlp, h: Tensor<2>) -> Tensor<2> {
     m.l3.forward(h)
 }
 
-/// [`train`] through `forward_backward_staged`, `K` micro-batches per step (the first `K - 1`
+/// [`train`] through `forward_backward_blockwise`, `K` micro-batches per step (the first `K - 1`
 /// under no_sync, losses scaled by `1/K`).
 fn train_staged<O: Optimizer, const K: usize>(
     z: &mut ZeroDdp<Mlp, O>,
@@ -427,7 +427,7 @@ fn train_staged<O: Optimizer, const K: usize>(
     steps: usize,
 ) -> History {
     let (x, y) = data();
-    let stages: [ddp_burn::Stage<'_, Mlp, 2>; 3] = [&stage0, &stage1, &stage2];
+    let stages: [ddp_burn::Block<'_, Mlp, 2>; 3] = [&stage0, &stage1, &stage2];
     let mut history = Vec::new();
     for k in 0..steps {
         for j in 0..K {
@@ -439,7 +439,7 @@ fn train_staged<O: Optimizer, const K: usize>(
                     .forward(out, ys)
                     / K as f32
             };
-            let (stats, _) = z.forward_backward_staged(&stages, xs, loss_fn).unwrap();
+            let (stats, _) = z.forward_backward_blockwise(&stages, xs, loss_fn).unwrap();
             assert_eq!(stats.synced, j == K - 1);
         }
         z.step(LR).unwrap();
@@ -506,13 +506,15 @@ fn the_staged_backward_under_no_sync_returns_every_local_gradient() {
         let mut guard = ddp.no_sync();
         let loss = guard.module().loss(xs.clone(), ys.clone());
         let plain = guard.backward(loss).unwrap();
-        let stages: [ddp_burn::Stage<'_, Mlp, 2>; 3] = [&stage0, &stage1, &stage2];
+        let stages: [ddp_burn::Block<'_, Mlp, 2>; 3] = [&stage0, &stage1, &stage2];
         let loss_fn = |out: Tensor<2>| {
             burn::nn::loss::CrossEntropyLossConfig::new()
                 .init(&out.device())
                 .forward(out, ys)
         };
-        let (staged, _) = guard.forward_backward_staged(&stages, xs, loss_fn).unwrap();
+        let (staged, _) = guard
+            .forward_backward_blockwise(&stages, xs, loss_fn)
+            .unwrap();
         let m = guard.module();
         let ids2 = [m.l1.weight.id, m.l2.weight.id, m.l3.weight.id];
         let ids1 = [m.l1.bias.id, m.l2.bias.id, m.l3.bias.id];

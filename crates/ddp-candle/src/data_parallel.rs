@@ -1,17 +1,16 @@
 //! [`DistributedDataParallel`]: the candle-facing wrapper around `ddp::reducer::Reducer`.
 
+use crate::blockwise::blockwise_backward;
 use crate::params::CandleParams;
-use crate::staged::staged_backward;
 use crate::tensors;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
-use ddp::adapter::{self, ParamAccess};
-use ddp::checkpoint::{Checkpoint, CheckpointMeta, OptimizerState};
+use ddp::adapter::{self, DdpCore, DdpWrapper};
+use ddp::checkpoint::{CheckpointMeta, OptimizerState};
 use ddp::join::{Join, JoinStep};
-use ddp::reducer::{CommHook, Reducer, ReducerOptions, StepStats, TotalStats};
-use ddp::sampler::SamplerState;
+use ddp::reducer::{Reducer, ReducerOptions, StepStats};
 use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
@@ -59,12 +58,12 @@ impl Default for DdpOptions {
     }
 }
 
-/// What [`DistributedDataParallel::forward_backward_staged`] returns.
+/// What [`DistributedDataParallel::forward_backward_blockwise`] returns.
 #[derive(Debug)]
-pub struct StagedOutput {
+pub struct BlockwiseOutput {
     /// The local loss (detached).
     pub loss: Tensor,
-    /// The last stage's output (detached), e.g. logits for accuracy.
+    /// The last block's output (detached), e.g. logits for accuracy.
     pub output: Tensor,
     /// Gradients for the optimizer (averaged over ranks unless under `no_sync`).
     pub grads: GradStore,
@@ -72,12 +71,34 @@ pub struct StagedOutput {
 
 /// Data-parallel training of a candle model: gradients averaged over every rank of a process
 /// group, replicas kept identical. See the crate documentation.
+///
+/// The framework-agnostic half (process group, reducer, `register_comm_hook`, statistics,
+/// parameter names, ...) is `ddp`'s [`DdpCore`], reached through `Deref`: `ddp.rank()`,
+/// `ddp.reducer_mut()` and the like are its methods.
 pub struct DistributedDataParallel {
-    pg: ProcessGroup,
-    /// Sorted by name: the registration order, the same on every rank.
-    params: CandleParams,
-    reducer: Reducer,
+    /// The parameters sorted by name: the registration order, the same on every rank.
+    core: DdpCore<CandleParams>,
     bucket_views: bool,
+}
+
+/// Guard returned by [`DistributedDataParallel::no_sync`]; restores synchronization on drop.
+pub type NoSync<'a> = adapter::NoSync<'a, DistributedDataParallel>;
+
+impl DdpWrapper for DistributedDataParallel {
+    type Params = CandleParams;
+}
+
+impl Deref for DistributedDataParallel {
+    type Target = DdpCore<CandleParams>;
+    fn deref(&self) -> &DdpCore<CandleParams> {
+        &self.core
+    }
+}
+
+impl DerefMut for DistributedDataParallel {
+    fn deref_mut(&mut self) -> &mut DdpCore<CandleParams> {
+        &mut self.core
+    }
 }
 
 impl DistributedDataParallel {
@@ -111,9 +132,7 @@ impl DistributedDataParallel {
         };
         reducer.set_check_finite(opts.check_finite);
         let ddp = DistributedDataParallel {
-            pg: pg.clone(),
-            params,
-            reducer,
+            core: DdpCore::new(pg, params, reducer),
             bucket_views: opts.gradient_as_bucket_view,
         };
         if opts.init_sync {
@@ -124,56 +143,17 @@ impl DistributedDataParallel {
 
     /// Copies the parameter values of rank `root` to every rank (a collective).
     pub fn broadcast_parameters(&self, root: usize) -> Result<()> {
-        adapter::broadcast_params(&self.params, &self.pg, root)
+        adapter::broadcast_params(self.params(), self.process_group(), root)
     }
 
     /// The wrapped variables, sorted by name.
     pub fn named_vars(&self) -> &[(String, Var)] {
-        self.params.vars()
-    }
-
-    /// The wrapped variables as `ddp`'s adapter contract sees them.
-    pub fn params(&self) -> &CandleParams {
-        &self.params
+        self.params().vars()
     }
 
     /// The wrapped variables, sorted by name (e.g. for `candle_nn::SGD::new`).
     pub fn all_vars(&self) -> Vec<Var> {
-        self.params.vars().iter().map(|(_, v)| v.clone()).collect()
-    }
-
-    pub fn process_group(&self) -> &ProcessGroup {
-        &self.pg
-    }
-
-    pub fn rank(&self) -> usize {
-        self.pg.rank()
-    }
-
-    pub fn world_size(&self) -> usize {
-        self.pg.size()
-    }
-
-    /// The underlying reducer (bucket assignment, timing).
-    pub fn reducer(&self) -> &Reducer {
-        &self.reducer
-    }
-
-    /// The underlying reducer, e.g. for Join's `finish_with_divisor`.
-    pub fn reducer_mut(&mut self) -> &mut Reducer {
-        &mut self.reducer
-    }
-
-    /// PyTorch's `register_comm_hook`: gradient buckets are reduced by `hook` instead of the
-    /// default all-reduce average (see `ddp::reducer::CommHook` for the contract). Every rank
-    /// must register an equivalent hook, once, between steps.
-    pub fn register_comm_hook(&mut self, hook: impl CommHook + 'static) -> Result<()> {
-        Ok(self.reducer.register_comm_hook(hook)?)
-    }
-
-    /// PyTorch's `require_backward_grad_sync`; prefer [`no_sync`](Self::no_sync).
-    pub fn set_require_backward_grad_sync(&mut self, sync: bool) {
-        self.reducer.set_require_backward_grad_sync(sync);
+        self.named_vars().iter().map(|(_, v)| v.clone()).collect()
     }
 
     /// PyTorch's `with ddp.no_sync():` — while the guard lives, backwards accumulate gradients
@@ -182,9 +162,7 @@ impl DistributedDataParallel {
     /// of everything accumulated (scale each micro-batch's loss so that the sum is the gradient
     /// you want, e.g. divide by the number of micro-batches).
     pub fn no_sync(&mut self) -> NoSync<'_> {
-        let prev = self.reducer.require_backward_grad_sync();
-        self.reducer.set_require_backward_grad_sync(false);
-        NoSync { ddp: self, prev }
+        NoSync::new(self)
     }
 
     /// Plain path: `loss.backward()`, then the bucketed, pipelined all-reduce. Returns the
@@ -192,7 +170,7 @@ impl DistributedDataParallel {
     /// gradient on any rank).
     pub fn backward(&mut self, loss: &Tensor) -> Result<GradStore> {
         let local = self.local_backward(loss)?;
-        self.finish(local)
+        self.finish_grads(local)
     }
 
     /// `loss.backward()` and every parameter gradient handed to the reducer (last parameter
@@ -200,14 +178,18 @@ impl DistributedDataParallel {
     /// empty store otherwise: the local gradients are freed as soon as the reducer holds them,
     /// not kept next to the averaged ones (4Ψ bytes less at the peak for f32 parameters).
     fn local_backward(&mut self, loss: &Tensor) -> Result<GradStore> {
-        self.reducer.prepare_for_backward()?;
-        let vars = self.params.vars();
-        let weights: Vec<&Tensor> = vars.iter().map(|(_, v)| v.as_tensor()).collect();
-        let mut grads = crate::nn::backward_capturing(loss, &weights)?;
+        self.prepare_for_backward()?;
+        let mut grads = {
+            let vars = self.named_vars();
+            let weights: Vec<&Tensor> = vars.iter().map(|(_, v)| v.as_tensor()).collect();
+            crate::nn::backward_capturing(loss, &weights)?
+        };
         let mut local = GradStore::default();
-        let keep = !self.reducer.require_backward_grad_sync();
-        adapter::mark_grads(&self.params, &mut self.reducer, &mut grads, |i, grads| {
-            let t = vars[i].1.as_tensor();
+        let keep = !self.reducer().require_backward_grad_sync();
+        let (params, reducer) = self.core.parts_mut();
+        let params = &*params;
+        adapter::mark_grads(params, reducer, &mut grads, |i, grads| {
+            let t = params.vars()[i].1.as_tensor();
             if let (true, Some(g)) = (keep, grads.get(t)) {
                 local.insert(t, g.clone());
             }
@@ -242,87 +224,76 @@ impl DistributedDataParallel {
         join: &Join,
         step: &JoinStep,
     ) -> Result<GradStore> {
-        if loss.is_some() != step.has_data {
-            return Err(Error::Unsupported(format!(
-                "backward_join on rank {}: this rank reported has_data = {} to Join::begin_step \
-                 but passed {} loss",
-                self.rank(),
-                step.has_data,
-                if loss.is_some() { "a" } else { "no" }
-            )));
-        }
-        self.reducer.set_divisor(step.divisor)?;
-        let local = match loss {
-            Some(loss) => self.local_backward(loss)?,
-            None => GradStore::default(),
-        };
-        let stats = join.sync_gradients(&mut self.reducer, step)?;
-        self.reduced_grads(stats, local)
+        let (stats, local) =
+            self.join_step("backward_join", "loss", loss, join, step, |d, l| {
+                d.local_backward(l)
+            })?;
+        self.reduced_grads(stats, local.unwrap_or_default())
     }
 
-    /// Staged path: forward through `stages` in order, `loss_fn` on the last output, then backward
-    /// one stage at a time from the last, each stage's gradients handed to the reducer right away
-    /// so their buckets communicate while earlier stages compute. Same gradients as
-    /// [`backward`](Self::backward). A parameter must belong to a single stage.
-    pub fn forward_backward_staged<L>(
+    /// Blockwise path: forward through `blocks` in order, `loss_fn` on the last output, then
+    /// backward one block at a time from the last, each block's gradients handed to the reducer
+    /// right away so their buckets communicate while earlier blocks compute. Same gradients as
+    /// [`backward`](Self::backward). A parameter must belong to a single block.
+    pub fn forward_backward_blockwise<L>(
         &mut self,
-        stages: &[&dyn Module],
+        blocks: &[&dyn Module],
         input: &Tensor,
         loss_fn: L,
-    ) -> Result<StagedOutput>
+    ) -> Result<BlockwiseOutput>
     where
         L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     {
-        let (loss, output, local) = self.staged_local(stages, input, loss_fn)?;
-        let grads = self.finish(local)?;
-        Ok(StagedOutput {
+        let (loss, output, local) = self.blockwise_local(blocks, input, loss_fn)?;
+        let grads = self.finish_grads(local)?;
+        Ok(BlockwiseOutput {
             loss,
             output,
             grads,
         })
     }
 
-    /// [`forward_backward_staged`](Self::forward_backward_staged) without collecting the
+    /// [`forward_backward_blockwise`](Self::forward_backward_blockwise) without collecting the
     /// averaged gradients (for `ZeroDdp`): the step's statistics, the loss and the output.
-    pub(crate) fn reduce_forward_backward_staged<L>(
+    pub(crate) fn reduce_forward_backward_blockwise<L>(
         &mut self,
-        stages: &[&dyn Module],
+        blocks: &[&dyn Module],
         input: &Tensor,
         loss_fn: L,
     ) -> Result<(StepStats, Tensor, Tensor)>
     where
         L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     {
-        let (loss, output, _) = self.staged_local(stages, input, loss_fn)?;
-        Ok((self.reducer.finish()?, loss, output))
+        let (loss, output, _) = self.blockwise_local(blocks, input, loss_fn)?;
+        Ok((self.finish()?, loss, output))
     }
 
-    /// The staged forward and backward, every stage's gradients handed to the reducer (and
-    /// released) as soon as that stage is done; returns the loss, the output and, under
+    /// The blockwise forward and backward, every block's gradients handed to the reducer (and
+    /// released) as soon as that block is done; returns the loss, the output and, under
     /// `no_sync`, the local gradients (an empty store otherwise).
-    fn staged_local<L>(
+    fn blockwise_local<L>(
         &mut self,
-        stages: &[&dyn Module],
+        blocks: &[&dyn Module],
         input: &Tensor,
         loss_fn: L,
     ) -> Result<(Tensor, Tensor, GradStore)>
     where
         L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     {
-        self.reducer.prepare_for_backward()?;
+        self.prepare_for_backward()?;
         let mut local = GradStore::default();
-        let keep = !self.reducer.require_backward_grad_sync();
-        let mut marked = vec![false; self.params.param_count()];
-        let params = &self.params;
-        let reducer = &mut self.reducer;
+        let keep = !self.reducer().require_backward_grad_sync();
+        let mut marked = vec![false; self.param_count()];
+        let (params, reducer) = self.core.parts_mut();
+        let params = &*params;
         let weights: Vec<&Tensor> = params.vars().iter().map(|(_, v)| v.as_tensor()).collect();
-        let on_stage = |stage, grads: &mut GradStore| {
+        let on_block = |block, grads: &mut GradStore| {
             adapter::mark_grads(params, reducer, grads, |i, grads| {
                 let (name, var) = &params.vars()[i];
                 if marked[i] {
                     return Err(Error::Unsupported(format!(
-                        "parameter `{name}` is used by stage {stage} and a later stage; the \
-                         staged backward needs every parameter in a single stage (use \
+                        "parameter `{name}` is used by block {block} and a later block; the \
+                         blockwise backward needs every parameter in a single block (use \
                          backward() for shared parameters)"
                     )));
                 }
@@ -333,7 +304,7 @@ impl DistributedDataParallel {
                 Ok(())
             })
         };
-        let (loss, output) = staged_backward(stages, input, loss_fn, &weights, on_stage)?;
+        let (loss, output) = blockwise_backward(blocks, input, loss_fn, &weights, on_block)?;
         Ok((loss, output, local))
     }
 
@@ -342,7 +313,7 @@ impl DistributedDataParallel {
     /// reducer).
     pub(crate) fn reduce_backward(&mut self, loss: &Tensor) -> Result<StepStats> {
         self.local_backward(loss)?;
-        Ok(self.reducer.finish()?)
+        self.finish()
     }
 
     /// [`backward_join`](Self::backward_join) without collecting the averaged gradients.
@@ -352,15 +323,14 @@ impl DistributedDataParallel {
         join: &Join,
         step: &JoinStep,
     ) -> Result<StepStats> {
-        self.reducer.set_divisor(step.divisor)?;
-        if let Some(loss) = loss {
-            self.local_backward(loss)?;
-        }
-        Ok(join.sync_gradients(&mut self.reducer, step)?)
+        let (stats, _) = self.join_step("backward_join", "loss", loss, join, step, |d, l| {
+            d.local_backward(l)
+        })?;
+        Ok(stats)
     }
 
-    fn finish(&mut self, local: GradStore) -> Result<GradStore> {
-        let stats = self.reducer.finish()?;
+    fn finish_grads(&mut self, local: GradStore) -> Result<GradStore> {
+        let stats = self.finish()?;
         self.reduced_grads(stats, local)
     }
 
@@ -374,20 +344,21 @@ impl DistributedDataParallel {
                 return Ok(grads);
             }
         }
-        adapter::averaged_grads(&self.params, &self.reducer)
+        adapter::averaged_grads(self.params(), self.reducer())
     }
 
     /// The averaged gradients as views of the reducer's buckets, which it hands over (see
     /// [`DdpOptions::gradient_as_bucket_view`]); `None` when a bucket lives on a device or a
     /// parameter is not on the CPU (the copying path then applies).
     fn bucket_views(&mut self) -> Result<Option<GradStore>> {
-        let vars = self.params.vars();
-        let host = (0..vars.len()).all(|i| !self.reducer.is_device_bucket(i));
+        let (params, reducer) = self.core.parts_mut();
+        let vars = params.vars();
+        let host = (0..vars.len()).all(|i| !reducer.is_device_bucket(i));
         if !host || vars.iter().any(|(_, v)| !v.device().is_cpu()) {
             return Ok(None);
         }
         let mut out = GradStore::default();
-        for (buffer, layout) in self.reducer.take_averaged_buffers()?.into_iter().flatten() {
+        for (buffer, layout) in reducer.take_averaged_buffers()?.into_iter().flatten() {
             let n = buffer.len();
             let flat = tensors::tensor_from_buffer(buffer, &n.into(), &candle_core::Device::Cpu)?;
             for p in layout.iter() {
@@ -399,21 +370,11 @@ impl DistributedDataParallel {
         Ok(Some(out))
     }
 
-    /// Timing of the last backward (communication wait vs backward+communication).
-    pub fn last_step_stats(&self) -> Option<StepStats> {
-        self.reducer.last_step_stats()
-    }
-
-    /// Timing summed over all synchronized steps.
-    pub fn total_stats(&self) -> TotalStats {
-        self.reducer.total_stats()
-    }
-
     /// Checks across ranks that every replica holds bit-identical parameters (a collective; the
     /// same report on every rank). `report.describe(&names)` names the differing parameters.
     pub fn verify_replicas(&self) -> Result<ReplicaReport> {
-        let vars: Vec<&Var> = self.params.vars().iter().map(|(_, v)| v).collect();
-        tensors::verify_replicas(&self.pg, &vars)
+        let vars: Vec<&Var> = self.named_vars().iter().map(|(_, v)| v).collect();
+        tensors::verify_replicas(self.process_group(), &vars)
     }
 
     /// Largest absolute difference of any parameter element between any two ranks (a collective;
@@ -422,14 +383,9 @@ impl DistributedDataParallel {
         Ok(self.verify_replicas()?.max_abs_diff)
     }
 
-    /// The parameter names, in registration order (for [`ReplicaReport::describe`]).
-    pub fn param_names(&self) -> Vec<&str> {
-        self.params.vars().iter().map(|(n, _)| n.as_str()).collect()
-    }
-
     /// `(sum, l2 norm)` of all parameters, in `f64`.
     pub fn param_sum_l2(&self) -> Result<(f64, f64)> {
-        let vars: Vec<&Var> = self.params.vars().iter().map(|(_, v)| v).collect();
+        let vars: Vec<&Var> = self.named_vars().iter().map(|(_, v)| v).collect();
         tensors::param_sum_l2(&vars)
     }
 }
@@ -482,75 +438,30 @@ impl DistributedDataParallel {
         &self,
         dir: &Path,
         opt: Option<&O>,
-        mut meta: CheckpointMeta,
+        meta: CheckpointMeta,
     ) -> Result<Option<PathBuf>>
     where
         O: OptimizerState + ?Sized,
         Error: From<O::Error>,
     {
-        meta.world_size = self.pg.size();
-        // Every rank's comm hook state (a collective, so before the rank-0-only part).
-        let hooks = ddp::hooks::gather_state(&self.pg, &self.reducer.comm_hook_state())?;
-        let written = if self.pg.rank() == 0 {
-            (|| -> Result<PathBuf> {
-                let mut ckpt = Checkpoint::new(meta);
-                crate::checkpoint::save_vars(&mut ckpt, self.params.vars())?;
-                if let Some(opt) = opt {
-                    ckpt.save_optimizer(opt)?;
-                }
-                ckpt.save_hook_state(&hooks)?;
-                Ok(ddp::checkpoint::save_atomic(dir, &ckpt)?)
-            })()
-            .map(Some)
-        } else {
-            Ok(None)
+        let fill = |ckpt: &mut ddp::Checkpoint| -> Result<()> {
+            crate::checkpoint::save_vars(ckpt, self.named_vars())?;
+            if let Some(opt) = opt {
+                ckpt.save_optimizer(opt)?;
+            }
+            Ok(())
         };
-        // Rank 0's failure fails every rank (the others would otherwise carry on without a
-        // checkpoint); the others' `Ok(None)` never fails rank 0.
-        let written = written.map_err(|e| match e {
+        Ok(self.write_checkpoint(dir, meta, |ckpt| fill(ckpt).map_err(Error::into_ddp))?)
+    }
+}
+
+impl Error {
+    /// This error as `ddp`'s: its own when it carries one, else a checkpoint error with its
+    /// message (for `ddp`'s collectives that agree on a result over the ranks).
+    pub(crate) fn into_ddp(self) -> ddp::Error {
+        match self {
             Error::Ddp(e) => e,
             other => ddp::Error::Checkpoint(other.to_string()),
-        });
-        Ok(ddp::sharding::agree(
-            &self.pg,
-            "saving the checkpoint",
-            written,
-        )?)
-    }
-
-    /// The metadata of a checkpoint at the start of epoch `epoch`, at the reducer's step.
-    fn epoch_meta(&self, epoch: u64) -> CheckpointMeta {
-        CheckpointMeta {
-            step: self.reducer.step(),
-            epoch,
-            sampler: SamplerState { epoch, consumed: 0 },
-            world_size: self.pg.size(),
-            ..Default::default()
         }
-    }
-}
-
-/// Guard returned by [`DistributedDataParallel::no_sync`]; restores synchronization on drop.
-pub struct NoSync<'a> {
-    ddp: &'a mut DistributedDataParallel,
-    prev: bool,
-}
-
-impl Deref for NoSync<'_> {
-    type Target = DistributedDataParallel;
-    fn deref(&self) -> &Self::Target {
-        self.ddp
-    }
-}
-
-impl DerefMut for NoSync<'_> {
-    fn deref_mut(&mut self) -> &mut Self::Target {
-        self.ddp
-    }
-}
-
-impl Drop for NoSync<'_> {
-    fn drop(&mut self) {
-        self.ddp.reducer.set_require_backward_grad_sync(self.prev);
     }
 }

@@ -26,7 +26,8 @@
 //!   gradients are handed to the bucketed reducer in reverse registration order; each bucket's
 //!   all-reduce starts as soon as it is full, so copying later buckets overlaps communicating
 //!   earlier ones.
-//! - **staged** ([`DistributedDataParallel::forward_backward_staged`], module [`staged`]): for a model
+//! - **blockwise** ([`DistributedDataParallel::forward_backward_blockwise`], module
+//!   [`blockwise`]): for a model
 //!   given as a sequence of stages, backward runs one stage at a time from the last, and each
 //!   stage's gradients go to the reducer at once — their buckets are on the wire while earlier
 //!   stages are still computing (candle has no per-parameter backward hooks, so this is how
@@ -54,6 +55,7 @@
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
 pub mod alloc;
+pub mod blockwise;
 pub mod buckets;
 pub mod checkpoint;
 #[cfg(feature = "cuda")]
@@ -66,11 +68,10 @@ pub mod optim;
 pub mod params;
 pub mod prelude;
 mod shard;
-pub mod staged;
 pub mod tensors;
 pub mod zero;
 
-pub use data_parallel::{DdpOptions, DistributedDataParallel, NoSync, StagedOutput};
+pub use data_parallel::{BlockwiseOutput, DdpOptions, DistributedDataParallel, NoSync};
 pub use ddp_comm::ProcessGroup;
 pub use fsdp::{BackwardPrefetch, Fsdp, FsdpOutput, Unit};
 pub use params::CandleParams;

@@ -278,7 +278,7 @@ impl Shard {
         Ok(())
     }
 
-    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::checkpoint`).
+    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::sets`).
     pub fn save(
         &self,
         pg: &ProcessGroup,

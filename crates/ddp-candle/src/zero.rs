@@ -14,13 +14,13 @@
 //! chunk it steps with is a view of its bucket. [`ZeroDdp::new`] takes any
 //! [`DynOptimizer`] over one 1-D chunk variable per bucket instead
 //! (4Ψ/N more). Stage 2 keeps only its gradient shard: with the staged backward
-//! ([`ZeroDdp::forward_backward_staged`]) the full gradients never exist at once.
+//! ([`ZeroDdp::forward_backward_blockwise`]) the full gradients never exist at once.
 //!
 //! ```ignore
 //! let ddp = ddp_candle::Ddp::new(&varmap, &pg, Default::default())?;
 //! let mut zero = ZeroDdp::with_optimizer(ddp, ZeroStage::Two, ShardOptimizer::AdamW(params))?;
 //! for (x, y) in batches {
-//!     zero.forward_backward_staged(&stages, &x, |o| loss(o, &y))?; // reduce-scatter
+//!     zero.forward_backward_blockwise(&stages, &x, |o| loss(o, &y))?; // reduce-scatter
 //!     zero.clip_grad_norm(1.0)?;               // optional, cross-rank norm
 //!     zero.step()?;                            // owner steps, all-gather
 //! }
@@ -287,13 +287,13 @@ impl ZeroDdp {
         self.after_reduce(stats)
     }
 
-    /// The staged path ([`DistributedDataParallel::forward_backward_staged`]): forward through
+    /// The staged path ([`DistributedDataParallel::forward_backward_blockwise`]): forward through
     /// `stages`, `loss_fn` on the last output, then backward one stage at a time, each stage's
     /// gradients reduce-scattered (and freed) while earlier stages compute. At stage 2 this is
     /// what keeps the gradients at their shard: a plain `loss.backward()` holds every full
     /// gradient at once before any bucket is reduced. Returns the statistics, the loss and the
     /// output (detached). Stage 0 runs DDP's staged path.
-    pub fn forward_backward_staged<L>(
+    pub fn forward_backward_blockwise<L>(
         &mut self,
         stages: &[&dyn candle_core::Module],
         input: &Tensor,
@@ -303,14 +303,16 @@ impl ZeroDdp {
         L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     {
         if self.stage == ZeroStage::Ddp {
-            let out = self.ddp.forward_backward_staged(stages, input, loss_fn)?;
+            let out = self
+                .ddp
+                .forward_backward_blockwise(stages, input, loss_fn)?;
             let stats = self.ddp.last_step_stats().unwrap_or_default();
             self.full_grads = stats.synced.then_some(out.grads);
             return Ok((stats, out.loss, out.output));
         }
         let (stats, loss, output) = self
             .ddp
-            .reduce_forward_backward_staged(stages, input, loss_fn)?;
+            .reduce_forward_backward_blockwise(stages, input, loss_fn)?;
         Ok((self.after_reduce(stats)?, loss, output))
     }
 
@@ -555,7 +557,7 @@ impl ZeroDdp {
         Ok(())
     }
 
-    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::checkpoint`).
+    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::sets`).
     /// It loads at any world size and stage (1, 2 or 3).
     pub fn save(&self, dir: &Path, meta: &CheckpointMeta) -> Result<PathBuf> {
         self.require_sharded("save")?;

@@ -375,8 +375,10 @@ fn staged_backward_launches_buckets_before_earlier_stages_compute() {
             log.lock().unwrap().clear();
             let s = k * 16 + rank * 8;
             let (xs, ys) = batch(&x, &y, s..s + 8);
-            ddp.forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
-                .unwrap();
+            ddp.forward_backward_blockwise(&stages, &xs, |o| {
+                candle_nn::loss::cross_entropy(o, &ys)
+            })
+            .unwrap();
             let events = log.lock().unwrap().clone();
             let first = events
                 .iter()

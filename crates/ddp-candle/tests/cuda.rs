@@ -70,7 +70,7 @@ fn two_ranks_on_one_gpu_match_one_rank_on_the_double_batch() {
                 let loss = candle_nn::loss::cross_entropy(&m.forward(&xs).unwrap(), &ys).unwrap();
                 ddp.backward(&loss).unwrap()
             } else {
-                ddp.forward_backward_staged(&stages, &xs, |o| {
+                ddp.forward_backward_blockwise(&stages, &xs, |o| {
                     candle_nn::loss::cross_entropy(o, &ys)
                 })
                 .unwrap()

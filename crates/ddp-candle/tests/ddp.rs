@@ -101,7 +101,7 @@ fn staged_and_plain_backward_give_identical_gradients() {
         let s3 = |t: &Tensor| m.stage3(t);
         let stages: [&dyn Module; 3] = [&s1, &s2, &s3];
         let out = ddp
-            .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .forward_backward_blockwise(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
             .unwrap();
         assert_eq!(
             out.loss.to_scalar::<f32>().unwrap(),
@@ -148,7 +148,7 @@ fn our_linear_weight_gradients_reach_the_buckets_bit_for_bit() {
         let (xs, ys) = batch(&x, &y, rank * 16..rank * 16 + 16);
         let stages: [&dyn Module; 3] = [&s1, &s2, &s3];
         let out = ddp
-            .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .forward_backward_blockwise(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
             .unwrap();
         assert_eq!(
             grads_of(&ddp, &out.grads),
@@ -386,7 +386,7 @@ fn a_registered_comm_hook_sums_instead_of_averaging() {
         let s3 = |t: &Tensor| m.stage3(t);
         let stages: [&dyn Module; 3] = [&s1, &s2, &s3];
         let staged = ddp
-            .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .forward_backward_blockwise(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
             .unwrap()
             .grads;
         for got in [grads_of(&ddp, &plain), grads_of(&ddp, &staged)] {
@@ -483,7 +483,7 @@ fn device_buckets_on_the_cpu_match_host_buckets_bit_for_bit() {
                 drop(grads);
                 let (xs, ys) = batch(&x, &y, at(1)..at(1) + 12);
                 let out = ddp
-                    .forward_backward_staged(&stages, &xs, |o| {
+                    .forward_backward_blockwise(&stages, &xs, |o| {
                         candle_nn::loss::cross_entropy(o, &ys)
                     })
                     .unwrap();

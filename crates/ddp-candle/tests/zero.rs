@@ -84,7 +84,7 @@ impl Trainer {
         let s3 = |t: &Tensor| m.stage3(t);
         let stages: [&dyn Module; 3] = [&s1, &s2, &s3];
         let (stats, loss, _) = z
-            .forward_backward_staged(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
+            .forward_backward_blockwise(&stages, &xs, |o| candle_nn::loss::cross_entropy(o, &ys))
             .unwrap();
         let plain = loss_at(m, k, rank, world).to_scalar::<f32>().unwrap();
         assert_eq!(loss.to_scalar::<f32>().unwrap(), plain, "the staged loss");

@@ -404,7 +404,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     // Forward and backward interleave stage by stage: one span for both.
                     let out = prof.phase(Phase::Forward, || {
                         ddp.ddp_mut()
-                            .forward_backward_staged(&stages, &x, |logits| {
+                            .forward_backward_blockwise(&stages, &x, |logits| {
                                 candle_nn::loss::cross_entropy(logits, &y)
                             })
                     })?;

@@ -34,17 +34,17 @@
 //! [`HookSpec`] parses the command-line form shared by `train-digits` and `ddp-bench train`:
 //! `none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]`.
 
-mod checkpoint;
 mod compress;
 mod local_sgd;
 mod powersgd;
 mod spec;
+mod state;
 
-pub use checkpoint::gather_state;
 pub use compress::{CompressHook, Compressed, Precision};
 pub use local_sgd::{PeriodicModelAverager, PostLocalSgdHook};
 pub use powersgd::{PowerSgdHook, PowerSgdState};
 pub use spec::{BuiltinHook, HookSpec};
+pub use state::gather_state;
 
 use crate::reducer::{BucketBuffer, HostBuffer};
 use ddp_comm::{DType, ProcessGroup, ReduceOp, Work};

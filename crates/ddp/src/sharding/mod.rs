@@ -38,24 +38,28 @@
 //! Stage 3 keeps no full parameters at all: the model is cut into units, each all-gathered just
 //! before its forward and again before its backward, then freed (module [`units`]; one unit is
 //! one bucket of a [`ShardLayout`], so checkpoints are shared by all stages). Checkpoints: module
-//! [`checkpoint`]. The candle adapters are `ddp_candle::ZeroDdp` (stages 0-2) and
+//! [`sets`]. The candle adapters are `ddp_candle::ZeroDdp` (stages 0-2) and
 //! `ddp_candle::Fsdp` (stage 3); Burn's is `ddp_burn::ZeroDdp` (stages 0-2, Burn's own
 //! optimizers stepping each chunk as one tensor; its save sets are these).
 
-pub mod checkpoint;
 mod hook;
 pub mod layout;
+pub mod sets;
 pub mod units;
 
-pub use checkpoint::{
-    agree, consolidate, import, is_set_name, latest_set, load_sharded, prepare_dir, save_sharded,
-    set_meta, ChunkState, ShardState,
-};
+/// The former name of [`sets`] (kept so that `ddp::sharding::checkpoint::*` paths resolve).
+#[doc(hidden)]
+pub use sets as checkpoint;
+
 pub use hook::{
     bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_params,
     take_shard_grads, Gather, Lend, ReduceScatterHook, ShardGrads,
 };
 pub use layout::{BucketSlot, Chunk, Piece, ShardBucket, ShardLayout};
+pub use sets::{
+    agree, consolidate, import, is_set_name, latest_set, load_sharded, prepare_dir, save_sharded,
+    set_meta, ChunkState, ShardState,
+};
 pub use units::{stage3_bytes_per_step, unit_layout, UnitComm};
 
 use crate::error::{Error, Result};

@@ -2,7 +2,7 @@
 //! machinery of this crate (the [`Reducer`], start-up broadcast) can drive its models, and the
 //! shared driver functions built on it.
 //!
-//! A framework adapter (`ddp-candle`, a future `ddp-burn`) implements [`ParamAccess`] for its
+//! A framework adapter (`ddp-candle`, `ddp-burn`) implements [`ParamAccess`] for its
 //! list of named parameters:
 //! - parameter specs in registration order ([`ParamAccess::spec`]), the same on every rank;
 //! - flat host views of a backward's gradients ([`ParamAccess::with_grad`]), ideally borrowed
@@ -24,6 +24,15 @@
 //!   framework backward ──► Grads ──mark_grads──► Reducer ──finish──► averaged_grads ──► Grads
 //!        (candle GradStore)      (with_grad: HostSlice)               (put_grad)   (optimizer)
 //! ```
+//!
+//! Above the drivers, [`DdpCore`] is the framework-agnostic half of a DDP wrapper (process
+//! group, reducer, `no_sync`'s [`NoSync`] guard, the [`Join`](crate::Join) step, statistics,
+//! the checkpoint tail), which each adapter's `DistributedDataParallel` embeds and exposes
+//! through `Deref` (module [`core`](self::core)).
+
+pub mod core;
+
+pub use self::core::{DdpCore, DdpWrapper, NoSync};
 
 use crate::error::Result;
 use crate::reducer::{DeviceSlice, HostBuffer, HostSlice, ParamSpec, Reducer};

@@ -1,0 +1,283 @@
+//! [`DdpCore`]: the framework-agnostic half of a DDP wrapper (PyTorch's one
+//! `DistributedDataParallel` around c10d's one reducer), which every framework adapter embeds
+//! and exposes through `Deref`.
+//!
+//! ```text
+//!   ddp_candle::DistributedDataParallel ─┐ Deref                ┌─ process group, reducer
+//!   ddp_burn::DistributedDataParallel<M> ┴──────► DdpCore<P> ───┼─ sync flag (no_sync → NoSync)
+//!   (forward, backward, gradients,                (P: ParamAccess) ├─ Join step, has-data check
+//!    optimizer step, framework records)                        ├─ statistics, parameter names
+//!                                                              └─ save_checkpoint's tail
+//! ```
+//!
+//! What a wrapper writes itself is what touches its framework: running the backward (handing
+//! the gradients over with [`DdpCore::mark_grads`]), collecting the averaged gradients into the
+//! framework's container, and the tensors it saves. Everything else is here once, so a method
+//! such as `ddp.rank()`, `ddp.reducer_mut()` or `ddp.register_comm_hook(h)` is the same method
+//! for every framework, reached through `Deref` without importing a trait. The wrapper declares
+//! itself with [`DdpWrapper`], which gives it the shared [`NoSync`] guard and
+//! [`DdpWrapper::join_step`].
+
+use super::{mark_grads, ParamAccess};
+use crate::checkpoint::{save_atomic, Checkpoint, CheckpointMeta};
+use crate::error::Result;
+use crate::join::{Join, JoinStep};
+use crate::reducer::{CommHook, Reducer, StepStats, TotalStats};
+use crate::sampler::SamplerState;
+use ddp_comm::ProcessGroup;
+use std::ops::{Deref, DerefMut};
+use std::path::{Path, PathBuf};
+
+/// The process group, the named parameters (`P`, the adapter's [`ParamAccess`]) and the
+/// [`Reducer`] of a DDP wrapper, with every method that does not touch the framework (see the
+/// module doc).
+pub struct DdpCore<P> {
+    pg: ProcessGroup,
+    params: P,
+    reducer: Reducer,
+}
+
+impl<P: ParamAccess> DdpCore<P> {
+    /// The core over `params`, whose gradients `reducer` (built from
+    /// [`param_specs`](super::param_specs)`(&params)`) reduces over `pg`.
+    pub fn new(pg: &ProcessGroup, params: P, reducer: Reducer) -> Self {
+        DdpCore {
+            pg: pg.clone(),
+            params,
+            reducer,
+        }
+    }
+
+    pub fn process_group(&self) -> &ProcessGroup {
+        &self.pg
+    }
+
+    pub fn rank(&self) -> usize {
+        self.pg.rank()
+    }
+
+    pub fn world_size(&self) -> usize {
+        self.pg.size()
+    }
+
+    /// The wrapped parameters as `ddp`'s adapter contract sees them.
+    pub fn params(&self) -> &P {
+        &self.params
+    }
+
+    /// The wrapped parameters, mutably (an adapter re-reading its parameter ids).
+    pub fn params_mut(&mut self) -> &mut P {
+        &mut self.params
+    }
+
+    /// The underlying reducer (bucket assignment, timing).
+    pub fn reducer(&self) -> &Reducer {
+        &self.reducer
+    }
+
+    /// The underlying reducer, e.g. to set the step after resuming or for Join's
+    /// `finish_with_divisor`.
+    pub fn reducer_mut(&mut self) -> &mut Reducer {
+        &mut self.reducer
+    }
+
+    /// The parameters and the reducer at once (a backward that hands gradients over while it
+    /// reads the parameters).
+    pub fn parts_mut(&mut self) -> (&mut P, &mut Reducer) {
+        (&mut self.params, &mut self.reducer)
+    }
+
+    /// Number of parameters (tensors) wrapped.
+    pub fn param_count(&self) -> usize {
+        self.params.param_count()
+    }
+
+    /// PyTorch's `register_comm_hook`: gradient buckets are reduced by `hook` instead of the
+    /// default all-reduce average (see [`CommHook`] for the contract). Every rank must register
+    /// an equivalent hook, once, between steps.
+    pub fn register_comm_hook(&mut self, hook: impl CommHook + 'static) -> Result<(), P::Error> {
+        Ok(self.reducer.register_comm_hook(hook)?)
+    }
+
+    /// PyTorch's `require_backward_grad_sync`; prefer the wrapper's `no_sync` ([`NoSync`]).
+    pub fn set_require_backward_grad_sync(&mut self, sync: bool) {
+        self.reducer.set_require_backward_grad_sync(sync);
+    }
+
+    /// Timing of the last backward (communication wait vs backward+communication).
+    pub fn last_step_stats(&self) -> Option<StepStats> {
+        self.reducer.last_step_stats()
+    }
+
+    /// Timing summed over all synchronized steps.
+    pub fn total_stats(&self) -> TotalStats {
+        self.reducer.total_stats()
+    }
+
+    /// The parameter names, in registration order (for
+    /// [`ReplicaReport::describe`](crate::verify::ReplicaReport::describe)).
+    pub fn param_names(&self) -> Vec<&str> {
+        self.reducer
+            .specs()
+            .iter()
+            .map(|s| s.name.as_str())
+            .collect()
+    }
+
+    /// Starts a backward ([`Reducer::prepare_for_backward`]).
+    pub fn prepare_for_backward(&mut self) -> Result<(), P::Error> {
+        Ok(self.reducer.prepare_for_backward()?)
+    }
+
+    /// Hands every gradient present in `grads` to the reducer, last parameter first
+    /// ([`mark_grads`](super::mark_grads) on this core's parameters and reducer).
+    pub fn mark_grads(
+        &mut self,
+        grads: &mut P::Grads,
+        before: impl FnMut(usize, &P::Grads) -> Result<(), P::Error>,
+    ) -> Result<(), P::Error> {
+        mark_grads(&self.params, &mut self.reducer, grads, before)
+    }
+
+    /// Ends a backward ([`Reducer::finish`]): the step's statistics; its `synced` says whether
+    /// the buckets now hold averaged gradients.
+    pub fn finish(&mut self) -> Result<StepStats, P::Error> {
+        Ok(self.reducer.finish()?)
+    }
+
+    /// A [`Join`] step's input must agree with what this rank told `Join::begin_step`: an error
+    /// naming `what` (the method) and `input` (what it takes) otherwise.
+    pub fn check_has_data(
+        &self,
+        what: &str,
+        given: bool,
+        input: &str,
+        step: &JoinStep,
+    ) -> Result<(), P::Error> {
+        if given == step.has_data {
+            return Ok(());
+        }
+        Err(crate::Error::InvalidArgument(format!(
+            "{what} on rank {}: this rank reported has_data = {} to Join::begin_step but passed \
+             {} {input}",
+            self.rank(),
+            step.has_data,
+            if given { "its" } else { "no" }
+        ))
+        .into())
+    }
+
+    /// The metadata of a checkpoint at the start of epoch `epoch` (sampler epoch `epoch`,
+    /// nothing consumed), at the reducer's step, with the process group's world size.
+    pub fn epoch_meta(&self, epoch: u64) -> CheckpointMeta {
+        CheckpointMeta {
+            step: self.reducer.step(),
+            epoch,
+            sampler: SamplerState { epoch, consumed: 0 },
+            world_size: self.pg.size(),
+            ..Default::default()
+        }
+    }
+
+    /// What every wrapper's `save_checkpoint_with` does after choosing its tensors (a
+    /// collective): `meta.world_size` set to the group's size; every rank's comm hook state
+    /// gathered; on rank 0 a checkpoint of `meta`, filled by `fill` (the framework's model and
+    /// optimizer) and the hook states, written atomically to `dir`
+    /// ([`save_atomic`]). Returns the file on rank 0, `None` elsewhere; rank 0's failure fails
+    /// every rank ([`agree`](crate::sharding::agree)).
+    pub fn write_checkpoint(
+        &self,
+        dir: &Path,
+        mut meta: CheckpointMeta,
+        fill: impl FnOnce(&mut Checkpoint) -> Result<()>,
+    ) -> Result<Option<PathBuf>> {
+        meta.world_size = self.pg.size();
+        // Every rank's comm hook state (a collective, so before the rank-0-only part).
+        let hooks = crate::hooks::gather_state(&self.pg, &self.reducer.comm_hook_state())?;
+        let written = if self.pg.rank() == 0 {
+            (|| -> Result<PathBuf> {
+                let mut ckpt = Checkpoint::new(meta);
+                fill(&mut ckpt)?;
+                ckpt.save_hook_state(&hooks)?;
+                save_atomic(dir, &ckpt)
+            })()
+            .map(Some)
+        } else {
+            Ok(None)
+        };
+        // Rank 0's failure fails every rank (the others would otherwise carry on without a
+        // checkpoint); the others' `Ok(None)` never fails rank 0.
+        crate::sharding::agree(&self.pg, "saving the checkpoint", written)
+    }
+}
+
+/// A framework's DDP wrapper: a [`DdpCore`] (reached through `Deref`) and the framework's own
+/// methods around it. Implementing it (one line: the parameter type) gives the wrapper the
+/// shared [`NoSync`] guard and [`join_step`](Self::join_step).
+pub trait DdpWrapper: DerefMut<Target = DdpCore<Self::Params>> {
+    /// The adapter's parameters ([`ParamAccess`]).
+    type Params: ParamAccess;
+
+    /// One step under [`Join`] (uneven inputs, PyTorch's `model.join()`), whatever the
+    /// framework: `input` (`what`'s `input_name`) must be `Some` exactly when this rank told
+    /// `Join::begin_step` it had data; the reducer's divisor is the step's; `backward(self,
+    /// input)` runs this rank's backward when it has data (handing its gradients to the reducer);
+    /// then this rank's buckets join the others' reduction (shadowing them with zeros once it
+    /// has run out). Returns the step's statistics and what `backward` returned.
+    #[allow(clippy::type_complexity)]
+    fn join_step<I, T>(
+        &mut self,
+        what: &str,
+        input_name: &str,
+        input: Option<I>,
+        join: &Join,
+        step: &JoinStep,
+        backward: impl FnOnce(&mut Self, I) -> Result<T, <Self::Params as ParamAccess>::Error>,
+    ) -> Result<(StepStats, Option<T>), <Self::Params as ParamAccess>::Error> {
+        self.check_has_data(what, input.is_some(), input_name, step)?;
+        self.reducer_mut().set_divisor(step.divisor)?;
+        let local = match input {
+            Some(input) => Some(backward(self, input)?),
+            None => None,
+        };
+        let stats = join.sync_gradients(self.reducer_mut(), step)?;
+        Ok((stats, local))
+    }
+}
+
+/// Guard of a wrapper's `no_sync` (PyTorch's `with ddp.no_sync():`): while it lives, backwards
+/// accumulate gradients locally without communicating; dropping it restores the previous
+/// setting. Derefs to the wrapper, so the backward runs through it.
+pub struct NoSync<'a, W: DdpWrapper + ?Sized> {
+    ddp: &'a mut W,
+    prev: bool,
+}
+
+impl<'a, W: DdpWrapper + ?Sized> NoSync<'a, W> {
+    /// Turns gradient synchronization off on `ddp` until the guard is dropped.
+    pub fn new(ddp: &'a mut W) -> Self {
+        let prev = ddp.reducer().require_backward_grad_sync();
+        ddp.set_require_backward_grad_sync(false);
+        NoSync { ddp, prev }
+    }
+}
+
+impl<W: DdpWrapper + ?Sized> Deref for NoSync<'_, W> {
+    type Target = W;
+    fn deref(&self) -> &W {
+        self.ddp
+    }
+}
+
+impl<W: DdpWrapper + ?Sized> DerefMut for NoSync<'_, W> {
+    fn deref_mut(&mut self) -> &mut W {
+        self.ddp
+    }
+}
+
+impl<W: DdpWrapper + ?Sized> Drop for NoSync<'_, W> {
+    fn drop(&mut self) {
+        let prev = self.prev;
+        self.ddp.set_require_backward_grad_sync(prev);
+    }
+}

@@ -25,10 +25,10 @@
 //! Memory per rank, fp32 AdamW: stage 1 holds ZeRO's `8Ψ + 8Ψ/N` (parameters, gradient buckets
 //! from the backward to the step, moments). Burn 0.22's backward returns every gradient of a
 //! graph at once, so with a plain `loss.backward()` stage 2's peak holds them whole once
-//! (`8Ψ + 8Ψ/N`); [`ZeroDdp::forward_backward_blockwise`] runs the backward a stage at a time
-//! (module [`staged`](crate::staged)) and keeps them at their shard (`4Ψ + 12Ψ/N`). Measured, 52
+//! (`8Ψ + 8Ψ/N`); [`ZeroDdp::forward_backward_blockwise`] runs the backward a block at a time
+//! (module [`blockwise`](crate::blockwise)) and keeps them at their shard (`4Ψ + 12Ψ/N`). Measured, 52
 //! M parameters (`ddp-bench train --framework burn`, see the README), peak RSS at world 2 / 4:
-//! DDP 842 / 843 MiB (1.06 of 16Ψ), stage 1 661 / 546 (1.11 / 1.10), stage 2 staged 570 / 436
+//! DDP 842 / 843 MiB (1.06 of 16Ψ), stage 1 661 / 546 (1.11 / 1.10), stage 2 blockwise 570 / 436
 //! (1.15 / 1.26; plain 629 / 530).
 //!
 //! Checkpoints are `ddp::sharding`'s: each rank writes its chunks (values and every tensor of
@@ -58,12 +58,9 @@ use burn_pack::Scalar;
 use ddp::checkpoint::{Checkpoint, CheckpointMeta, OptimizerRecord};
 use ddp::join::{Join, JoinStep};
 use ddp::reducer::StepStats;
-use ddp::sharding::{self, ChunkState, ShardGrads, ShardLayout, ShardState, ZeroStage};
+use ddp::sharding::{self, ChunkState, ShardLayout, ShardState, ZeroCore, ZeroStage};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-
-/// Stage 2's full-size buckets alive at once in the parameter all-gather.
-const STAGE2_WINDOW: usize = 2;
 
 /// Key prefix of an optimizer state scalar in `OptimizerRecord::hyper`.
 const SCALAR: &str = "state:";
@@ -71,8 +68,9 @@ const SCALAR: &str = "state:";
 /// Sharded data-parallel training of a Burn module (see the module doc).
 pub struct ZeroDdp<M: Module, O: Optimizer> {
     ddp: DistributedDataParallel<M>,
-    stage: ZeroStage,
-    layout: ShardLayout,
+    /// The stage, the layout and (stages 1/2) this rank's averaged gradient chunks after a
+    /// synchronized backward.
+    core: ZeroCore,
     optim: O,
     /// Stage 0: `optim` over the whole module.
     module_optim: Option<ModuleOptimizer>,
@@ -83,7 +81,6 @@ pub struct ZeroDdp<M: Module, O: Optimizer> {
     device: Device,
     /// Optimizer steps taken.
     steps: u64,
-    shard_grads: Option<ShardGrads>,
     /// Stage 0: the averaged gradients.
     full_grads: Option<GradientsParams>,
 }
@@ -93,7 +90,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     /// `optim` (Burn's bare optimizer: `AdamWConfig::new().build()`). Stage 0 is plain DDP through
     /// the same API (`optim` then steps the whole module as `ModuleOptimizer`). A collective:
     /// every rank must call it with the same stage. Stage 3 is not offered for Burn yet.
-    pub fn new(ddp: DistributedDataParallel<M>, stage: ZeroStage, optim: O) -> Result<Self> {
+    pub fn new(mut ddp: DistributedDataParallel<M>, stage: ZeroStage, optim: O) -> Result<Self> {
         if stage == ZeroStage::Three {
             return Err(Error::Unsupported(
                 "ZeRO stage 3 (parameters sharded) is not available for Burn modules: use stage \
@@ -101,51 +98,38 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                     .into(),
             ));
         }
-        let specs = ddp.reducer().specs().to_vec();
+        let specs = ddp.reducer().specs();
         if let Some(s) = specs.iter().find(|s| s.dtype != ddp_comm::DType::F32) {
             return Err(Error::Unsupported(format!(
                 "ZeRO shards f32 parameters; `{}` is {:?}",
                 s.name, s.dtype
             )));
         }
-        let pg = ddp.process_group().clone();
-        let layout = ShardLayout::new(&specs, &ddp.reducer().buckets(), pg.size(), pg.rank())?;
         let device = if specs.is_empty() {
             Device::default()
         } else {
             ddp.params().grad_device(0).clone()
         };
-        let mut z = ZeroDdp {
-            stage,
-            states: Vec::new(),
-            module_optim: None,
+        let pg = ddp.process_group().clone();
+        let core = ZeroCore::new(ddp.reducer_mut(), &pg, stage, None)?;
+        let (states, module_optim) = match stage {
+            ZeroStage::Ddp => (Vec::new(), Some(ModuleOptimizer::from(optim.clone()))),
+            _ => (vec![None; core.layout().chunks().len()], None),
+        };
+        Ok(ZeroDdp {
+            ddp,
+            core,
+            optim,
+            module_optim,
+            states,
             device,
             steps: 0,
-            shard_grads: None,
             full_grads: None,
-            layout,
-            optim,
-            ddp,
-        };
-        if stage == ZeroStage::Ddp {
-            z.module_optim = Some(ModuleOptimizer::from(z.optim.clone()));
-            return Ok(z);
-        }
-        if stage == ZeroStage::Two {
-            // A bucket is filled once the one before it is cut to its shard.
-            let cap = z.ddp.reducer().bucket_cap_bytes();
-            z.ddp.reducer_mut().set_max_bucket_bytes_alive(Some(cap));
-        }
-        z.ddp.register_comm_hook(match stage {
-            ZeroStage::One => sharding::ReduceScatterHook::in_place(),
-            _ => sharding::ReduceScatterHook::shard_only(),
-        })?;
-        z.states = vec![None; z.layout.chunks().len()];
-        Ok(z)
+        })
     }
 
     pub fn stage(&self) -> ZeroStage {
-        self.stage
+        self.core.stage()
     }
 
     /// The wrapped module (for the forward pass).
@@ -165,7 +149,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
 
     /// Which elements this rank owns.
     pub fn layout(&self) -> &ShardLayout {
-        &self.layout
+        self.core.layout()
     }
 
     /// Optimizer steps taken (set by [`load`](Self::load)).
@@ -180,7 +164,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
 
     /// Bytes this rank sends per synchronized step (ring model; DDP's volume).
     pub fn bytes_per_step(&self) -> u64 {
-        sharding::bytes_per_step(&self.layout)
+        self.core.bytes_per_step()
     }
 
     /// PyTorch's `no_sync`: backwards accumulate locally while `sync` is false; do not step
@@ -192,7 +176,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     /// Backward and gradient reduction: all-reduce at stage 0, reduce-scatter at stages 1 and 2
     /// (this rank keeps its averaged chunks; stage 2 frees the rest of each bucket).
     pub fn backward<const D: usize>(&mut self, loss: Tensor<D>) -> Result<StepStats> {
-        if self.stage == ZeroStage::Ddp {
+        if self.stage() == ZeroStage::Ddp {
             let grads = self.ddp.backward(loss)?;
             let stats = self.ddp.last_step_stats().unwrap_or_default();
             self.full_grads = stats.synced.then_some(grads);
@@ -202,26 +186,26 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         self.after_reduce(stats)
     }
 
-    /// The staged path ([`DistributedDataParallel::forward_backward_blockwise`]): forward through
-    /// `stages`, `loss_fn` on the last output, then the backward one stage at a time, each
-    /// stage's buckets reduce-scattered while earlier stages compute. At stage 2 this is what
+    /// The blockwise path ([`DistributedDataParallel::forward_backward_blockwise`]): forward
+    /// through `blocks`, `loss_fn` on the last output, then the backward one block at a time,
+    /// each block's buckets reduce-scattered while earlier blocks compute. At stage 2 this is what
     /// keeps the gradients at their shard: a plain `loss.backward()` holds every gradient at
     /// once. Returns the statistics and the loss (detached).
     pub fn forward_backward_blockwise<const D: usize, const L: usize>(
         &mut self,
-        stages: &[crate::Block<'_, M, D>],
+        blocks: &[crate::Block<'_, M, D>],
         input: Tensor<D>,
         loss_fn: impl FnOnce(Tensor<D>) -> Tensor<L>,
     ) -> Result<(StepStats, Tensor<L>)> {
-        if self.stage == ZeroStage::Ddp {
+        if self.stage() == ZeroStage::Ddp {
             let (grads, loss) = self
                 .ddp
-                .forward_backward_blockwise(stages, input, loss_fn)?;
+                .forward_backward_blockwise(blocks, input, loss_fn)?;
             let stats = self.ddp.last_step_stats().unwrap_or_default();
             self.full_grads = stats.synced.then_some(grads);
             return Ok((stats, loss));
         }
-        let (stats, loss) = self.ddp.reduce_blockwise(stages, input, loss_fn)?;
+        let (stats, loss) = self.ddp.reduce_blockwise(blocks, input, loss_fn)?;
         Ok((self.after_reduce(stats)?, loss))
     }
 
@@ -233,7 +217,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         join: &Join,
         step: &JoinStep,
     ) -> Result<StepStats> {
-        if self.stage == ZeroStage::Ddp {
+        if self.stage() == ZeroStage::Ddp {
             self.full_grads = Some(self.ddp.backward_join(loss, join, step)?);
             return Ok(self.ddp.last_step_stats().unwrap_or_default());
         }
@@ -242,34 +226,19 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     }
 
     fn after_reduce(&mut self, stats: StepStats) -> Result<StepStats> {
-        self.shard_grads = if stats.synced {
-            Some(sharding::take_shard_grads(
-                &self.layout,
-                self.ddp.reducer_mut(),
-            )?)
-        } else {
-            None
-        };
-        Ok(stats)
+        Ok(self.core.after_reduce(self.ddp.reducer_mut(), stats)?)
     }
 
     fn no_grads(&self, what: &str) -> Error {
-        Error::Unsupported(format!(
-            "{what} on rank {}: no averaged gradients (call backward first, outside no_sync)",
-            self.ddp.rank()
-        ))
+        sharding::zero::no_grads(what, self.ddp.rank()).into()
     }
 
     /// PyTorch's `clip_grad_norm_`: scales the averaged gradients so that their global L2 norm
     /// is at most `max_norm` (from the shards, all-reduced); returns the norm before clipping.
     /// After a synchronized backward.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        if let Some(g) = &mut self.shard_grads {
-            return Ok(sharding::clip_grad_norm(
-                self.ddp.process_group(),
-                g,
-                max_norm,
-            )?);
+        if let Some(norm) = self.core.clip_grad_norm(self.ddp.process_group(), max_norm) {
+            return Ok(norm?);
         }
         let Some(grads) = self.full_grads.as_mut() else {
             return Err(self.no_grads("clip_grad_norm"));
@@ -280,7 +249,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     /// The optimizer step on this rank's chunks, then the all-gather of the updated parameters
     /// into the module (stage 0: the plain step). `lr` as Burn's `LearningRate`.
     pub fn step(&mut self, lr: f64) -> Result<()> {
-        if self.stage == ZeroStage::Ddp {
+        if self.stage() == ZeroStage::Ddp {
             let grads = self
                 .full_grads
                 .take()
@@ -290,16 +259,17 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             self.steps += 1;
             return Ok(());
         }
-        let grads = self
-            .shard_grads
-            .take()
-            .ok_or_else(|| self.no_grads("step"))?;
+        let grads = self.core.take_grads("step", self.ddp.rank())?;
         // Stage 1: a whole bucket's buffer, its averaged chunk inside, carries the bucket's
         // all-gather (the chunk is stepped in place of its gradient). Stage 2: the chunk alone
         // becomes its gradient tensor, and the gather allocates its window's buffers.
-        let mut bufs = Vec::with_capacity(self.layout.buckets().len());
+        let mut bufs = Vec::with_capacity(self.layout().buckets().len());
         let mut shards = Vec::with_capacity(bufs.capacity());
-        for ((v, _), b) in grads.into_parts().into_iter().zip(self.layout.buckets()) {
+        for ((v, _), b) in grads
+            .into_parts()
+            .into_iter()
+            .zip(self.core.layout().buckets())
+        {
             if v.len() == b.numel && b.numel > 0 {
                 bufs.push(v);
                 shards.push(None);
@@ -343,24 +313,20 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     fn gather(&mut self, bufs: Vec<Vec<f32>>, mut fill: Fill) -> Result<()> {
         let pg = self.ddp.process_group().clone();
         let last_of_bucket: Vec<usize> = self
-            .layout
+            .layout()
             .buckets()
             .iter()
             .filter_map(|b| b.slots.last().map(|s| s.param))
             .collect();
         let how = sharding::Gather {
-            window: if self.stage == ZeroStage::Two {
-                STAGE2_WINDOW
-            } else {
-                0
-            },
+            window: self.core.gather_window(),
             ..Default::default()
         };
         // Stage 1 gathers every bucket at once in a buffer of its own, which then holds the
         // new parameters: it becomes them (Burn's shared `Bytes` windows) instead of being
         // copied into new tensors. Stage 2's window reuses its buffers: it copies.
         let in_place = how.window == 0;
-        let layout = &self.layout;
+        let layout = self.core.layout();
         let (optim, device) = (&self.optim, &self.device);
         let states = &mut self.states;
         let ddp = std::cell::RefCell::new(&mut self.ddp);
@@ -439,12 +405,8 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     }
 
     fn require_sharded(&self, what: &str) -> Result<()> {
-        if self.stage == ZeroStage::Ddp {
-            return Err(Error::Unsupported(format!(
-                "{what}: stage 0 is plain DDP; save it with ddp_burn::checkpoint"
-            )));
-        }
-        Ok(())
+        let how = "save it with ddp_burn::checkpoint";
+        Ok(self.core.require_sharded(what, how)?)
     }
 
     /// The optimizer's name in checkpoints (`burn.adamw`, `burn.sgd`, ...).
@@ -461,10 +423,10 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         self.require_sharded("shard_state")?;
         let mut scalars: Option<(usize, Vec<(String, Scalar)>)> = None;
         let mut chunks = Vec::with_capacity(self.states.len());
-        for (i, (c, s)) in self.layout.chunks().iter().zip(&self.states).enumerate() {
+        for (i, (c, s)) in self.layout().chunks().iter().zip(&self.states).enumerate() {
             let mut cs = ChunkState::default();
             if !c.is_empty() {
-                let chunk = Self::read_chunk(&self.ddp, &self.layout, i)?;
+                let chunk = Self::read_chunk(&self.ddp, self.layout(), i)?;
                 cs.params = f32_vec(chunk.into_data(), "a chunk")?;
             }
             if let Some(s) = s {
@@ -513,18 +475,14 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     /// It loads at any world size, at stage 1 or 2.
     pub fn save(&self, dir: &Path, meta: &CheckpointMeta) -> Result<PathBuf> {
         self.require_sharded("save")?;
-        let pg = self.ddp.process_group();
-        let state = sharding::agree(pg, "reading the shard state", {
-            self.shard_state()
-                .map_err(|e| ddp::Error::Checkpoint(e.to_string()))
-        })?;
-        let specs = self.ddp.reducer().specs();
-        Ok(sharding::save_sharded(
+        let state = self.shard_state().map_err(Error::into_ddp);
+        let (pg, specs) = (self.ddp.process_group(), self.ddp.reducer().specs());
+        Ok(sharding::save_agreed(
             pg,
             dir,
-            &self.layout,
+            self.layout(),
             specs,
-            &state,
+            state,
             meta,
         )?)
     }
@@ -534,14 +492,9 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     /// nothing is changed on any rank.
     pub fn load(&mut self, dir: &Path) -> Result<Option<CheckpointMeta>> {
         self.require_sharded("load")?;
-        let loaded = sharding::load_sharded(dir, &self.layout, self.ddp.reducer().specs());
-        let loaded = loaded.and_then(|l| match l {
-            Some((state, meta)) => Ok(Some((self.decode(state)?, meta))),
-            None => Ok(None),
-        });
-        let pg = self.ddp.process_group().clone();
-        let Some((state, meta)) = sharding::agree(&pg, "loading the sharded checkpoint", loaded)?
-        else {
+        let (pg, specs) = (self.ddp.process_group(), self.ddp.reducer().specs());
+        let loaded = sharding::load_agreed(pg, dir, self.layout(), specs, |s| self.decode(s))?;
+        let Some((state, meta)) = loaded else {
             return Ok(None);
         };
         self.apply(state)?;
@@ -552,10 +505,8 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     /// parameters and optimizer state (a collective).
     pub fn import(&mut self, ckpt: &Checkpoint) -> Result<()> {
         self.require_sharded("import")?;
-        let state = sharding::import(ckpt, &self.layout, self.ddp.reducer().specs());
-        let state = state.and_then(|s| self.decode(s));
-        let pg = self.ddp.process_group().clone();
-        let state = sharding::agree(&pg, "importing the checkpoint", state)?;
+        let (pg, specs) = (self.ddp.process_group(), self.ddp.reducer().specs());
+        let state = sharding::import_agreed(pg, ckpt, self.layout(), specs, |s| self.decode(s))?;
         self.apply(state)
     }
 
@@ -590,7 +541,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             steps: rec.step,
         };
         for (i, cs) in state.chunks.into_iter().enumerate() {
-            let present = self.layout.chunks().get(i).is_some_and(|c| !c.is_empty());
+            let present = self.layout().chunks().get(i).is_some_and(|c| !c.is_empty());
             if !present {
                 out.chunks.push(None);
                 out.states.push(None);
@@ -623,8 +574,8 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     fn apply(&mut self, d: Decoded<O>) -> Result<()> {
         self.states = d.states;
         self.steps = d.steps;
-        self.shard_grads = None;
-        let n = self.layout.buckets().len();
+        self.core.clear_grads();
+        let n = self.layout().buckets().len();
         self.gather(vec![Vec::new(); n], Fill::Values(d.chunks))
     }
 }

@@ -13,7 +13,7 @@ use ddp::checkpoint::{
 };
 use ddp::reducer::{HostSlice, ParamSpec};
 use ddp::sharding::{self, ChunkState, ShardGrads, ShardLayout, ShardState};
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_comm::ProcessGroup;
 use std::path::{Path, PathBuf};
 
 pub(crate) fn chunk_name(bucket: usize) -> String {
@@ -287,21 +287,14 @@ impl Shard {
         dir: &Path,
         meta: &CheckpointMeta,
     ) -> Result<PathBuf> {
-        // A failure to read the state on one rank must not leave the others waiting.
-        let state = match self.state(opt) {
-            Ok(s) => s,
-            Err(e) => {
-                let mut flag = [1u8];
-                let _ = pg.all_reduce(&mut flag, ReduceOp::Max);
-                return Err(e);
-            }
-        };
-        Ok(sharding::save_sharded(
+        // A failure to read the state on one rank fails every rank before anything is written.
+        let state = self.state(opt).map_err(Error::into_ddp);
+        Ok(sharding::save_agreed(
             pg,
             dir,
             &self.layout,
             specs,
-            &state,
+            state,
             meta,
         )?)
     }
@@ -314,8 +307,7 @@ impl Shard {
         specs: &[ParamSpec],
         dir: &Path,
     ) -> Result<Option<(ShardState, CheckpointMeta)>> {
-        let loaded = sharding::load_sharded(dir, &self.layout, specs).map_err(Error::from);
-        agree(pg, "loading the sharded checkpoint", loaded)
+        Ok(sharding::load_agreed(pg, dir, &self.layout, specs, Ok)?)
     }
 
     /// This rank's cut of a plain checkpoint, agreed over the ranks.
@@ -325,24 +317,6 @@ impl Shard {
         specs: &[ParamSpec],
         ckpt: &Checkpoint,
     ) -> Result<ShardState> {
-        let state = sharding::import(ckpt, &self.layout, specs).map_err(Error::from);
-        agree(pg, "importing the checkpoint", state)
-    }
-}
-
-/// `r` on this rank, failed on every rank if it failed on any (naming those ranks).
-pub(crate) fn agree<T>(pg: &ProcessGroup, what: &str, r: Result<T>) -> Result<T> {
-    let mut flags = vec![0u8; pg.size()];
-    flags[pg.rank()] = r.is_err() as u8;
-    pg.all_reduce(&mut flags, ReduceOp::Max)?;
-    match r {
-        Err(e) => Err(e),
-        Ok(_) if flags.iter().any(|&f| f != 0) => Err(Error::Unsupported(format!(
-            "{what} failed on rank(s) {:?}; nothing was changed",
-            (0..pg.size())
-                .filter(|&r| flags[r] != 0)
-                .collect::<Vec<_>>()
-        ))),
-        Ok(v) => Ok(v),
+        Ok(sharding::import_agreed(pg, ckpt, &self.layout, specs, Ok)?)
     }
 }

@@ -13,14 +13,14 @@
 //! ZeRO formulas: 8Ψ + 8Ψ/N at stage 1, 4Ψ + 12Ψ/N at stage 2 for fp32 AdamW); the gradient
 //! chunk it steps with is a view of its bucket. [`ZeroDdp::new`] takes any
 //! [`DynOptimizer`] over one 1-D chunk variable per bucket instead
-//! (4Ψ/N more). Stage 2 keeps only its gradient shard: with the staged backward
+//! (4Ψ/N more). Stage 2 keeps only its gradient shard: with the blockwise backward
 //! ([`ZeroDdp::forward_backward_blockwise`]) the full gradients never exist at once.
 //!
 //! ```ignore
 //! let ddp = ddp_candle::Ddp::new(&varmap, &pg, Default::default())?;
 //! let mut zero = ZeroDdp::with_optimizer(ddp, ZeroStage::Two, ShardOptimizer::AdamW(params))?;
 //! for (x, y) in batches {
-//!     zero.forward_backward_blockwise(&stages, &x, |o| loss(o, &y))?; // reduce-scatter
+//!     zero.forward_backward_blockwise(&blocks, &x, |o| loss(o, &y))?; // reduce-scatter
 //!     zero.clip_grad_norm(1.0)?;               // optional, cross-rank norm
 //!     zero.step()?;                            // owner steps, all-gather
 //! }
@@ -37,11 +37,8 @@ use ddp::adapter::ParamAccess;
 use ddp::checkpoint::{Checkpoint, CheckpointMeta};
 use ddp::join::{Join, JoinStep};
 use ddp::reducer::{HostSlice, StepStats};
-use ddp::sharding::{self, ShardGrads, ShardLayout, ShardState, ZeroStage};
+use ddp::sharding::{self, ShardLayout, ShardState, ZeroCore, ZeroStage};
 use std::path::{Path, PathBuf};
-
-/// Stage 2's full-size buckets alive at once in the parameter all-gather.
-const STAGE2_WINDOW: usize = 2;
 
 /// Options of [`ZeroDdp::with_options`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -110,12 +107,12 @@ impl ZeroOpt {
 /// Sharded data-parallel training (see the module doc).
 pub struct ZeroDdp {
     ddp: DistributedDataParallel,
-    stage: ZeroStage,
+    /// The stage, the layout and (stages 1/2) this rank's averaged gradient chunks after a
+    /// synchronized backward.
+    core: ZeroCore,
     /// This rank's chunks (no variables at stage 0).
     shard: Shard,
     opt: ZeroOpt,
-    /// Stage 1/2: this rank's averaged gradient chunks after a synchronized backward.
-    shard_grads: Option<ShardGrads>,
     /// Stage 0: the averaged gradients.
     full_grads: Option<GradStore>,
     /// Stage 2 with a write-through optimizer: the last buckets kept whole between steps
@@ -187,8 +184,6 @@ impl ZeroDdp {
         keep_whole: Option<usize>,
         make_opt: impl FnOnce(Vec<(String, Var)>) -> Result<ZeroOpt>,
     ) -> Result<Self> {
-        let specs = ddp.reducer().specs().to_vec();
-        let pg = ddp.process_group().clone();
         if stage == ZeroStage::Three {
             return Err(Error::Unsupported(
                 "ZeroDdp runs ZeRO stages 0-2 over a full replica; stage 3 (parameters sharded) \
@@ -196,42 +191,33 @@ impl ZeroDdp {
                     .into(),
             ));
         }
-        let layout = ShardLayout::new(&specs, &ddp.reducer().buckets(), pg.size(), pg.rank())?;
+        let whole_from = keep_whole.map(|k| {
+            // The last bucket is whole at least until the step (see `step`).
+            let n = ddp.reducer().buckets().len();
+            n.saturating_sub(k.max(1))
+        });
+        let pg = ddp.process_group().clone();
+        let core = ZeroCore::new(ddp.reducer_mut(), &pg, stage, whole_from)?;
+        let layout = core.layout().clone();
         let (shard, opt) = if stage == ZeroStage::Ddp {
             (Shard::empty(layout), make_opt(ddp.named_vars().to_vec())?)
         } else {
-            let n = layout.buckets().len();
-            if stage == ZeroStage::Two {
-                // A bucket is filled once the one before it is cut to its shard: one bucket
-                // of gradients beyond the shards in a staged backward, not two.
-                let cap = ddp.reducer().bucket_cap_bytes();
-                ddp.reducer_mut().set_max_bucket_bytes_alive(Some(cap));
-            }
-            ddp.register_comm_hook(match (stage, keep_whole) {
-                (ZeroStage::One, _) => sharding::ReduceScatterHook::in_place(),
-                (_, None) => sharding::ReduceScatterHook::shard_only(),
-                // The last bucket is whole at least until the step (see `step`).
-                (_, Some(k)) => {
-                    sharding::ReduceScatterHook::shard_only().whole_from(n.saturating_sub(k.max(1)))
-                }
-            })?;
             let values = sharding::shard_params(&layout, |p| read_f32(&ddp, p))?;
             let (shard, named) = Shard::new(layout, values)?;
             (shard, make_opt(named)?)
         };
         Ok(ZeroDdp {
             ddp,
-            stage,
+            core,
             shard,
             opt,
-            shard_grads: None,
             full_grads: None,
             keep_whole: keep_whole.filter(|_| stage == ZeroStage::Two),
         })
     }
 
     pub fn stage(&self) -> ZeroStage {
-        self.stage
+        self.core.stage()
     }
 
     /// The wrapped DDP (parameters, reducer, replica checks).
@@ -239,7 +225,7 @@ impl ZeroDdp {
         &self.ddp
     }
 
-    /// The wrapped DDP, mutably (stage 0's staged backward, comm timing).
+    /// The wrapped DDP, mutably (stage 0's blockwise backward, comm timing).
     pub fn ddp_mut(&mut self) -> &mut DistributedDataParallel {
         &mut self.ddp
     }
@@ -265,7 +251,7 @@ impl ZeroDdp {
     /// Bytes this rank sends per synchronized step (ring model: all-reduce, or reduce-scatter
     /// plus all-gather; the same volume).
     pub fn bytes_per_step(&self) -> u64 {
-        sharding::bytes_per_step(&self.shard.layout)
+        self.core.bytes_per_step()
     }
 
     /// PyTorch's `no_sync` (see [`DistributedDataParallel::no_sync`]): backwards accumulate
@@ -277,7 +263,7 @@ impl ZeroDdp {
     /// Backward and gradient reduction: all-reduce at stage 0, reduce-scatter at stages 1 and 2
     /// (this rank keeps its averaged chunk; stage 2 frees the bucket buffers).
     pub fn backward(&mut self, loss: &Tensor) -> Result<StepStats> {
-        if self.stage == ZeroStage::Ddp {
+        if self.stage() == ZeroStage::Ddp {
             let grads = self.ddp.backward(loss)?;
             let stats = self.ddp.last_step_stats().unwrap_or_default();
             self.full_grads = stats.synced.then_some(grads);
@@ -287,32 +273,32 @@ impl ZeroDdp {
         self.after_reduce(stats)
     }
 
-    /// The staged path ([`DistributedDataParallel::forward_backward_blockwise`]): forward through
-    /// `stages`, `loss_fn` on the last output, then backward one stage at a time, each stage's
-    /// gradients reduce-scattered (and freed) while earlier stages compute. At stage 2 this is
-    /// what keeps the gradients at their shard: a plain `loss.backward()` holds every full
-    /// gradient at once before any bucket is reduced. Returns the statistics, the loss and the
-    /// output (detached). Stage 0 runs DDP's staged path.
+    /// The blockwise path ([`DistributedDataParallel::forward_backward_blockwise`]): forward
+    /// through `blocks`, `loss_fn` on the last output, then backward one block at a time, each
+    /// block's gradients reduce-scattered (and freed) while earlier blocks compute. At stage 2
+    /// this is what keeps the gradients at their shard: a plain `loss.backward()` holds every
+    /// full gradient at once before any bucket is reduced. Returns the statistics, the loss and
+    /// the output (detached). Stage 0 runs DDP's blockwise path.
     pub fn forward_backward_blockwise<L>(
         &mut self,
-        stages: &[&dyn candle_core::Module],
+        blocks: &[&dyn candle_core::Module],
         input: &Tensor,
         loss_fn: L,
     ) -> Result<(StepStats, Tensor, Tensor)>
     where
         L: FnOnce(&Tensor) -> candle_core::Result<Tensor>,
     {
-        if self.stage == ZeroStage::Ddp {
+        if self.stage() == ZeroStage::Ddp {
             let out = self
                 .ddp
-                .forward_backward_blockwise(stages, input, loss_fn)?;
+                .forward_backward_blockwise(blocks, input, loss_fn)?;
             let stats = self.ddp.last_step_stats().unwrap_or_default();
             self.full_grads = stats.synced.then_some(out.grads);
             return Ok((stats, out.loss, out.output));
         }
         let (stats, loss, output) = self
             .ddp
-            .reduce_forward_backward_blockwise(stages, input, loss_fn)?;
+            .reduce_forward_backward_blockwise(blocks, input, loss_fn)?;
         Ok((self.after_reduce(stats)?, loss, output))
     }
 
@@ -324,46 +310,26 @@ impl ZeroDdp {
         join: &Join,
         step: &JoinStep,
     ) -> Result<StepStats> {
-        if self.stage == ZeroStage::Ddp {
+        if self.stage() == ZeroStage::Ddp {
             let grads = self.ddp.backward_join(loss, join, step)?;
             let stats = self.ddp.last_step_stats().unwrap_or_default();
             self.full_grads = Some(grads);
             return Ok(stats);
-        }
-        if loss.is_some() != step.has_data {
-            return Err(Error::Unsupported(format!(
-                "backward_join on rank {}: has_data = {} but {} loss given",
-                self.ddp.rank(),
-                step.has_data,
-                if loss.is_some() { "a" } else { "no" }
-            )));
         }
         let stats = self.ddp.reduce_backward_join(loss, join, step)?;
         self.after_reduce(stats)
     }
 
     fn after_reduce(&mut self, stats: StepStats) -> Result<StepStats> {
-        if !stats.synced {
-            self.shard_grads = None;
-            return Ok(stats);
-        }
-        // The buckets' buffers are taken over as they are (stage 1: whole, the chunk inside;
-        // stage 2: the chunk alone); the reducer allocates new ones at the next backward.
-        let reducer = self.ddp.reducer_mut();
-        self.shard_grads = Some(sharding::take_shard_grads(&self.shard.layout, reducer)?);
-        Ok(stats)
+        Ok(self.core.after_reduce(self.ddp.reducer_mut(), stats)?)
     }
 
     /// PyTorch's `clip_grad_norm_`: scales the averaged gradients so that their global L2 norm
     /// is at most `max_norm` (the norm is all-reduced from the shards); returns the norm before
     /// clipping. After a synchronized backward.
     pub fn clip_grad_norm(&mut self, max_norm: f64) -> Result<f64> {
-        if let Some(g) = &mut self.shard_grads {
-            return Ok(sharding::clip_grad_norm(
-                self.ddp.process_group(),
-                g,
-                max_norm,
-            )?);
+        if let Some(norm) = self.core.clip_grad_norm(self.ddp.process_group(), max_norm) {
+            return Ok(norm?);
         }
         let Some(grads) = &mut self.full_grads else {
             return Err(self.no_grads("clip_grad_norm"));
@@ -391,16 +357,13 @@ impl ZeroDdp {
     }
 
     fn no_grads(&self, what: &str) -> Error {
-        Error::Unsupported(format!(
-            "{what} on rank {}: no averaged gradients (call backward first, outside no_sync)",
-            self.ddp.rank()
-        ))
+        sharding::zero::no_grads(what, self.ddp.rank()).into()
     }
 
     /// The optimizer step on this rank's chunks, then the all-gather of the updated parameters
     /// (stage 0: the plain step).
     pub fn step(&mut self) -> Result<()> {
-        if self.stage == ZeroStage::Ddp {
+        if self.stage() == ZeroStage::Ddp {
             let grads = self
                 .full_grads
                 .take()
@@ -408,10 +371,7 @@ impl ZeroDdp {
             self.opt.get_mut().step(&grads)?;
             return Ok(());
         }
-        let grads = self
-            .shard_grads
-            .take()
-            .ok_or_else(|| self.no_grads("step"))?;
+        let grads = self.core.take_grads("step", self.ddp.rank())?;
         let opt = match &mut self.opt {
             ZeroOpt::Dyn(o) => {
                 {
@@ -469,7 +429,7 @@ impl ZeroDdp {
             Ok(())
         })?;
         // A whole bucket's buffer goes back to its bucket; the gather buffers of the last
-        // chunks alone (stage 2: at most STAGE2_WINDOW) to the buckets the next backward fills
+        // chunks alone (stage 2: at most `sharding::zero::STAGE2_WINDOW`) to the buckets the next backward fills
         // first, which are reduce-scattered and freed early in it, so that holding them from
         // now on does not add to the peak, which comes late in the backward.
         let mut own = Vec::with_capacity(n);
@@ -492,7 +452,7 @@ impl ZeroDdp {
     /// Every rank's parameters from the owners' chunks, all-gathered in place in `bufs` (fresh
     /// ones where empty; `fill(i, dst)` puts this rank's chunk `i` into its block): all buckets
     /// at once at stage 1 (the gradients are gone by then, and its formula holds them),
-    /// [`STAGE2_WINDOW`] at a time at stage 2, so that full-size buckets never add up to the
+    /// [`sharding::zero::STAGE2_WINDOW`] at a time at stage 2, so that full-size buckets never add up to the
     /// model. With a write-through optimizer the parameters already hold this rank's chunk:
     /// only the others' elements are written. The buffers given come back (see
     /// [`sharding::gather_params_into`]).
@@ -502,11 +462,7 @@ impl ZeroDdp {
         fill: impl FnMut(usize, &mut [f32]) -> ddp::Result<()>,
     ) -> Result<Vec<Vec<f32>>> {
         let how = sharding::Gather {
-            window: if self.stage == ZeroStage::One {
-                0
-            } else {
-                STAGE2_WINDOW
-            },
+            window: self.core.gather_window(),
             skip_owned: !matches!(self.opt, ZeroOpt::Dyn(_)),
             lead: match self.keep_whole {
                 // Stage 2's last bucket, whole until the step (see `step`).
@@ -549,12 +505,8 @@ impl ZeroDdp {
     }
 
     fn require_sharded(&self, what: &str) -> Result<()> {
-        if self.stage == ZeroStage::Ddp {
-            return Err(Error::Unsupported(format!(
-                "{what}: stage 0 is plain DDP; use ddp::checkpoint (save_vars, save_optimizer)"
-            )));
-        }
-        Ok(())
+        let how = "use ddp::checkpoint (save_vars, save_optimizer)";
+        Ok(self.core.require_sharded(what, how)?)
     }
 
     /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::sets`).
@@ -590,7 +542,7 @@ impl ZeroDdp {
 
     fn apply(&mut self, state: ShardState) -> Result<()> {
         self.shard.apply(self.opt.get_mut(), state)?;
-        self.shard_grads = None;
+        self.core.clear_grads();
         self.gather_from_shard()
     }
 

@@ -38,7 +38,7 @@
 //! Stage 3 keeps no full parameters at all: the model is cut into units, each all-gathered just
 //! before its forward and again before its backward, then freed (module [`units`]; one unit is
 //! one bucket of a [`ShardLayout`], so checkpoints are shared by all stages). Checkpoints: module
-//! [`sets`]. The candle adapters are `ddp_candle::ZeroDdp` (stages 0-2) and
+//! [`sets`]. What a stage 0-2 wrapper does whatever its framework: module [`zero`]. The candle adapters are `ddp_candle::ZeroDdp` (stages 0-2) and
 //! `ddp_candle::Fsdp` (stage 3); Burn's is `ddp_burn::ZeroDdp` (stages 0-2, Burn's own
 //! optimizers stepping each chunk as one tensor; its save sets are these).
 
@@ -46,6 +46,7 @@ mod hook;
 pub mod layout;
 pub mod sets;
 pub mod units;
+pub mod zero;
 
 /// The former name of [`sets`] (kept so that `ddp::sharding::checkpoint::*` paths resolve).
 #[doc(hidden)]
@@ -61,6 +62,7 @@ pub use sets::{
     set_meta, ChunkState, ShardState,
 };
 pub use units::{stage3_bytes_per_step, unit_layout, UnitComm};
+pub use zero::{import_agreed, load_agreed, save_agreed, ZeroCore};
 
 use crate::error::{Error, Result};
 

@@ -304,8 +304,8 @@ impl BurnParams {
 
     /// Moves every parameter's gradient out of `grads` into this adapter's hand-over slots,
     /// until [`clear_taken`](Self::clear_taken): a gradient that `GradientsParams` still shares
-    /// is copied by `into_data`, an owned one is not (burn-flex; measured 0.9 ms per 4 MB
-    /// weight). For a synchronized step only, whose local gradients are not returned.
+    /// is copied by `into_data`, an owned one is not (burn-flex; `docs/benchmarks.md`,
+    /// "Candle, Burn and PyTorch on CPUs"). For a synchronized step only, whose local gradients are not returned.
     pub(crate) fn take_grads(&self, grads: &mut GradientsParams) -> Result<()> {
         let mut taken = self.taken.borrow_mut();
         for (e, slot) in self.entries.iter().zip(taken.iter_mut()) {
@@ -318,8 +318,8 @@ impl BurnParams {
 
     /// The averaged gradients as zero-copy windows of the reducer's bucket buffers (each
     /// buffer shared behind an `Arc` by Burn's `Bytes`, one view per parameter, freed with the
-    /// last gradient that uses it; a backend that writes to one copies it first). Copying them
-    /// out took 2-3 ms per step for the benchmark MLP's 15 MB.
+    /// last gradient that uses it; a backend that writes to one copies it first), instead of
+    /// copying them out (`docs/benchmarks.md`, "Candle, Burn and PyTorch on CPUs").
     pub(crate) fn grads_from_buckets(
         &self,
         taken: impl IntoIterator<Item = ddp::reducer::TakenBucket>,

@@ -2,9 +2,15 @@
 //! [`worker_device`], PyTorch's `torch.cuda.set_device(local_rank)`: rank `LOCAL_RANK` of a node
 //! uses GPU `LOCAL_RANK % device_count`.
 //!
-//! ```ignore
+//! ```no_run
+//! # use candle_core::DType;
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let varmap = candle_nn::VarMap::new();
 //! let device = ddp_candle::device::worker_device("cuda".parse()?)?;   // Device::Cuda(LOCAL_RANK % n)
 //! let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &device);
+//! # let _ = vb;
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! Built without the cargo feature `cuda`, asking for `cuda` is an error saying how to rebuild

@@ -29,7 +29,18 @@
 //! all-gathers (every unit in forward, all but the last again in backward) and the gradient
 //! reduce-scatters, at most 1.5× DDP's all-reduce ([`Fsdp::bytes_per_step`]).
 //!
-//! ```ignore
+//! ```no_run
+//! # use candle_core::{DType, Device, Module, Tensor};
+//! # use candle_nn::ParamsAdamW;
+//! # use ddp_candle::{optim::AdamW, Fsdp, Unit};
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let pg = ddp_comm::init_process_group(Default::default())?;
+//! # let varmap = candle_nn::VarMap::new();
+//! # let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//! # candle_nn::linear(64, 128, vb.pp("l1"))?;
+//! # candle_nn::linear(128, 10, vb.pp("l2"))?;
+//! # let batches: Vec<(Tensor, Tensor)> = Vec::new();
+//! # let (dir, meta) = (std::path::Path::new("/tmp/ckpt"), ddp::CheckpointMeta::default());
 //! let units = vec![
 //!     Unit::new(["l1"], |vb, x| candle_nn::linear(64, 128, vb.pp("l1"))?.forward(x)?.relu()),
 //!     Unit::new(["l2"], |vb, x| candle_nn::linear(128, 10, vb.pp("l2"))?.forward(x)),
@@ -44,6 +55,8 @@
 //!     fsdp.step()?;
 //! }
 //! fsdp.save(dir, &meta)?; // the sets of stages 1 and 2: loads at any world size and stage
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! `no_sync` accumulates each unit's local gradient in full (as PyTorch's FSDP does; parameters

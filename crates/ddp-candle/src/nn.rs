@@ -10,8 +10,7 @@
 //!   `g` with its generic strided reduction;
 //! - input: `g W`, as candle, and none when the input needs no gradient (data).
 //!
-//! On `train-digits --hidden 4096` (batch 32, one CPU thread) forward + backward went from 5.1
-//! to 1.5 ms per step (2.7 with the weight gradient alone; the merged timeline's `compute_ms`).
+//! What it saves: the book's benchmarks chapter (`docs/benchmarks.md`, "Candle on CPUs").
 //!
 //! On other devices (CUDA, Metal) [`Linear`] runs `candle_nn::Linear`'s ops unchanged.
 //!
@@ -20,12 +19,18 @@
 //! so for a moment a weight's gradient exists twice. Under `capture_grads(weights, f)` the
 //! backward of [`Linear`] hands the weight gradient of each listed weight to the capture as it
 //! is computed (summed when a weight is used twice) and leaves it out of the `GradStore`; the
-//! caller gets the same values bit for bit, one buffer and one pass fewer. At stage 3 on the
-//! 52 M-parameter benchmark at world 4 that took the peak from 273 to 259 MiB per rank.
+//! caller gets the same values bit for bit, one buffer and one pass fewer (it lowers ZeRO
+//! stage 3's peak: `docs/benchmarks.md`, "ZeRO memory (candle)").
 //!
-//! ```ignore
+//! ```
+//! # use candle_core::{DType, Device, Module, Tensor};
+//! # let varmap = candle_nn::VarMap::new();
+//! # let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//! # let x = Tensor::ones((2, 64), DType::F32, &Device::Cpu)?;
 //! let fc1 = ddp_candle::nn::linear(64, 4096, vb.pp("fc1"))?; // like candle_nn::linear
 //! let y = fc1.forward(&x)?;
+//! # assert_eq!(y.dims(), &[2, 4096]);
+//! # Ok::<(), candle_core::Error>(())
 //! ```
 
 use candle_core::backend::BackendStorage;
@@ -123,8 +128,7 @@ fn matmul_wt(
 /// Computed from detached `x` and `w`: a gradient built from tracked operands would record its
 /// own graph (a matmul of `w` or of the activations `x`), and candle's backward then stores
 /// `zeros + gw` with that graph attached, keeping every weight gradient's addends alive as long
-/// as the gradient (measured: 8Ψ instead of 4Ψ bytes of gradients after `backward()` on the
-/// 52 M-parameter benchmark MLP).
+/// as the gradient (twice the gradients' bytes after `backward()`).
 ///
 /// A weight under [`capture_grads`] has its gradient delivered there instead (none returned).
 fn grads_xw(x: &Tensor, w: &Tensor, g: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {

@@ -1,7 +1,7 @@
-//! The README's candle program (section "Data-parallel training with candle"), compiled and run
-//! on 2 ranks (threads with real TCP process groups), ending with the one-call save
-//! `DistributedDataParallel::save_checkpoint`; then the checkpoint it wrote is resumed through
-//! `ddp::checkpoint::resume_or_start` and compared bit for bit.
+//! The book's candle program (`docs/candle.md`, "A training loop"; its block is also compiled as
+//! a doctest of `ddp-candle`), run on 2 ranks (threads with real TCP process groups), ending with
+//! the one-call save `DistributedDataParallel::save_checkpoint`; then the checkpoint it wrote is
+//! resumed through `ddp::checkpoint::resume_or_start` and compared bit for bit.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, VarBuilder, VarMap};
@@ -60,7 +60,7 @@ fn files(dir: &Path) -> Vec<PathBuf> {
 /// What the save returned, the wrapper, the optimizer, the samples per rank per epoch.
 type Trained = (Option<PathBuf>, Ddp, Sgd, usize);
 
-/// The README snippet, as written there (model, DDP, PyTorch's SGD, sampler, epochs), then the
+/// The book's snippet, as written there (model, DDP, PyTorch's SGD, sampler, epochs), then the
 /// one-call save into this rank's `dir`. Returns what the save returned, the trained parameters,
 /// the optimizer and the wrapper.
 fn readme_program(pg: &ProcessGroup, dir: &Path) -> Result<Trained, Box<dyn std::error::Error>> {

@@ -4,14 +4,12 @@
 //! `M_MMAP_THRESHOLD` are `munmap`ped when freed, and the top of a heap is trimmed once more
 //! than `M_TRIM_THRESHOLD` is free. A training loop frees and re-allocates its gradients and
 //! activations every step (candle, for one, builds every gradient in a fresh zeroed tensor), so
-//! each step pays page faults and page clearing for the same megabytes again: on the digits MLP
-//! (hidden 4096, batch 8 per rank, two ranks on two cores) the kernel's fault, clear and unmap
-//! paths were a quarter of the profile, and on the benchmark MLP (784-1024x4-10, batch 64, one
-//! thread, world size 1) a step took 91 ms with glibc's defaults, 70 ms with the thresholds
-//! raised. [`retain_freed_memory`] raises both thresholds so that freed blocks stay with the
+//! each step pays page faults and page clearing for the same megabytes again.
+//! [`retain_freed_memory`] raises both thresholds so that freed blocks stay with the
 //! process and are reused, as PyTorch's caching CPU allocator keeps its blocks; the cost is
 //! that the process keeps its peak heap size. [`release_freed_memory`] gives what is free back
-//! once, after a one-time peak. The figures are in the README ("Host memory between steps").
+//! once, after a one-time peak. The figures are in the book's benchmarks chapter
+//! (`docs/benchmarks.md`, "Host memory between steps").
 //!
 //! Every reducer calls [`retain_freed_memory`] when it is built (so every framework adapter
 //! does); a program can call it earlier, before it allocates its model.

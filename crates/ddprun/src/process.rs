@@ -5,7 +5,7 @@
 //! Starting and supervising are two steps so that a launcher starts all its workers before it
 //! creates any of their threads: each start forks the launcher, and a fork copies the page
 //! tables of every thread stack there is, so forking among 3 threads per worker already started
-//! made starting N workers take time in N² (2,000 workers: 47 s).
+//! made starting N workers take time in N² (`docs/benchmarks.md`, "Launcher").
 
 use crate::output::{spawn_reader, Console, Sink, Tail};
 use crate::signals::signal_name;

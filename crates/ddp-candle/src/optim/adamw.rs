@@ -9,8 +9,8 @@
 //!
 //! For contiguous f32/f64 parameters on the CPU the update is three in-place passes (first
 //! moment, second moment, parameter: candle in-place ops) with no temporaries; candle's version
-//! allocates fifteen parameter-sized tensors per parameter and step, which on the 52 M-parameter
-//! ZeRO benchmark kept about 240 MiB more resident per rank. Other dtypes and devices take
+//! allocates fifteen parameter-sized tensors per parameter and step, which keeps more memory
+//! resident (`docs/benchmarks.md`, "ZeRO memory (candle)"). Other dtypes and devices take
 //! candle's tensor operations.
 
 use super::{echo_pieces, echo_slot, unnamed, write_through_named, EchoGrads, Piece, Target};

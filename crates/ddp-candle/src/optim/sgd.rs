@@ -12,8 +12,8 @@
 //!
 //! For contiguous f32/f64 parameters on the CPU this is one loop over `p`, `g` and `buf` that
 //! writes `p` in place (a candle in-place op): no temporaries. `candle_nn::SGD` computes
-//! `p.set(p - g * lr)`, three full-size passes plus two allocations per tensor; on the 4M-parameter
-//! benchmark MLP that was ~5 ms of every step. Other dtypes and devices take the same formula with
+//! `p.set(p - g * lr)`, three full-size passes plus two allocations per tensor
+//! (`docs/benchmarks.md`, "Candle on CPUs"). Other dtypes and devices take the same formula with
 //! tensor operations. The momentum buffers are saved to checkpoints as
 //! `optim.<param>.momentum_buffer` (f32), PyTorch's state name.
 

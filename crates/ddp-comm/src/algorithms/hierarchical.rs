@@ -19,10 +19,8 @@
 //! memory, its leader sends it down a binomial tree of leaders over TCP, and each other leader
 //! broadcasts it inside its host. The other collectives run over the group's TCP mesh.
 //!
-//! Measured with `ddp-bench allreduce` (f32 sum, 4 ranks: two network namespaces joined by a
-//! veth pair, each with its own `/dev/shm` and 2 ranks, on 2 shared vCPUs; medians of 3 runs):
-//! 4 MiB 5.1 ms against 11.1 ms for flat TCP (`DDP_BACKEND=tcp`), 16 MiB 31 against 76 ms,
-//! 64 MiB 189 against 330 ms.
+//! Against flat TCP (`DDP_BACKEND=tcp`) on two simulated hosts: the book's benchmarks chapter
+//! (`docs/benchmarks.md`, "Hierarchical all-reduce").
 
 use super::{recursive_doubling, ring, shm_direct, tree, AllReduceAlgorithm};
 use crate::dtype::{Element, ReduceOp};

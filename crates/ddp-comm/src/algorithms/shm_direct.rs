@@ -2,8 +2,7 @@
 //! its input once into its fast area, and ranks reduce straight out of each other's areas; or,
 //! for large messages, straight between the ranks' own buffers (cross-memory attach). Large
 //! reduce-scatters ([`reduce_scatter`]) take the cross-memory path too (all-gathers into a
-//! buffer do not: tried, over the message rings they were as fast or faster at 1-64 MiB on 2
-//! ranks), and so do all-gathers whose result the caller places ([`all_gather_to`]: each rank
+//! buffer do not: over the message rings they were as fast or faster), and so do all-gathers whose result the caller places ([`all_gather_to`]: each rank
 //! reads the peers' blocks straight into where they go, one copy instead of the ring's two and
 //! the caller's third).
 //!
@@ -49,14 +48,11 @@
 //! (as the widening path of the process group does); `Avg` divides once, by the owner.
 //!
 //! [`crate::ProcessGroup::all_reduce`] uses this whenever the group's transport is shared
-//! memory and the all-reduce algorithm is `auto`. Defaults, from measurements on 2 vCPUs
-//! ([`crate::transport::shm::default_geometry`]): sub-chunks of 64 KiB (16 KiB was 2-3x slower,
-//! 128-512 KiB no better), a window of 8 blocks (16-256 were slower at 64 MiB: the slots fall
-//! out of cache), one-shot up to `256 KiB / p` (at 64-128 KiB with 2 ranks one-shot took 4.5
-//! and 9.5 us against 8.3 and 15 us pipelined), cross-memory attach from 1 MiB in chunks of
-//! 256 KiB (2 ranks, idle: 2 MiB 260 against 313 us, 4 MiB 0.49 against 0.65 ms, 64 MiB equal
-//! at the memory bandwidth; with two CPU hogs running: 4 MiB 0.57 against 16 ms, 64 MiB 33
-//! against 64-250 ms, medians; below 512 KiB it was slower).
+//! memory and the all-reduce algorithm is `auto`. Defaults
+//! ([`crate::transport::shm::default_geometry`]): sub-chunks of 64 KiB, a window of 8 blocks
+//! (larger windows let the slots fall out of cache), one-shot up to `256 KiB / p`, cross-memory
+//! attach from 1 MiB in chunks of 256 KiB. The measurements that chose them are in the book's
+//! benchmarks chapter (`docs/benchmarks.md`, "Shared-memory tuning").
 
 use super::segment;
 use crate::dtype::{DType, Element, ReduceOp};

@@ -34,7 +34,7 @@ const KIND_DATA: u8 = 0;
 const KIND_ABORT: u8 = 1;
 /// Largest single `writev`/`readv`: moving a big message in slices of this size, alternating
 /// between sending and receiving, keeps the data cache-resident between the two copies of the
-/// loopback path (measured: 1–4 MiB all-reduce 2.0 → 3.5 GB/s busbw with 2 ranks).
+/// loopback path (`docs/benchmarks.md`, "Collectives").
 const IO_CAP: usize = 256 * 1024;
 /// Busy-poll iterations (each yields the CPU) before sleeping in `poll(2)`: keeps
 /// small-message latency low without starving other ranks when cores are oversubscribed.

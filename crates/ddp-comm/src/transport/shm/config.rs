@@ -10,15 +10,16 @@ use std::time::Duration;
 /// copying while the rest is still being written.
 pub const PIECE: usize = 64 * 1024;
 /// Default spin before sleeping in `futex_wait`: busy for [`PURE_SPIN`], then yielding the CPU
-/// between checks (when cores are oversubscribed the peer may be waiting for this one).
-/// Measured on 2 vCPUs: waking a sleeping vCPU costs 10-50 us, so shorter spins lose latency.
+/// between checks (when cores are oversubscribed the peer may be waiting for this one). A
+/// sleeping vCPU is slow to wake (`docs/benchmarks.md`, "Shared-memory tuning"), so shorter
+/// spins lose latency.
 pub const DEFAULT_SPIN: Duration = Duration::from_micros(200);
-/// Initial busy spin without yielding (a 5 us spin doubled the median 4 KiB latency on 2
-/// loaded vCPUs: the first `sched_yield` gives the core away for ~15 us).
+/// Initial busy spin without yielding (a shorter one raised small-message latency on loaded
+/// vCPUs: the first `sched_yield` gives the core away).
 pub const PURE_SPIN: Duration = Duration::from_micros(50);
 /// A collective's first wait skips spinning when such waits averaged more than this lately
-/// (peers still computing). Lower thresholds (200 us) let the wake-up latency of a sleeping
-/// vCPU (50-300 us) keep the average up and trapped small all-reduces at ~50 us instead of 4.
+/// (peers still computing). Lower thresholds let the wake-up latency of a sleeping vCPU keep
+/// the average up and trap small all-reduces in the slow path.
 pub const ENTRY_SLEEP_AFTER: Duration = Duration::from_millis(1);
 /// Longest single `futex_wait`; the group's health is checked between slices.
 pub const SLEEP_SLICE: Duration = Duration::from_millis(5);
@@ -81,9 +82,9 @@ pub fn default_geometry(world: usize) -> Result<Geometry> {
 /// process may use, local rank `l` (env `LOCAL_RANK`, else the group rank) takes the `l`-th
 /// allowed CPU; `None` when ranks outnumber CPUs or env `DDP_SHM_BIND=0`.
 ///
-/// Measured on 2 vCPUs: unbound, a rank's caller and communication threads often end up on
-/// different CPUs, and every hand-over then wakes a halted vCPU (~15 us each way): 1-4 KiB
-/// all-reduces took 34-45 us in about half the runs instead of 3-4 us.
+/// Unbound, a rank's caller and communication threads often end up on different CPUs, and
+/// every hand-over then wakes a halted vCPU (what that cost: `docs/benchmarks.md`,
+/// "Shared-memory tuning").
 pub fn bind_cpu(rank: usize, size: usize) -> Result<Option<usize>> {
     if std::env::var("DDP_SHM_BIND").is_ok_and(|v| v.trim() == "0") {
         return Ok(None);

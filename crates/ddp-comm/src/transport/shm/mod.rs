@@ -55,8 +55,7 @@
 //! # Placement
 //!
 //! A waiter that finds the peer it waits for last seen on its own CPU yields from the start
-//! instead of spinning (spinning would keep that peer off the CPU: ~100 us per hand-over on 2
-//! busy vCPUs). With no more local ranks than CPUs, each rank's communication thread binds to
+//! instead of spinning (spinning would keep that peer off the CPU for a whole hand-over). With no more local ranks than CPUs, each rank's communication thread binds to
 //! one CPU ([`bind_cpu`], env `DDP_SHM_BIND=0` to disable), which keeps hand-overs between a
 //! rank's caller and communication threads off halted vCPUs.
 //!

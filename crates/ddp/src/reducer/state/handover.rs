@@ -128,8 +128,8 @@ impl Reducer {
     /// still without one the smallest spare of its dtype with that room; spares that no bucket
     /// takes are dropped here. A buffer that fits nearly exactly costs that bucket nothing beyond
     /// its own size and spares it the zero-filling of a fresh one, where given to a smaller
-    /// bucket it would leave the bucket of its size to allocate (ZeRO stage 2 on the benchmark
-    /// MLP: 11.4 M elements zero-filled per step, 4% of the CPU time). Returns the buckets that
+    /// bucket it would leave the bucket of its size to allocate and zero-fill a fresh buffer (ZeRO
+    /// stage 2; `docs/benchmarks.md`, "ZeRO memory (candle)"). Returns the buckets that
     /// took one, in order. As with
     /// [`recycle_buffers`](Self::recycle_buffers), any values may be in them, and the buffer
     /// is cut to the bucket's length; refused, changing nothing, while a backward is in

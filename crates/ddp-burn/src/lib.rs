@@ -7,7 +7,39 @@
 //! or spawned by the program itself through `ddprun::spawn`), over TCP or shared memory, with
 //! PyTorch's bucketed, pipelined reducer, its `DistributedSampler`, `no_sync` and `Join`.
 //!
-//! ```ignore
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use burn::data::dataloader::{batcher::Batcher, DataLoaderBuilder};
+//! # use burn::data::dataset::{Dataset, InMemDataset};
+//! # use burn::module::Module;
+//! # use burn::nn::{loss::CrossEntropyLossConfig, Linear, LinearConfig};
+//! # use burn::tensor::{Device, Int, Tensor, TensorData};
+//! # #[derive(Module, Debug)]
+//! # struct MyModel { fc: Linear }
+//! # struct MyModelConfig;
+//! # impl MyModelConfig {
+//! #     fn new() -> Self { MyModelConfig }
+//! #     fn init(&self, device: &Device) -> MyModel { MyModel { fc: LinearConfig::new(4, 3).init(device) } }
+//! # }
+//! # impl MyModel {
+//! #     fn forward(&self, x: Tensor<2>) -> Tensor<2> { self.fc.forward(x) }
+//! #     fn forward_loss(&self, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
+//! #         CrossEntropyLossConfig::new().init(&x.device()).forward(self.forward(x), y)
+//! #     }
+//! # }
+//! # #[derive(Clone)]
+//! # struct Rows;
+//! # impl Batcher<usize, (Tensor<2>, Tensor<1, Int>)> for Rows {
+//! #     fn batch(&self, rows: Vec<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+//! #         let n = rows.len();
+//! #         let x: Vec<f32> = rows.iter().flat_map(|&r| [r as f32; 4]).collect();
+//! #         let y: Vec<i64> = rows.iter().map(|&r| (r % 3) as i64).collect();
+//! #         (Tensor::from_data(TensorData::new(x, [n, 4]), device),
+//! #          Tensor::from_data(TensorData::new(y, [n]), device))
+//! #     }
+//! # }
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let batches: Vec<(Tensor<2>, Tensor<1, Int>)> = Vec::new();
 //! let pg = ddp_comm::init_process_group(Default::default())?; // RANK/WORLD_SIZE/MASTER_* from env
 //! let device = burn::tensor::Device::flex().autodiff();
 //! let model = MyModelConfig::new().init(&device);
@@ -18,6 +50,8 @@
 //!     let grads = ddp.backward(loss)?;          // GradientsParams averaged over all ranks
 //!     ddp.step(&mut optim, 1e-3, grads);        // Burn's optimizer, unchanged
 //! }
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! - **Parameter order** (module [`params`]): Burn's `ParamId`s are random per process, so the
@@ -40,8 +74,8 @@
 //!   checksummed blobs of a `ddp::Checkpoint` beside our metadata, written atomically by rank 0;
 //!   `ddp::checkpoint::resume_or_start` resumes exactly.
 //!
-//! - **Blockwise backward** (module [`blockwise`]): `forward_backward_blockwise` runs the
-//!   backward one block at a time, each block's buckets reduced while earlier blocks compute.
+//! - **Blockwise backward** (module `blockwise`): `forward_backward_blockwise` runs the backward
+//!   one block at a time, each block's buckets reduced while earlier blocks compute.
 //! - **ZeRO** (module [`zero`]): [`ZeroDdp`] shards the optimizer state (stage 1) and the
 //!   gradients (stage 2) over the ranks on `ddp::sharding`, stepping each owned chunk with Burn's
 //!   own optimizer; its sharded checkpoints resume at any world size.
@@ -52,8 +86,69 @@
 //! [`learner`] (feature `learner`, on by default) is a `TrainingStrategy::Custom` that runs the
 //! learner's steps data-parallel.
 //!
-//! ```ignore
+//! ```no_run
+//! # use std::sync::Arc;
+//! # use burn::data::dataloader::{batcher::Batcher, DataLoaderBuilder};
+//! # use burn::data::dataset::{Dataset, InMemDataset};
+//! # use burn::module::Module;
+//! # use burn::nn::{loss::CrossEntropyLossConfig, Linear, LinearConfig};
+//! # use burn::tensor::{Device, Int, Tensor, TensorData};
+//! # #[derive(Module, Debug)]
+//! # struct MyModel { fc: Linear }
+//! # struct MyModelConfig;
+//! # impl MyModelConfig {
+//! #     fn new() -> Self { MyModelConfig }
+//! #     fn init(&self, device: &Device) -> MyModel { MyModel { fc: LinearConfig::new(4, 3).init(device) } }
+//! # }
+//! # use burn_train::{ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep};
+//! # use burn::optim::AdamConfig;
+//! # use ddp_burn::{DdpLearningStrategy, ShardedDataset};
+//! # type Batch = (Tensor<2>, Tensor<1, Int>);
+//! # impl TrainStep for MyModel {
+//! #     type Input = Batch;
+//! #     type Output = ClassificationOutput;
+//! #     fn step(&self, b: Batch) -> TrainOutput<ClassificationOutput> {
+//! #         let out = InferenceStep::step(self, b);
+//! #         TrainOutput::new(self, out.loss.backward(), out)
+//! #     }
+//! # }
+//! # impl InferenceStep for MyModel {
+//! #     type Input = Batch;
+//! #     type Output = ClassificationOutput;
+//! #     fn step(&self, (x, y): Batch) -> ClassificationOutput {
+//! #         let output = self.forward(x);
+//! #         let loss = CrossEntropyLossConfig::new().init(&output.device()).forward(output.clone(), y.clone());
+//! #         ClassificationOutput { loss, output, targets: y }
+//! #     }
+//! # }
+//! # impl MyModel {
+//! #     fn forward(&self, x: Tensor<2>) -> Tensor<2> { self.fc.forward(x) }
+//! #     fn forward_loss(&self, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
+//! #         CrossEntropyLossConfig::new().init(&x.device()).forward(self.forward(x), y)
+//! #     }
+//! # }
+//! # #[derive(Clone)]
+//! # struct Rows;
+//! # impl Batcher<usize, (Tensor<2>, Tensor<1, Int>)> for Rows {
+//! #     fn batch(&self, rows: Vec<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
+//! #         let n = rows.len();
+//! #         let x: Vec<f32> = rows.iter().flat_map(|&r| [r as f32; 4]).collect();
+//! #         let y: Vec<i64> = rows.iter().map(|&r| (r % 3) as i64).collect();
+//! #         (Tensor::from_data(TensorData::new(x, [n, 4]), device),
+//! #          Tensor::from_data(TensorData::new(y, [n]), device))
+//! #     }
+//! # }
+//! # fn loader_over(s: Arc<ShardedDataset<InMemDataset<usize>>>) -> Arc<dyn burn::data::dataloader::DataLoader<Batch>> {
+//! #     DataLoaderBuilder::new(Rows).batch_size(8).build(s)
+//! # }
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let device = burn::tensor::Device::flex().autodiff();
+//! # let model = MyModelConfig::new().init(&device);
+//! # let train_set = InMemDataset::new((0..64).collect::<Vec<usize>>());
+//! # let dir = std::path::Path::new("/tmp/learner");
+//! # let valid_loader = DataLoaderBuilder::new(Rows).batch_size(8).build(InMemDataset::new((0..16).collect::<Vec<usize>>()));
 //! let pg = ddp_comm::init_process_group(Default::default())?;
+//! let sampler = ddp::DistributedSampler::new(train_set.len(), pg.size(), pg.rank())?;
 //! let shard = Arc::new(ShardedDataset::new(Arc::new(train_set), sampler)?); // this rank's part
 //! let strategy = Arc::new(DdpLearningStrategy::new(&pg, device.clone())
 //!     .on_epoch({ let s = shard.clone(); move |e| s.set_epoch(e as u64 - 1) })); // from 1
@@ -62,6 +157,9 @@
 //!     .num_epochs(10)
 //!     .launch(Learner::new(model, AdamConfig::new().init(), 1e-3));
 //! if let Some(e) = strategy.take_error() { return Err(e.into()); } // a dead peer, a mismatch
+//! # let _ = result;
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! `burn-train` is taken without its default features (no terminal UI, no system metrics);
@@ -71,6 +169,8 @@
 //! Burn 0.22 erased the backend type parameter: tensors are `Tensor<D>` and the backend is chosen
 //! by the `Device` at run time (`Device::flex().autodiff()`); there is no `AutodiffBackend`
 //! generic to be generic over. Every Burn device works; parameters must be F32 or F64.
+//!
+//! The guide is the book's Burn chapter (`docs/burn.md` in the repository).
 
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
 
@@ -121,4 +221,18 @@ impl From<ddp_comm::Error> for Error {
     fn from(e: ddp_comm::Error) -> Self {
         Error::Ddp(ddp::Error::Comm(e))
     }
+}
+
+/// The README's Rust blocks, compiled as doctests (`cargo test --workspace` runs them). The
+/// README is hosted here and in `ddp-candle`; each host compiles its own framework's block, the
+/// other's being behind a `cfg(feature = ..)` line hidden from readers.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
+/// The book's Burn chapter (`docs/burn.md`), compiled as doctests.
+#[cfg(doctest)]
+pub mod book_doctests {
+    #[doc = include_str!("../../../docs/burn.md")]
+    pub struct Burn;
 }

@@ -8,7 +8,14 @@
 //! averaged over all ranks, so the unchanged `candle_nn::optim` optimizers (`SGD`, `AdamW`, ...)
 //! keep every replica identical with a plain `opt.step(&grads)`.
 //!
-//! ```ignore
+//! ```no_run
+//! use candle_core::{DType, Device, Module, Tensor};
+//! use candle_nn::Optimizer;
+//! # fn build_model(vb: candle_nn::VarBuilder) -> candle_core::Result<candle_nn::Linear> {
+//! #     candle_nn::linear(4, 3, vb.pp("fc"))
+//! # }
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # let batches: Vec<(Tensor, Tensor)> = Vec::new();
 //! let pg = ddp_comm::init_process_group(Default::default())?; // RANK/WORLD_SIZE/MASTER_* from env
 //! let varmap = candle_nn::VarMap::new();
 //! let model = build_model(candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu))?;
@@ -19,6 +26,8 @@
 //!     let grads = ddp.backward(&loss)?; // averaged over all ranks
 //!     opt.step(&grads)?;
 //! }
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! Two backward paths give the same gradients:
@@ -26,12 +35,11 @@
 //!   gradients are handed to the bucketed reducer in reverse registration order; each bucket's
 //!   all-reduce starts as soon as it is full, so copying later buckets overlaps communicating
 //!   earlier ones.
-//! - **blockwise** ([`DistributedDataParallel::forward_backward_blockwise`], module
-//!   [`blockwise`]): for a model
-//!   given as a sequence of stages, backward runs one stage at a time from the last, and each
-//!   stage's gradients go to the reducer at once — their buckets are on the wire while earlier
-//!   stages are still computing (candle has no per-parameter backward hooks, so this is how
-//!   communication overlaps compute).
+//! - **blockwise** (`DistributedDataParallel::forward_backward_blockwise`, module `blockwise`):
+//!   for a model given as a sequence of blocks, backward runs one block at a time from the last,
+//!   and each block's gradients go to the reducer at once — their buckets are on the wire while
+//!   earlier blocks are still computing (candle has no per-parameter backward hooks, so this is
+//!   how communication overlaps compute).
 //!
 //! `no_sync` ([`DistributedDataParallel::no_sync`]) accumulates gradients locally for k
 //! micro-batches; the next synchronized backward reduces the accumulated sum. Uneven inputs across
@@ -39,17 +47,22 @@
 //! converts parameters to and from `ddp::Checkpoint`; module [`optim`] has PyTorch's SGD (momentum,
 //! in-place fused update) and candle's AdamW, both with checkpointable state.
 //! [`alloc::retain_freed_memory`] stops glibc from returning candle's per-step buffers to the
-//! kernel (a quarter of a CPU step on the benchmark MLP was page faults).
+//! kernel (page faults were a large share of a CPU step; the figures are in the book's
+//! benchmarks chapter, `docs/benchmarks.md`). Sharded training: [`ZeroDdp`] (ZeRO stages 1 and
+//! 2) and [`Fsdp`] (stage 3). On GPUs: module [`device`] and the feature `cuda`.
 //!
 //! Cargo feature `avx512-matmul` (default) turns on the AVX-512 kernels of candle's CPU matmul
 //! (the `gemm` crate's `x86-v4`; chosen at run time only on CPUs that have AVX-512F).
 //!
+//! The guide is the book's candle chapter (`docs/candle.md` in the repository), with checkpoints,
+//! hooks, ZeRO/FSDP and GPUs in their own chapters.
+//!
 //! ## Why a separate crate
 //! The reducer, sampler, checkpoints and Join live in the framework-agnostic `ddp` crate, which
 //! works on flat buffers and depends on nothing but `ddp-comm`. Everything that knows about
-//! candle (tensors, `Var`s, `GradStore`, the staged backward) is here, so that `ddp` builds in
+//! candle (tensors, `Var`s, `GradStore`, the blockwise backward) is here, so that `ddp` builds in
 //! seconds without candle's large dependency tree (gemm, safetensors mmap, ...), can serve other
-//! frameworks (a burn or tch adapter would be a sibling crate), and candle version bumps touch only
+//! frameworks (`ddp-burn` is the sibling crate for Burn), and candle version bumps touch only
 //! this crate.
 
 #![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
@@ -110,4 +123,38 @@ impl From<Error> for candle_core::Error {
             other => candle_core::Error::wrap(other),
         }
     }
+}
+
+/// The README's Rust blocks, compiled as doctests (`cargo test --workspace` runs them). The
+/// README is hosted here and in `ddp-burn`; each host compiles its own framework's block, the
+/// other's being behind a `cfg(feature = ..)` line hidden from readers.
+#[cfg(doctest)]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;
+
+/// The book's chapters (`docs/`) whose Rust blocks need candle or only `ddp`/`ddp-comm`, one
+/// item per chapter, compiled as doctests. The Burn chapter is hosted by `ddp-burn`, the
+/// launcher's by `ddprun`.
+#[cfg(doctest)]
+pub mod book_doctests {
+    #[doc = include_str!("../../../docs/introduction.md")]
+    pub struct Introduction;
+    #[doc = include_str!("../../../ARCHITECTURE.md")]
+    pub struct Architecture;
+    #[doc = include_str!("../../../docs/backends.md")]
+    pub struct Backends;
+    #[doc = include_str!("../../../docs/candle.md")]
+    pub struct Candle;
+    #[doc = include_str!("../../../docs/checkpoints.md")]
+    pub struct Checkpoints;
+    #[doc = include_str!("../../../docs/hooks.md")]
+    pub struct Hooks;
+    #[doc = include_str!("../../../docs/zero.md")]
+    pub struct Zero;
+    #[doc = include_str!("../../../docs/gpus.md")]
+    pub struct Gpus;
+    #[doc = include_str!("../../../docs/observability.md")]
+    pub struct Observability;
+    #[doc = include_str!("../../../docs/benchmarks.md")]
+    pub struct Benchmarks;
 }

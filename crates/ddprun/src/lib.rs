@@ -54,3 +54,9 @@ pub fn main_with_args(args: impl IntoIterator<Item = String>) -> i32 {
     };
     launch::run(&cfg)
 }
+
+/// The book's launcher chapter (`docs/launching.md`), compiled as doctests (`cargo test
+/// --workspace` runs them).
+#[cfg(doctest)]
+#[doc = include_str!("../../../docs/launching.md")]
+pub struct BookLaunchingDoctests;

@@ -10,8 +10,8 @@
 //! every gathered unit alive too. The forward therefore runs *without* a graph (the gathered
 //! parameters are plain tensors) and keeps only each unit's input; the backward, last unit
 //! first, gathers the unit again, recomputes its forward with a graph (parameters and input as
-//! `Var`s) and differentiates the surrogate `(out * grad_out).sum()` exactly as the staged
-//! backward ([`staged`](crate::staged)) does — the same ops on the same values, so the gradients
+//! `Var`s) and differentiates the surrogate `(out * grad_out).sum()` exactly as the blockwise
+//! backward ([`blockwise`](crate::blockwise)) does — the same ops on the same values, so the gradients
 //! are bit-identical to a plain `loss.backward()` of the whole model.
 //!
 //! ```text

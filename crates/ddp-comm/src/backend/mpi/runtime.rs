@@ -117,7 +117,7 @@ pub const NONBLOCKING_ENV: &str = "DDP_MPI_NONBLOCKING";
 /// on other threads and the watchdog's `MPI_Abort` can always proceed) and
 /// [`NONBLOCKING_ENV`] is not `1`. Otherwise `MPI_I*` completed by [`wait`], which holds the
 /// serializing lock only for each `MPI_Testall`. Open MPI runs its non-blocking collectives
-/// in libnbc, 2-3.5x slower than the tuned blocking ones on one host.
+/// in libnbc, slower than the tuned blocking ones (`docs/benchmarks.md`, "Choosing a backend").
 pub(super) fn blocking_calls() -> bool {
     static BLOCKING: OnceLock<bool> = OnceLock::new();
     *BLOCKING.get_or_init(|| {

@@ -97,14 +97,15 @@ pub struct TrainArgs {
     /// Untimed warm-up steps.
     #[arg(long, default_value_t = 5, value_parser = int_in::<usize>(0, MAX_ITERS))]
     pub warmup: usize,
-    /// Use the staged backward (stage by stage, buckets overlapping earlier stages' compute)
+    /// Use the blockwise backward (block by block, buckets overlapping earlier blocks' compute)
     /// instead of the plain one (loss.backward() then bucketed all-reduce). On candle's CPU
-    /// backend the staged path's extra per-stage backward passes cost more than the overlap
+    /// backend the blockwise path's extra per-block backward passes cost more than the overlap
     /// saves for this model (measured: 104 vs 82 ms/step at world 2), hence plain by default.
-    /// With `--zero 2` it is what keeps gradients at their shard (each stage's gradients are
-    /// reduce-scattered and freed before the next stage's backward).
-    #[arg(long)]
-    pub staged: bool,
+    /// With `--zero 2` it is what keeps gradients at their shard (each block's gradients are
+    /// reduce-scattered and freed before the next block's backward). `--staged` is its former
+    /// name.
+    #[arg(long, alias = "staged")]
+    pub blockwise: bool,
     /// Layout of the linear layers' weights: `out-in` is `ddp_candle::nn::Linear` (PyTorch's
     /// layout, `x @ W^T`, its backward three matmuls); `candle-nn` the same layout through
     /// `candle_nn::Linear`, whose backward of `W^T` adds a transposed (strided) gradient into a

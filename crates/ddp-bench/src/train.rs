@@ -1,5 +1,5 @@
 //! Training throughput: an MLP `784 - H×L - 10` on synthetic data, one thread per rank, with
-//! DDP (plain backward by default; `--staged` communicates buckets while earlier layers compute).
+//! DDP (plain backward by default; `--blockwise` sends buckets while earlier layers compute).
 //!
 //! `--zero 1|2` shards optimizer state (and gradients) with `ddp_candle::ZeroDdp`; `--zero 3`
 //! shards the parameters too with `ddp_candle::Fsdp`, one unit per layer.
@@ -188,7 +188,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     };
     let mut step = || -> Result<StepCost, Error> {
         let before = sent(&zero, &averager);
-        let out = if !args.staged {
+        let out = if !args.blockwise {
             let loss = {
                 let _s = trace::span("forward", "train");
                 ddp::trace::debug::slow_forward();
@@ -234,7 +234,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     } else {
         zero.bytes_per_step() as f64
     };
-    let path = if args.staged { "staged" } else { "plain" };
+    let path = if args.blockwise { "blockwise" } else { "plain" };
     let label = format!(
         "device {}  {path} path  weights {}  hook {}  zero {}  {}",
         args.device, args.weight_layout, args.hook, args.zero, args.optimizer
@@ -262,8 +262,8 @@ fn optimizer(args: &TrainArgs) -> ShardOptimizer {
 /// The model is built one unit at a time, each cut to its shard before the next is built
 /// (`Fsdp::from_unit_init`): it never exists whole.
 fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup) -> Result<(), Error> {
-    if args.staged {
-        return Err("--staged does not apply to --zero 3: its backward is staged by unit".into());
+    if args.blockwise {
+        return Err("--blockwise does not apply to --zero 3: its backward is by unit".into());
     }
     if args.device != ddp_candle::device::DeviceKind::Cpu {
         return Err("--zero 3 keeps its shards in host memory: run it with --device cpu".into());

@@ -5,7 +5,7 @@
 //! with `--hook` as for candle (post-local SGD averages through `Ddp::average_parameters`).
 //! `--optimizer sgd|adamw` picks Burn's `SgdConfig` (lr 0.01) or `AdamWConfig` (lr 1e-3, Burn's
 //! defaults); `--zero 1|2` shards optimizer state (and gradients) with `ddp_burn::ZeroDdp`;
-//! `--staged` runs the backward one layer at a time (`forward_backward_blockwise`).
+//! `--blockwise` runs the backward one layer at a time (`forward_backward_blockwise`).
 
 use crate::train::{measure, report, Error, StepCost};
 use crate::TrainArgs;
@@ -110,7 +110,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         || {
             let sent = |a: &Option<PeriodicModelAverager>| a.as_ref().map_or(0, |a| a.bytes_sent());
             let before = ddp.reducer().bytes_sent() + sent(&averager);
-            let grads = if args.staged {
+            let grads = if args.blockwise {
                 let stages = stages.iter().map(|s| &**s).collect::<Vec<_>>();
                 let loss = |o| loss_fn.forward(o, y.clone());
                 ddp.forward_backward_blockwise(&stages, x.clone(), loss)?.0
@@ -150,7 +150,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     report(args, &pg, &label, &timing, diff, extra)
 }
 
-/// The benchmark's fixed batch and loss, and its stages for `--staged`.
+/// The benchmark's fixed batch and loss, and its blocks for `--blockwise`.
 struct Batch {
     x: Tensor<2>,
     y: Tensor<1, Int>,
@@ -160,7 +160,7 @@ struct Batch {
 
 type BoxedStage = Box<dyn Fn(&Mlp, Tensor<2>) -> Tensor<2>>;
 
-/// `--staged`: one stage per layer.
+/// `--blockwise`: one block per layer.
 fn layer_stages(layers: usize) -> Vec<BoxedStage> {
     let mut stages: Vec<BoxedStage> = (0..layers)
         .map(|i| Box::new(move |m: &Mlp, h| activation::relu(m.hidden[i].forward(h))) as BoxedStage)
@@ -189,7 +189,7 @@ fn run_zero<O: Optimizer>(
         args,
         pg,
         || {
-            let stats = if args.staged {
+            let stats = if args.blockwise {
                 let stages = b.stages.iter().map(|s| &**s).collect::<Vec<_>>();
                 let loss = |o| b.loss_fn.forward(o, b.y.clone());
                 zero.forward_backward_blockwise(&stages, b.x.clone(), loss)?

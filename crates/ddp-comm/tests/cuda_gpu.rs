@@ -5,7 +5,7 @@
 //!
 //! - NCCL at world size 1 against the sequential reference: every op, every dtype, sizes 0, 1,
 //!   odd and 64 MiB, blocking and async.
-//! - Two ranks sharing the one GPU: `auto` picks the host-staged path (NCCL would refuse them),
+//! - Two ranks sharing the one GPU: `auto` relays through the host (NCCL would refuse them),
 //!   every collective against the reference.
 //! - A collective that cannot finish (its stream held by a host callback) fails within the
 //!   timeout, naming the collective and its sequence number; the group stays failed.
@@ -19,11 +19,9 @@
 
 mod common;
 
-use common::{check_all, run_ranks, skip_gpu, Collectives, Num};
-use cudarc::driver::{CudaSlice, CudaStream};
-use ddp_comm::cuda::{
-    device_count, nccl_available, CudaElement, CudaGroup, CudaOptions, DeviceBackend,
-};
+use common::{check_all, run_ranks, skip_gpu};
+use cudarc::driver::CudaStream;
+use ddp_comm::cuda::{device_count, nccl_available, CudaGroup, CudaOptions, DeviceBackend};
 use ddp_comm::{Error, ProcessGroup, ReduceOp};
 use half::{bf16, f16};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -64,97 +62,6 @@ fn group(pg: &ProcessGroup, backend: DeviceBackend, device: usize, timeout: Dura
     CudaGroup::new(pg, opts).unwrap_or_else(|e| panic!("rank {}: CudaGroup::new: {e}", pg.rank()))
 }
 
-/// A CUDA group as the reference checker's API: `Vec`s copied to and from the device on the
-/// compute stream.
-struct Gpu(CudaGroup);
-
-impl Gpu {
-    fn stream(&self) -> &Arc<CudaStream> {
-        self.0.compute_stream()
-    }
-    fn up<T: CudaElement>(&self, v: &[T]) -> CudaSlice<T> {
-        if v.is_empty() {
-            return self.stream().alloc_zeros::<T>(0).unwrap();
-        }
-        self.stream().clone_htod(v).unwrap()
-    }
-    fn down<T: CudaElement>(&self, d: &CudaSlice<T>) -> Vec<T> {
-        if d.is_empty() {
-            return Vec::new();
-        }
-        self.stream().clone_dtoh(d).unwrap()
-    }
-}
-
-impl<T: Num + CudaElement> Collectives<T> for Gpu {
-    fn rank(&self) -> usize {
-        self.0.rank()
-    }
-    fn size(&self) -> usize {
-        self.0.size()
-    }
-    fn all_reduce(&self, buf: Vec<T>, op: ReduceOp, asynchronous: bool) -> Vec<T> {
-        let mut d = self.up(&buf);
-        if asynchronous {
-            d = self.0.all_reduce_async(d, op).wait().unwrap();
-        } else {
-            self.0.all_reduce(&mut d, op).unwrap();
-        }
-        self.down(&d)
-    }
-    fn broadcast(&self, buf: Vec<T>, root: usize, asynchronous: bool) -> Vec<T> {
-        let mut d = self.up(&buf);
-        if asynchronous {
-            d = self.0.broadcast_async(d, root).wait().unwrap();
-        } else {
-            self.0.broadcast(&mut d, root).unwrap();
-        }
-        self.down(&d)
-    }
-    fn reduce(&self, buf: Vec<T>, op: ReduceOp, root: usize, asynchronous: bool) -> Vec<T> {
-        let mut d = self.up(&buf);
-        if asynchronous {
-            d = self.0.reduce_async(d, op, root).wait().unwrap();
-        } else {
-            self.0.reduce(&mut d, op, root).unwrap();
-        }
-        self.down(&d)
-    }
-    fn reduce_scatter(&self, full: Vec<T>, op: ReduceOp, asynchronous: bool) -> Vec<T> {
-        let d = self.up(&full);
-        let out = if asynchronous {
-            self.0.reduce_scatter_async(d, op).wait().unwrap()
-        } else {
-            let mut out = self.up(&vec![T::from_i(0); full.len() / self.0.size()]);
-            self.0.reduce_scatter(&d, &mut out, op).unwrap();
-            out
-        };
-        self.down(&out)
-    }
-    fn all_gather(&self, mine: Vec<T>, asynchronous: bool) -> Vec<T> {
-        let d = self.up(&mine);
-        let out = if asynchronous {
-            self.0.all_gather_async(d).wait().unwrap()
-        } else {
-            let mut out = self.up(&vec![T::from_i(0); mine.len() * self.0.size()]);
-            self.0.all_gather(&d, &mut out).unwrap();
-            out
-        };
-        self.down(&out)
-    }
-    fn send(&self, buf: Vec<T>, dst: usize) {
-        self.0.send(&self.up(&buf), dst).unwrap();
-    }
-    fn recv(&self, n: usize, src: usize) -> Vec<T> {
-        let mut d = self.up(&vec![T::from_i(0); n]);
-        self.0.recv(&mut d, src).unwrap();
-        self.down(&d)
-    }
-    fn barrier(&self) {
-        self.0.barrier().unwrap();
-    }
-}
-
 /// 0, 1, odd, and (f32 only) 64 MiB + 4 bytes.
 fn gpu_sizes(large: bool) -> Vec<usize> {
     let mut s = vec![0, 1, 7, 1001, 65_537];
@@ -164,7 +71,7 @@ fn gpu_sizes(large: bool) -> Vec<usize> {
     s
 }
 
-fn check_every_dtype(g: &Gpu, seed: u64) {
+fn check_every_dtype(g: &CudaGroup, seed: u64) {
     check_all::<f32>(g, seed, &gpu_sizes(true));
     check_all::<f64>(g, seed + 1, &gpu_sizes(false));
     check_all::<f16>(g, seed + 2, &gpu_sizes(false));
@@ -180,16 +87,16 @@ fn nccl_world_1_matches_reference() {
         return;
     }
     run_ranks(1, Duration::from_secs(120), |pg| {
-        let g = Gpu(group(&pg, DeviceBackend::Nccl, 0, Duration::from_secs(60)));
-        assert_eq!(g.0.topology().to_string(), "nccl: 1 ranks, one GPU each");
+        let g = group(&pg, DeviceBackend::Nccl, 0, Duration::from_secs(60));
+        assert_eq!(g.topology().to_string(), "nccl: 1 ranks, one GPU each");
         check_every_dtype(&g, 101);
     });
 }
 
 #[test]
-fn two_ranks_sharing_one_gpu_are_staged_and_match_reference() {
+fn two_ranks_sharing_one_gpu_are_relayed_and_match_reference() {
     if gpus(
-        "two_ranks_sharing_one_gpu_are_staged_and_match_reference",
+        "two_ranks_sharing_one_gpu_are_relayed_and_match_reference",
         1,
     )
     .is_none()
@@ -197,10 +104,10 @@ fn two_ranks_sharing_one_gpu_are_staged_and_match_reference() {
         return;
     }
     run_ranks(2, Duration::from_secs(120), |pg| {
-        let g = Gpu(group(&pg, DeviceBackend::Auto, 0, Duration::from_secs(60)));
-        let t = g.0.topology().to_string();
+        let g = group(&pg, DeviceBackend::Auto, 0, Duration::from_secs(60));
+        let t = g.topology().to_string();
         assert!(
-            t.starts_with("staged: 2 ranks, ranks 0 and 1 share a GPU"),
+            t.starts_with("relay: 2 ranks, ranks 0 and 1 share a GPU"),
             "{t}"
         );
         check_every_dtype(&g, 201);
@@ -264,13 +171,8 @@ fn two_gpus_nccl_matches_reference() {
     }
     run_ranks(2, Duration::from_secs(120), |pg| {
         let dev = pg.rank();
-        let g = Gpu(group(
-            &pg,
-            DeviceBackend::Auto,
-            dev,
-            Duration::from_secs(60),
-        ));
-        assert_eq!(g.0.topology().name(), "nccl");
+        let g = group(&pg, DeviceBackend::Auto, dev, Duration::from_secs(60));
+        assert_eq!(g.topology().name(), "nccl");
         check_every_dtype(&g, 301);
     });
 }

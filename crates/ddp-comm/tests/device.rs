@@ -1,5 +1,5 @@
 //! The device-agnostic parts of device collectives, on real stores and groups: the choice
-//! between NCCL and staged from the ranks' device ids, the id exchanges through the store, the
+//! between NCCL and relay from the ranks' device ids, the id exchanges through the store, the
 //! fingerprint check through the host group, and the watchdog (a collective not finished in
 //! time aborts the group on every rank, each error naming the collective and its sequence).
 
@@ -35,7 +35,7 @@ fn auto_picks_nccl_iff_every_rank_has_its_own_gpu_and_nccl_loads() {
 
     let shared = [dev("a", "gpu0"), dev("b", "gpu0"), dev("a", "gpu0")];
     let t = choose_backend(DeviceBackend::Auto, &shared, Ok(())).unwrap();
-    assert_eq!(t.name(), "staged");
+    assert_eq!(t.name(), "relay");
     assert!(
         t.to_string()
             .contains("ranks 0 and 2 share a GPU (device gpu0 on host a)"),
@@ -43,11 +43,11 @@ fn auto_picks_nccl_iff_every_rank_has_its_own_gpu_and_nccl_loads() {
     );
 
     let t = choose_backend(DeviceBackend::Auto, &own, Err("libnccl: not found".into())).unwrap();
-    assert_eq!(t.name(), "staged");
+    assert_eq!(t.name(), "relay");
     assert!(t.to_string().contains("libnccl: not found"), "{t}");
 
-    let t = choose_backend(DeviceBackend::Staged, &own, Ok(())).unwrap();
-    assert_eq!(t.to_string(), "staged: 3 ranks, staged on request");
+    let t = choose_backend(DeviceBackend::Relay, &own, Ok(())).unwrap();
+    assert_eq!(t.to_string(), "relay: 3 ranks, relayed on request");
 }
 
 #[test]
@@ -71,7 +71,9 @@ fn nccl_on_request_fails_naming_the_shared_gpu_or_the_missing_library() {
 #[test]
 fn device_backend_parses_like_the_env_var() {
     assert_eq!(DeviceBackend::parse("NCCL"), Some(DeviceBackend::Nccl));
-    assert_eq!(DeviceBackend::parse("gloo"), Some(DeviceBackend::Staged));
+    assert_eq!(DeviceBackend::parse("gloo"), Some(DeviceBackend::Relay));
+    assert_eq!(DeviceBackend::parse("relay"), Some(DeviceBackend::Relay));
+    assert_eq!(DeviceBackend::parse("staged"), Some(DeviceBackend::Relay));
     assert_eq!(DeviceBackend::parse(""), Some(DeviceBackend::Auto));
     assert_eq!(DeviceBackend::parse("mpi"), None);
 }

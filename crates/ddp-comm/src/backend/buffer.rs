@@ -17,7 +17,7 @@ pub struct HostBuf<'a> {
 
 /// A read-only host buffer of elements of one [`DType`] (input of a collective).
 #[derive(Clone, Copy)]
-pub struct HostSlice<'a> {
+pub struct RawHostSlice<'a> {
     dtype: DType,
     bytes: &'a [u8],
 }
@@ -74,10 +74,10 @@ impl<'a> HostBuf<'a> {
     }
 }
 
-impl<'a> HostSlice<'a> {
+impl<'a> RawHostSlice<'a> {
     /// The buffer `s`.
     pub fn new<T: Element>(s: &'a [T]) -> Self {
-        HostSlice {
+        RawHostSlice {
             dtype: T::DTYPE,
             bytes: bytemuck::cast_slice(s),
         }
@@ -103,7 +103,7 @@ impl<'a> HostSlice<'a> {
         assert_eq!(
             T::DTYPE,
             self.dtype,
-            "HostSlice of {} used as {}",
+            "RawHostSlice of {} used as {}",
             self.dtype,
             T::DTYPE
         );

@@ -32,7 +32,7 @@ mod shm;
 mod tcp;
 
 pub use crate::placement::{place_from, Place};
-pub use buffer::{HostBuf, HostSlice};
+pub use buffer::{HostBuf, RawHostSlice};
 pub use hierarchical::HierarchicalBackend;
 #[cfg(feature = "mpi")]
 pub use mpi::MpiBackend;
@@ -137,7 +137,7 @@ impl fmt::Display for Topology {
 }
 
 /// Runs the collectives of one group on its engine thread. Every entry point takes host
-/// buffers with their element type erased ([`HostBuf`], [`HostSlice`]); the defaults run the
+/// buffers with their element type erased ([`HostBuf`], [`RawHostSlice`]); the defaults run the
 /// collective over [`CollectiveBackend::transport`] ([`flat`]). Errors abort the group (the
 /// engine then calls [`CollectiveBackend::abort`]).
 pub trait CollectiveBackend: Send {
@@ -178,7 +178,7 @@ pub trait CollectiveBackend: Send {
     }
 
     /// Concatenate every rank's `input` into `output`, in rank order.
-    fn all_gather(&mut self, input: HostSlice<'_>, output: HostBuf<'_>) -> Result<()> {
+    fn all_gather(&mut self, input: RawHostSlice<'_>, output: HostBuf<'_>) -> Result<()> {
         with_element!(input.dtype(), T => {
             flat::all_gather::<T>(self.transport(), input.typed(), output.typed())
         })
@@ -187,7 +187,7 @@ pub trait CollectiveBackend: Send {
     /// Reduce `input` across ranks; rank `r` gets block `r` in `output`.
     fn reduce_scatter(
         &mut self,
-        input: HostSlice<'_>,
+        input: RawHostSlice<'_>,
         output: HostBuf<'_>,
         op: ReduceOp,
     ) -> Result<()> {
@@ -206,7 +206,7 @@ pub trait CollectiveBackend: Send {
             flat::check_len("all_gather_in_place buffer", buf.len(), buf.len() / p * p)?;
             let n = buf.len() / p;
             let mine = buf[r * n..(r + 1) * n].to_vec();
-            self.all_gather(HostSlice::new(&mine), HostBuf::new(buf))
+            self.all_gather(RawHostSlice::new(&mine), HostBuf::new(buf))
         })
     }
 
@@ -235,7 +235,7 @@ pub trait CollectiveBackend: Send {
             flat::check_len("reduce_scatter_in_place buffer", buf.len(), buf.len() / p * p)?;
             let n = buf.len() / p;
             let mut out = vec![<T as bytemuck::Zeroable>::zeroed(); n];
-            self.reduce_scatter(HostSlice::new(buf), HostBuf::new(&mut out), op)?;
+            self.reduce_scatter(RawHostSlice::new(buf), HostBuf::new(&mut out), op)?;
             buf[r * n..(r + 1) * n].copy_from_slice(&out);
             Ok(())
         })
@@ -244,7 +244,7 @@ pub trait CollectiveBackend: Send {
     /// Gather every rank's `input` into `output` on `root` (required there only).
     fn gather(
         &mut self,
-        input: HostSlice<'_>,
+        input: RawHostSlice<'_>,
         output: Option<HostBuf<'_>>,
         root: usize,
     ) -> Result<()> {
@@ -257,7 +257,7 @@ pub trait CollectiveBackend: Send {
     /// Scatter `root`'s `input` (ignored elsewhere): rank `r` gets block `r` in `output`.
     fn scatter(
         &mut self,
-        input: Option<HostSlice<'_>>,
+        input: Option<RawHostSlice<'_>>,
         output: HostBuf<'_>,
         root: usize,
     ) -> Result<()> {
@@ -268,7 +268,7 @@ pub trait CollectiveBackend: Send {
     }
 
     /// Block `j` of `input` goes to rank `j`; block `i` of `output` comes from rank `i`.
-    fn all_to_all(&mut self, input: HostSlice<'_>, output: HostBuf<'_>) -> Result<()> {
+    fn all_to_all(&mut self, input: RawHostSlice<'_>, output: HostBuf<'_>) -> Result<()> {
         with_element!(input.dtype(), T => {
             flat::all_to_all::<T>(self.transport(), input.typed(), output.typed())
         })
@@ -280,7 +280,7 @@ pub trait CollectiveBackend: Send {
     }
 
     /// Send `data` to rank `to`.
-    fn send(&mut self, data: HostSlice<'_>, to: usize) -> Result<()> {
+    fn send(&mut self, data: RawHostSlice<'_>, to: usize) -> Result<()> {
         with_element!(data.dtype(), T => {
             self.transport().send(to, bytemuck::cast_slice::<T, u8>(data.typed()))
         })

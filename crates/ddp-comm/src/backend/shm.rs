@@ -3,7 +3,7 @@
 //! runs the flat algorithms over the segment's message rings.
 
 use super::{
-    flat, place_from, with_element, CollectiveBackend, HostBuf, HostSlice, Place, Topology,
+    flat, place_from, with_element, CollectiveBackend, HostBuf, Place, RawHostSlice, Topology,
 };
 use crate::algorithms::{shm_direct, AllReduceAlgorithm};
 use crate::dtype::ReduceOp;
@@ -48,7 +48,7 @@ impl CollectiveBackend for ShmBackend {
 
     fn reduce_scatter(
         &mut self,
-        input: HostSlice<'_>,
+        input: RawHostSlice<'_>,
         output: HostBuf<'_>,
         op: ReduceOp,
     ) -> Result<()> {

@@ -1,13 +1,14 @@
 //! Collectives on CUDA device memory (feature `nccl`): [`CudaGroup`], built from a host
 //! [`ProcessGroup`] (its store, rank and world) and a device, runs every collective either on
-//! an NCCL communicator or host-staged ([`crate::device::staged`]); [`CudaGroup::topology`]
+//! an NCCL communicator or relayed through the host ([`crate::device::relay`]);
+//! [`CudaGroup::topology`]
 //! says which. Buffers are cudarc's [`CudaSlice`](cudarc::driver::CudaSlice) (candle's CUDA storage hands these out too:
 //! both use cudarc 0.19).
 //!
 //! ```text
 //!  caller's compute stream ──event──▶ comm stream: ncclAllReduce ... ──event──▶ CudaWork
 //!        (ordered after the work       (one per group; NCCL's kernels    wait(): host waits
-//!         queued before the call)        or the staged copies)           (watchdog-bounded),
+//!         queued before the call)        or the relay's copies)          (watchdog-bounded),
 //!                                                                         compute stream waits
 //! ```
 //!
@@ -17,7 +18,7 @@
 //!   `torch.cuda.set_device(local_rank)`). Subgroups ([`CudaGroup::new_group`]) get their own
 //!   communicators.
 //! - [`DeviceBackend::Auto`] uses NCCL iff every rank has its own GPU (device UUIDs exchanged
-//!   through the store) and libnccl loads; otherwise staged through pinned host memory and the
+//!   through the store) and libnccl loads; otherwise relayed through pinned host memory and the
 //!   host group's shared-memory/TCP collectives.
 //! - Failures never hang: the watchdog ([`crate::device::watchdog`]) aborts the communicator
 //!   (`ncclCommAbort`) when a collective does not finish within the timeout or
@@ -40,12 +41,13 @@
 
 pub mod libs;
 mod nccl;
-mod stage;
+mod relay;
 
 pub use crate::device::{DeviceBackend, DeviceTopology};
 
+use crate::collectives::Wait;
 use crate::device::check::ShapeCheck;
-use crate::device::staged::StagedGroup;
+use crate::device::relay::RelayGroup;
 use crate::device::watchdog::{Completion, Watchdog, WatchdogTiming, Watched};
 use crate::device::{choose_backend, exchange_device_ids, exchange_unique_id, DeviceId};
 use crate::dtype::Element;
@@ -58,7 +60,7 @@ use cudarc::driver::{
 use cudarc::nccl::result::NcclError;
 use cudarc::nccl::sys::{cudaStream_t, ncclComm_t};
 use libs::{guard, probe, Library};
-use stage::{OnStream, PinnedStaging};
+use relay::{OnStream, PinnedRelay};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -70,7 +72,7 @@ impl<T: Element + DeviceRepr + ValidAsZeroBits> CudaElement for T {}
 /// How to build a [`CudaGroup`].
 #[derive(Debug, Clone, Default)]
 pub struct CudaOptions {
-    /// NCCL, staged, or auto (default: env `DDP_DEVICE_BACKEND`, else auto).
+    /// NCCL, relay, or auto (default: env `DDP_DEVICE_BACKEND`, else auto).
     pub backend: Option<DeviceBackend>,
     /// CUDA device ordinal (default: `LOCAL_RANK % device_count`, `LOCAL_RANK` defaulting to
     /// the group rank).
@@ -119,7 +121,7 @@ enum Imp {
         shapes: ShapeCheck,
         seq: AtomicU64,
     },
-    Staged(StagedGroup),
+    Relay(RelayGroup),
 }
 
 /// Collectives on CUDA memory among the ranks of a [`ProcessGroup`].
@@ -213,20 +215,20 @@ impl CudaGroup {
             &me,
             timeout,
         )?;
-        let nccl_ok = if requested == DeviceBackend::Staged {
+        let nccl_ok = if requested == DeviceBackend::Relay {
             Err(String::new())
         } else {
             nccl_available().map_err(|e| e.to_string())
         };
         let topology = choose_backend(requested, &ids, nccl_ok)?;
         let imp = match &topology {
-            DeviceTopology::Staged { .. } => {
-                let staging = PinnedStaging {
+            DeviceTopology::Relay { .. } => {
+                let relay = PinnedRelay {
                     ctx: ctx.clone(),
                     buf: None,
                     rank,
                 };
-                Imp::Staged(StagedGroup::new(pg, Box::new(staging)))
+                Imp::Relay(RelayGroup::new(pg, Box::new(relay)))
             }
             DeviceTopology::Nccl { .. } => {
                 let id = exchange_unique_id(&*store, &format!("{key}/uid"), rank, timeout, || {
@@ -276,7 +278,7 @@ impl CudaGroup {
         let mut opts = self.opts.clone();
         opts.device = Some(self.ctx.ordinal());
         opts.backend = Some(match self.topology {
-            DeviceTopology::Staged { .. } => DeviceBackend::Staged,
+            DeviceTopology::Relay { .. } => DeviceBackend::Relay,
             DeviceTopology::Nccl { .. } => opts.backend.unwrap_or_default(),
         });
         CudaGroup::new(&sub, opts).map(Some)
@@ -317,7 +319,7 @@ impl CudaGroup {
         &self.comm_stream
     }
 
-    /// NCCL or staged, and why.
+    /// NCCL or relay, and why.
     pub fn topology(&self) -> &DeviceTopology {
         &self.topology
     }
@@ -359,7 +361,7 @@ impl CudaGroup {
         } = &self.imp
         else {
             return Err(Error::Internal(
-                "an NCCL collective on a staged group".into(),
+                "an NCCL collective on a relay group".into(),
             ));
         };
         if let Some(cause) = watchdog.broken() {
@@ -450,7 +452,7 @@ enum WorkInner<R> {
     Host(Box<dyn HostWait<R>>),
 }
 
-/// A staged collective's [`Work`] with the conversion of its output.
+/// A relayed collective's [`Work`] with the conversion of its output.
 trait HostWait<R>: Send {
     fn is_completed(&self) -> bool;
     fn wait(self: Box<Self>) -> Result<R>;
@@ -507,13 +509,23 @@ impl<R> CudaWork<R> {
     }
 }
 
+impl<R> Wait<R> for CudaWork<R> {
+    fn is_completed(&self) -> bool {
+        CudaWork::is_completed(self)
+    }
+
+    fn wait(self) -> Result<R> {
+        CudaWork::wait(self)
+    }
+}
+
 impl<R: Send + 'static> CudaWork<R> {
     /// A work already finished with `r`.
     fn ready(what: &str, r: Result<R>) -> CudaWork<R> {
         CudaWork::host(Work::ready(what, r), |x| x)
     }
 
-    /// A staged collective's work, its output converted by `f`.
+    /// A relayed collective's work, its output converted by `f`.
     fn host<X: Send + 'static>(work: Work<X>, f: impl FnOnce(X) -> R + Send + 'static) -> Self {
         CudaWork {
             inner: WorkInner::Host(Box::new(Mapped { work, f })),

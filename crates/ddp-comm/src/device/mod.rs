@@ -5,65 +5,72 @@
 //!  user / reducer bucket (device memory)
 //!        │ CudaGroup::all_reduce(&mut CudaSlice<T>, op)            crate::cuda (feature nccl)
 //!        ▼
-//!  DeviceTopology, chosen once from DeviceBackend (auto | nccl | staged) and the device ids
+//!  DeviceTopology, chosen once from DeviceBackend (auto | nccl | relay) and the device ids
 //!        │ every rank its own GPU and libnccl loads ──▶ NCCL communicator on a comm stream,
 //!        │                                              watched by device::watchdog
-//!        │ otherwise (ranks share a GPU, no libnccl, or asked for) ──▶ device::staged
+//!        │ otherwise (ranks share a GPU, no libnccl, or asked for) ──▶ device::relay
 //!        ▼
-//!  device::staged: device ─download─▶ pinned host ─▶ ProcessGroup's own collectives (shm/TCP,
+//!  device::relay: device ─download─▶ pinned host ─▶ ProcessGroup's own collectives (shm/TCP,
 //!                  the host CollectiveBackend) ─▶ host ─upload─▶ device
 //! ```
 //!
 //! Device collectives sit *beside* the host [`crate::backend::CollectiveBackend`], not inside
 //! it: a [`crate::ProcessGroup`] stays the host group (store, rank, world, host collectives), and
 //! a device group is built from one. NCCL is the device counterpart of a backend (its own
-//! communicator, stream and watchdog); the staged path is a client of the host backend.
+//! communicator, stream and watchdog); the relay path is a client of the host backend.
 //!
 //! What is here:
 //! - [`DeviceBackend`] (what the user asks for) and [`DeviceTopology`] (what a group uses), with
 //!   the one choice function [`choose_backend`] over the ranks' [`DeviceId`]s, exchanged through
 //!   the store by [`exchange_device_ids`]; [`exchange_unique_id`] publishes rank 0's NCCL id.
-//! - [`staged`]: the host-staged collectives, written once against the small
-//!   [`staged::StageBuffer`] trait (device memory that can be copied to and from host memory) and
-//!   [`staged::HostStaging`] (where the host copy lives: pinned memory on CUDA). The tests run
+//! - [`relay`]: the collectives relayed through the host, written once against the small
+//!   [`relay::RelayBuffer`] trait (device memory that can be copied to and from host memory) and
+//!   [`relay::HostRelay`] (where the host copy lives: pinned memory on CUDA). The tests run
 //!   the same code over host-memory implementations with real multi-rank groups.
+//! - [`DeviceOp`]: one device collective and its arguments, with the one argument check and
+//!   fingerprint both paths (NCCL and relay) use.
 //! - [`check`]: the fingerprint check (op, dtype, count, root) through the host group before the
 //!   first use of a new shape, so a mismatch fails by name instead of corrupting or hanging NCCL.
 //! - [`watchdog`]: a thread that fails (and aborts) a device collective not finished within
 //!   its timeout and tells the other ranks through the store.
 
 pub mod check;
-pub mod staged;
+mod op;
+pub mod relay;
 pub mod watchdog;
+
+pub use op::DeviceOp;
 
 use crate::store::Store;
 use crate::{Error, Result};
 use std::fmt;
 use std::time::Duration;
 
-/// Env var naming the device backend (`auto`, `nccl`, `staged`), read by
+/// Env var naming the device backend (`auto`, `nccl`, `relay`), read by
 /// [`DeviceBackend::from_env`].
 pub const DEVICE_BACKEND_ENV: &str = "DDP_DEVICE_BACKEND";
 
 /// Which device-collective implementation the user asks for.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum DeviceBackend {
-    /// NCCL when every rank of the group has its own GPU and libnccl loads; staged otherwise.
+    /// NCCL when every rank of the group has its own GPU and libnccl loads; relay otherwise.
     #[default]
     Auto,
     /// NCCL; creating the group fails (naming the reason) if it cannot be used.
     Nccl,
-    /// Host-staged: device → pinned host → the host group's collectives → device (Gloo's way).
-    Staged,
+    /// Relayed through the host: device → pinned host → the host group's collectives → device
+    /// (Gloo's way).
+    Relay,
 }
 
 impl DeviceBackend {
-    /// Parse `auto`, `nccl` or `staged` (alias `gloo`, as torch runs CUDA tensors through gloo).
+    /// Parse `auto`, `nccl` or `relay` (aliases `staged`, its former name, and `gloo`, as torch
+    /// runs CUDA tensors through gloo).
     pub fn parse(s: &str) -> Option<Self> {
         match s.trim().to_ascii_lowercase().as_str() {
             "auto" | "" => Some(DeviceBackend::Auto),
             "nccl" => Some(DeviceBackend::Nccl),
-            "staged" | "gloo" => Some(DeviceBackend::Staged),
+            "relay" | "staged" | "gloo" => Some(DeviceBackend::Relay),
             _ => None,
         }
     }
@@ -73,7 +80,7 @@ impl DeviceBackend {
         match std::env::var(DEVICE_BACKEND_ENV) {
             Ok(v) => DeviceBackend::parse(&v).ok_or_else(|| {
                 Error::Config(format!(
-                    "{DEVICE_BACKEND_ENV}={v:?}: expected auto, nccl or staged"
+                    "{DEVICE_BACKEND_ENV}={v:?}: expected auto, nccl or relay"
                 ))
             }),
             Err(_) => Ok(DeviceBackend::Auto),
@@ -86,7 +93,7 @@ impl fmt::Display for DeviceBackend {
         f.write_str(match self {
             DeviceBackend::Auto => "auto",
             DeviceBackend::Nccl => "nccl",
-            DeviceBackend::Staged => "staged",
+            DeviceBackend::Relay => "relay",
         })
     }
 }
@@ -117,21 +124,21 @@ impl DeviceId {
 }
 
 /// What a device group resolved to (`CudaGroup::topology` of module `cuda`, feature `nccl`).
-/// Displays as `nccl: 4 ranks, one GPU each` or `staged: 2 ranks, ranks 0 and 1 share a GPU`.
+/// Displays as `nccl: 4 ranks, one GPU each` or `relay: 2 ranks, ranks 0 and 1 share a GPU`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DeviceTopology {
     /// An NCCL communicator over `ranks` ranks, each on its own GPU.
     Nccl { ranks: usize },
-    /// Host-staged collectives over the host group; `reason` says why not NCCL.
-    Staged { ranks: usize, reason: String },
+    /// Collectives relayed through the host group; `reason` says why not NCCL.
+    Relay { ranks: usize, reason: String },
 }
 
 impl DeviceTopology {
-    /// `nccl` or `staged`.
+    /// `nccl` or `relay`.
     pub fn name(&self) -> &'static str {
         match self {
             DeviceTopology::Nccl { .. } => "nccl",
-            DeviceTopology::Staged { .. } => "staged",
+            DeviceTopology::Relay { .. } => "relay",
         }
     }
 }
@@ -140,8 +147,8 @@ impl fmt::Display for DeviceTopology {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             DeviceTopology::Nccl { ranks } => write!(f, "nccl: {ranks} ranks, one GPU each"),
-            DeviceTopology::Staged { ranks, reason } => {
-                write!(f, "staged: {ranks} ranks, {reason}")
+            DeviceTopology::Relay { ranks, reason } => {
+                write!(f, "relay: {ranks} ranks, {reason}")
             }
         }
     }
@@ -150,9 +157,9 @@ impl fmt::Display for DeviceTopology {
 /// The one place that picks a device group's implementation, from what was asked, every rank's
 /// device (by group rank) and whether NCCL can be loaded here (`Err` carries why not):
 ///
-/// - `staged`: staged.
-/// - two ranks on one device: `nccl` fails naming both ranks and the device; `auto` stages.
-/// - NCCL missing: `nccl` fails with the loader's reason; `auto` stages.
+/// - `relay`: relay.
+/// - two ranks on one device: `nccl` fails naming both ranks and the device; `auto` relays.
+/// - NCCL missing: `nccl` fails with the loader's reason; `auto` relays.
 /// - otherwise NCCL.
 pub fn choose_backend(
     requested: DeviceBackend,
@@ -160,10 +167,10 @@ pub fn choose_backend(
     nccl: std::result::Result<(), String>,
 ) -> Result<DeviceTopology> {
     let ranks = devices.len();
-    if requested == DeviceBackend::Staged {
-        return Ok(DeviceTopology::Staged {
+    if requested == DeviceBackend::Relay {
+        return Ok(DeviceTopology::Relay {
             ranks,
-            reason: "staged on request".into(),
+            reason: "relayed on request".into(),
         });
     }
     let shared = (0..ranks).find_map(|j| {
@@ -179,17 +186,17 @@ pub fn choose_backend(
         if requested == DeviceBackend::Nccl {
             return Err(Error::Config(format!(
                 "device backend nccl: {why}, which NCCL refuses (\"Duplicate GPU detected\"); \
-                 give each rank its own GPU or use device backend auto or staged"
+                 give each rank its own GPU or use device backend auto or relay"
             )));
         }
-        return Ok(DeviceTopology::Staged { ranks, reason: why });
+        return Ok(DeviceTopology::Relay { ranks, reason: why });
     }
     match nccl {
         Ok(()) => Ok(DeviceTopology::Nccl { ranks }),
         Err(why) if requested == DeviceBackend::Nccl => {
             Err(Error::Config(format!("device backend nccl: {why}")))
         }
-        Err(why) => Ok(DeviceTopology::Staged { ranks, reason: why }),
+        Err(why) => Ok(DeviceTopology::Relay { ranks, reason: why }),
     }
 }
 

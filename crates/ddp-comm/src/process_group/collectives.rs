@@ -4,7 +4,7 @@
 
 use super::ProcessGroup;
 use crate::algorithms::ring;
-use crate::backend::{HostBuf, HostSlice};
+use crate::backend::{HostBuf, RawHostSlice};
 use crate::dtype::{DType, Element, ReduceOp};
 use crate::transport::{Fingerprint, OpKind};
 use crate::work::Work;
@@ -83,7 +83,7 @@ impl ProcessGroup {
     pub fn all_gather<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         let fp = self.fingerprint(OpKind::AllGather, T::DTYPE, None, input.len(), None);
         self.blocking(fp, move |b| {
-            b.all_gather(HostSlice::new(input), HostBuf::new(output))
+            b.all_gather(RawHostSlice::new(input), HostBuf::new(output))
         })
     }
 
@@ -93,7 +93,7 @@ impl ProcessGroup {
         let n = input.len() * self.size();
         self.spawn(fp, move |b| {
             let mut out = vec![T::zeroed(); n];
-            b.all_gather(HostSlice::new(&input), HostBuf::new(&mut out))
+            b.all_gather(RawHostSlice::new(&input), HostBuf::new(&mut out))
                 .map(|()| out)
         })
     }
@@ -109,7 +109,7 @@ impl ProcessGroup {
     ) -> Result<()> {
         let fp = self.fingerprint(OpKind::ReduceScatter, T::DTYPE, Some(op), input.len(), None);
         self.blocking(fp, move |b| {
-            b.reduce_scatter(HostSlice::new(input), HostBuf::new(output), op)
+            b.reduce_scatter(RawHostSlice::new(input), HostBuf::new(output), op)
         })
     }
 
@@ -119,7 +119,7 @@ impl ProcessGroup {
         let n = input.len() / self.size();
         self.spawn(fp, move |b| {
             let mut out = vec![T::zeroed(); n];
-            b.reduce_scatter(HostSlice::new(&input), HostBuf::new(&mut out), op)
+            b.reduce_scatter(RawHostSlice::new(&input), HostBuf::new(&mut out), op)
                 .map(|()| out)
         })
     }
@@ -263,7 +263,7 @@ impl ProcessGroup {
         let fp = self.fingerprint(OpKind::Gather, T::DTYPE, None, input.len(), Some(root));
         let output = output.filter(|_| self.rank() == root);
         self.blocking(fp, move |b| {
-            b.gather(HostSlice::new(input), output.map(HostBuf::new), root)
+            b.gather(RawHostSlice::new(input), output.map(HostBuf::new), root)
         })
     }
 
@@ -278,7 +278,7 @@ impl ProcessGroup {
         self.spawn(fp, move |b| {
             let mut out = (rank == root).then(|| vec![T::zeroed(); n]);
             b.gather(
-                HostSlice::new(&input),
+                RawHostSlice::new(&input),
                 out.as_deref_mut().map(HostBuf::new),
                 root,
             )
@@ -297,7 +297,7 @@ impl ProcessGroup {
         let fp = self.fingerprint(OpKind::Scatter, T::DTYPE, None, output.len(), Some(root));
         let input = input.filter(|_| self.rank() == root);
         self.blocking(fp, move |b| {
-            b.scatter(input.map(HostSlice::new), HostBuf::new(output), root)
+            b.scatter(input.map(RawHostSlice::new), HostBuf::new(output), root)
         })
     }
 
@@ -316,7 +316,7 @@ impl ProcessGroup {
         self.spawn(fp, move |b| {
             let mut out = vec![T::zeroed(); count];
             b.scatter(
-                input.as_deref().map(HostSlice::new),
+                input.as_deref().map(RawHostSlice::new),
                 HostBuf::new(&mut out),
                 root,
             )
@@ -329,7 +329,7 @@ impl ProcessGroup {
     pub fn all_to_all<T: Element>(&self, input: &[T], output: &mut [T]) -> Result<()> {
         let fp = self.fingerprint(OpKind::AllToAll, T::DTYPE, None, input.len(), None);
         self.blocking(fp, move |b| {
-            b.all_to_all(HostSlice::new(input), HostBuf::new(output))
+            b.all_to_all(RawHostSlice::new(input), HostBuf::new(output))
         })
     }
 
@@ -338,7 +338,7 @@ impl ProcessGroup {
         let fp = self.fingerprint(OpKind::AllToAll, T::DTYPE, None, input.len(), None);
         self.spawn(fp, move |b| {
             let mut out = vec![T::zeroed(); input.len()];
-            b.all_to_all(HostSlice::new(&input), HostBuf::new(&mut out))
+            b.all_to_all(RawHostSlice::new(&input), HostBuf::new(&mut out))
                 .map(|()| out)
         })
     }
@@ -361,7 +361,7 @@ impl ProcessGroup {
     pub fn send<T: Element>(&self, buf: &[T], dst: usize) -> Result<()> {
         self.check_peer(dst)?;
         let fp = self.p2p_fingerprint::<T>(buf.len(), dst, true);
-        self.blocking(fp, move |b| b.send(HostSlice::new(buf), dst))
+        self.blocking(fp, move |b| b.send(RawHostSlice::new(buf), dst))
     }
 
     /// Receive into `buf` from rank `src`.
@@ -377,7 +377,9 @@ impl ProcessGroup {
             return Work::ready("send", Err(e));
         }
         let fp = self.p2p_fingerprint::<T>(buf.len(), dst, true);
-        self.spawn(fp, move |b| b.send(HostSlice::new(&buf), dst).map(|()| buf))
+        self.spawn(fp, move |b| {
+            b.send(RawHostSlice::new(&buf), dst).map(|()| buf)
+        })
     }
 
     /// Async [`ProcessGroup::recv`] of `count` elements.

@@ -1,148 +1,170 @@
-//! The collective API the reference checker ([`super::check_all`]) drives, so that one checker
-//! holds host groups ([`ProcessGroup`]), staged device groups over host memory
-//! ([`StagedGroup`] with `Vec` buffers) and, in the GPU tests, CUDA groups to the same
-//! sequential reference. Buffers cross as `Vec`s; `asynchronous` picks the `*_async` form.
+//! The reference checker ([`super::check_all`]) drives every group kind through the library's
+//! [`Collectives`] trait: host groups ([`ddp_comm::ProcessGroup`]), the relay path over host
+//! memory ([`ddp_comm::device::relay::RelayGroup`]) and, in the GPU tests, CUDA groups. [`Vecs`]
+//! moves `Vec`s in and out of the group's buffers; `asynchronous` picks the `*_async` form.
 
 use super::Num;
-use ddp_comm::device::staged::StagedGroup;
-use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_comm::{Collectives, ReduceOp, Wait};
 
-/// The collectives every group kind offers (gather, scatter and all_to_all are host-only: see
-/// [`Collectives::host`]).
-pub trait Collectives<T: Num> {
-    fn rank(&self) -> usize;
-    fn size(&self) -> usize;
-    fn all_reduce(&self, buf: Vec<T>, op: ReduceOp, asynchronous: bool) -> Vec<T>;
-    fn broadcast(&self, buf: Vec<T>, root: usize, asynchronous: bool) -> Vec<T>;
-    fn reduce(&self, buf: Vec<T>, op: ReduceOp, root: usize, asynchronous: bool) -> Vec<T>;
+/// A group's collectives on host `Vec`s (copied to and from its buffers).
+pub struct Vecs<'g, G>(pub &'g G);
+
+impl<G> Vecs<'_, G> {
+    pub fn rank<T: Num>(&self) -> usize
+    where
+        G: Collectives<T>,
+    {
+        self.0.rank()
+    }
+
+    fn up<T: Num>(&self, v: &[T]) -> G::Buf
+    where
+        G: Collectives<T>,
+    {
+        self.0.copy_from_host(v).unwrap()
+    }
+
+    fn down<T: Num>(&self, b: &G::Buf) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        self.0.copy_to_host(b).unwrap()
+    }
+
+    /// A collective on one buffer holding `v`: `blocking` on it, or `asynchronous` on it owned.
+    fn one<T: Num>(
+        &self,
+        v: &[T],
+        asynchronous: bool,
+        blocking: impl FnOnce(&mut G::Buf) -> ddp_comm::Result<()>,
+        spawn: impl FnOnce(G::Buf) -> G::Pending,
+    ) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        let mut d = self.up(v);
+        if asynchronous {
+            d = spawn(d).wait().unwrap();
+        } else {
+            blocking(&mut d).unwrap();
+        }
+        self.down(&d)
+    }
+
+    /// A collective from `input` into an output of `n` elements.
+    fn two<T: Num>(
+        &self,
+        input: &[T],
+        n: usize,
+        asynchronous: bool,
+        blocking: impl FnOnce(&G::Buf, &mut G::Buf) -> ddp_comm::Result<()>,
+        spawn: impl FnOnce(G::Buf) -> G::Pending,
+    ) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        let d = self.up(input);
+        let out = if asynchronous {
+            spawn(d).wait().unwrap()
+        } else {
+            let mut out = self.up(&vec![T::from_i(0); n]);
+            blocking(&d, &mut out).unwrap();
+            out
+        };
+        self.down(&out)
+    }
+
+    pub fn all_reduce<T: Num>(&self, buf: Vec<T>, op: ReduceOp, a: bool) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        let g = self.0;
+        self.one(
+            &buf,
+            a,
+            |d| g.all_reduce(d, op),
+            |d| g.all_reduce_async(d, op),
+        )
+    }
+
+    pub fn broadcast<T: Num>(&self, buf: Vec<T>, root: usize, a: bool) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        let g = self.0;
+        self.one(
+            &buf,
+            a,
+            |d| g.broadcast(d, root),
+            |d| g.broadcast_async(d, root),
+        )
+    }
+
+    pub fn reduce<T: Num>(&self, buf: Vec<T>, op: ReduceOp, root: usize, a: bool) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        let g = self.0;
+        self.one(
+            &buf,
+            a,
+            |d| g.reduce(d, op, root),
+            |d| g.reduce_async(d, op, root),
+        )
+    }
+
     /// This rank's block of the reduction of `full` (`size` blocks).
-    fn reduce_scatter(&self, full: Vec<T>, op: ReduceOp, asynchronous: bool) -> Vec<T>;
+    pub fn reduce_scatter<T: Num>(&self, full: Vec<T>, op: ReduceOp, a: bool) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        let g = self.0;
+        let n = full.len() / g.size();
+        self.two(
+            &full,
+            n,
+            a,
+            |i, o| g.reduce_scatter(i, o, op),
+            |i| g.reduce_scatter_async(i, op),
+        )
+    }
+
     /// Every rank's `mine`, concatenated in rank order.
-    fn all_gather(&self, mine: Vec<T>, asynchronous: bool) -> Vec<T>;
-    fn send(&self, buf: Vec<T>, dst: usize);
-    fn recv(&self, n: usize, src: usize) -> Vec<T>;
-    fn barrier(&self);
-    /// The host group, for the host-only collectives.
-    fn host(&self) -> Option<&ProcessGroup> {
-        None
+    pub fn all_gather<T: Num>(&self, mine: Vec<T>, a: bool) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        let g = self.0;
+        let n = mine.len() * g.size();
+        self.two(
+            &mine,
+            n,
+            a,
+            |i, o| g.all_gather(i, o),
+            |i| g.all_gather_async(i),
+        )
     }
-}
 
-impl<T: Num> Collectives<T> for ProcessGroup {
-    fn rank(&self) -> usize {
-        ProcessGroup::rank(self)
+    pub fn send<T: Num>(&self, buf: Vec<T>, dst: usize)
+    where
+        G: Collectives<T>,
+    {
+        self.0.send(&self.up(&buf), dst).unwrap();
     }
-    fn size(&self) -> usize {
-        ProcessGroup::size(self)
-    }
-    fn all_reduce(&self, mut buf: Vec<T>, op: ReduceOp, asynchronous: bool) -> Vec<T> {
-        if asynchronous {
-            return self.all_reduce_async(buf, op).wait().unwrap();
-        }
-        ProcessGroup::all_reduce(self, &mut buf, op).unwrap();
-        buf
-    }
-    fn broadcast(&self, mut buf: Vec<T>, root: usize, asynchronous: bool) -> Vec<T> {
-        if asynchronous {
-            return self.broadcast_async(buf, root).wait().unwrap();
-        }
-        ProcessGroup::broadcast(self, &mut buf, root).unwrap();
-        buf
-    }
-    fn reduce(&self, mut buf: Vec<T>, op: ReduceOp, root: usize, asynchronous: bool) -> Vec<T> {
-        if asynchronous {
-            return self.reduce_async(buf, op, root).wait().unwrap();
-        }
-        ProcessGroup::reduce(self, &mut buf, op, root).unwrap();
-        buf
-    }
-    fn reduce_scatter(&self, full: Vec<T>, op: ReduceOp, asynchronous: bool) -> Vec<T> {
-        if asynchronous {
-            return self.reduce_scatter_async(full, op).wait().unwrap();
-        }
-        let mut out = vec![T::from_i(0); full.len() / ProcessGroup::size(self)];
-        ProcessGroup::reduce_scatter(self, &full, &mut out, op).unwrap();
-        out
-    }
-    fn all_gather(&self, mine: Vec<T>, asynchronous: bool) -> Vec<T> {
-        if asynchronous {
-            return self.all_gather_async(mine).wait().unwrap();
-        }
-        let mut out = vec![T::from_i(0); mine.len() * ProcessGroup::size(self)];
-        ProcessGroup::all_gather(self, &mine, &mut out).unwrap();
-        out
-    }
-    fn send(&self, buf: Vec<T>, dst: usize) {
-        ProcessGroup::send(self, &buf, dst).unwrap();
-    }
-    fn recv(&self, n: usize, src: usize) -> Vec<T> {
-        let mut buf = vec![T::from_i(0); n];
-        ProcessGroup::recv(self, &mut buf, src).unwrap();
-        buf
-    }
-    fn barrier(&self) {
-        ProcessGroup::barrier(self).unwrap();
-    }
-    fn host(&self) -> Option<&ProcessGroup> {
-        Some(self)
-    }
-}
 
-/// The staged device path with host memory standing in for the device (`Vec<T>` is a
-/// `StageBuffer`): the same code the CUDA groups run when staged.
-impl<T: Num> Collectives<T> for StagedGroup {
-    fn rank(&self) -> usize {
-        self.process_group().rank()
+    pub fn recv<T: Num>(&self, n: usize, src: usize) -> Vec<T>
+    where
+        G: Collectives<T>,
+    {
+        let mut d = self.up(&vec![T::from_i(0); n]);
+        self.0.recv(&mut d, src).unwrap();
+        self.down(&d)
     }
-    fn size(&self) -> usize {
-        self.process_group().size()
-    }
-    fn all_reduce(&self, mut buf: Vec<T>, op: ReduceOp, asynchronous: bool) -> Vec<T> {
-        if asynchronous {
-            return self.all_reduce_async(buf, op).wait().unwrap();
-        }
-        StagedGroup::all_reduce(self, &mut buf, op).unwrap();
-        buf
-    }
-    fn broadcast(&self, mut buf: Vec<T>, root: usize, asynchronous: bool) -> Vec<T> {
-        if asynchronous {
-            return self.broadcast_async(buf, root).wait().unwrap();
-        }
-        StagedGroup::broadcast(self, &mut buf, root).unwrap();
-        buf
-    }
-    fn reduce(&self, mut buf: Vec<T>, op: ReduceOp, root: usize, asynchronous: bool) -> Vec<T> {
-        if asynchronous {
-            return self.reduce_async(buf, op, root).wait().unwrap();
-        }
-        StagedGroup::reduce(self, &mut buf, op, root).unwrap();
-        buf
-    }
-    fn reduce_scatter(&self, full: Vec<T>, op: ReduceOp, asynchronous: bool) -> Vec<T> {
-        let mut out = vec![T::from_i(0); full.len() / Collectives::<T>::size(self)];
-        if asynchronous {
-            return self.reduce_scatter_async(full, out, op).wait().unwrap().1;
-        }
-        StagedGroup::reduce_scatter(self, &full, &mut out, op).unwrap();
-        out
-    }
-    fn all_gather(&self, mine: Vec<T>, asynchronous: bool) -> Vec<T> {
-        let mut out = vec![T::from_i(0); mine.len() * Collectives::<T>::size(self)];
-        if asynchronous {
-            return self.all_gather_async(mine, out).wait().unwrap().1;
-        }
-        StagedGroup::all_gather(self, &mine, &mut out).unwrap();
-        out
-    }
-    fn send(&self, buf: Vec<T>, dst: usize) {
-        StagedGroup::send(self, &buf, dst).unwrap();
-    }
-    fn recv(&self, n: usize, src: usize) -> Vec<T> {
-        let mut buf = vec![T::from_i(0); n];
-        StagedGroup::recv(self, &mut buf, src).unwrap();
-        buf
-    }
-    fn barrier(&self) {
-        StagedGroup::barrier(self).unwrap();
+
+    pub fn barrier<T: Num>(&self)
+    where
+        G: Collectives<T>,
+    {
+        self.0.barrier().unwrap();
     }
 }

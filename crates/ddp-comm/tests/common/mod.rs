@@ -8,9 +8,9 @@
 
 pub mod api;
 
-pub use api::Collectives;
 use ddp_comm::algorithms::AllReduceAlgorithm;
 use ddp_comm::process_group::Backend;
+pub use ddp_comm::Collectives;
 use ddp_comm::{Element, ReduceOp};
 use ddp_comm::{InitOptions, ProcessGroup};
 use half::{bf16, f16};
@@ -271,10 +271,11 @@ pub fn check_every_collective(pg: &ProcessGroup, seed: u64) {
 }
 
 /// Run every collective of `T` on `g` for the sizes in `sizes`, checking each against the
-/// reference: blocking and async forms (alternating by size case); gather, scatter and all_to_all where `g` is a
-/// host group.
-pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
+/// reference through the library's [`Collectives`] trait: blocking and async forms (alternating
+/// by size case); gather, scatter and all_to_all where `g` is a host [`ProcessGroup`].
+pub fn check_all<T: Num>(g: &(impl Collectives<T> + 'static), seed: u64, sizes: &[usize]) {
     let (rank, world) = (g.rank(), g.size());
+    let v = api::Vecs(g);
     let mut rng = StdRng::seed_from_u64(seed); // same sequence on every rank
     for (k, &n) in sizes.iter().enumerate() {
         let case = seed * 100 + k as u64;
@@ -289,12 +290,12 @@ pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
             let how = format!("{dt} {op} n={n} world={world} async={asy}");
             let want = reference(case, world, n, op);
             for a in [false, true] {
-                let got = g.all_reduce(input::<T>(case, rank, n, op), op, a);
+                let got = v.all_reduce(input::<T>(case, rank, n, op), op, a);
                 assert_same(&format!("all_reduce {how} (async={a})"), &got, &want);
             }
             // reduce to a random root
             let root = rng.gen_range(0..world);
-            let got = g.reduce(input::<T>(case, rank, n, op), op, root, asy);
+            let got = v.reduce(input::<T>(case, rank, n, op), op, root, asy);
             if rank == root {
                 assert_same(&format!("reduce {how} root={root}"), &got, &want);
             } else {
@@ -303,7 +304,7 @@ pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
             }
             // reduce_scatter: rank r gets block r of the reduction
             let full: Vec<T> = input(case, rank, blk * world, op);
-            let got = g.reduce_scatter(full, op, asy);
+            let got = v.reduce_scatter(full, op, asy);
             let want = reference::<T>(case, world, blk * world, op);
             assert_same(
                 &format!("reduce_scatter {how} blk={blk}"),
@@ -318,7 +319,7 @@ pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
             .collect();
         let root = rng.gen_range(0..world);
         // broadcast
-        let got = g.broadcast(input::<T>(case, rank, n, op), root, asy);
+        let got = v.broadcast(input::<T>(case, rank, n, op), root, asy);
         let want = input::<T>(case, root, n, op);
         assert_same(
             &format!("broadcast {dt} n={n} root={root} async={asy}"),
@@ -326,13 +327,13 @@ pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
             &want,
         );
         // all_gather
-        let got = g.all_gather(mine.clone(), asy);
+        let got = v.all_gather(mine.clone(), asy);
         assert_same(
             &format!("all_gather {dt} n={blk} async={asy}"),
             &got,
             &want_all,
         );
-        if let Some(pg) = g.host() {
+        if let Some(pg) = (g as &dyn std::any::Any).downcast_ref::<ProcessGroup>() {
             check_host_only::<T>(pg, case, blk, root, &mine, &want_all);
         }
         // send / recv around the ring (even ranks send first, odd ranks receive first)
@@ -340,11 +341,11 @@ pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
             let (next, prev) = ((rank + 1) % world, (rank + world - 1) % world);
             let mine = input::<T>(case, rank, n, op);
             let got = if rank % 2 == 0 {
-                g.send(mine, next);
-                g.recv(n, prev)
+                v.send(mine, next);
+                v.recv(n, prev)
             } else {
-                let got = g.recv(n, prev);
-                g.send(mine, next);
+                let got = v.recv(n, prev);
+                v.send(mine, next);
                 got
             };
             assert_same(
@@ -353,7 +354,7 @@ pub fn check_all<T: Num>(g: &impl Collectives<T>, seed: u64, sizes: &[usize]) {
                 &input::<T>(case, prev, n, op),
             );
         }
-        g.barrier();
+        v.barrier::<T>();
     }
 }
 

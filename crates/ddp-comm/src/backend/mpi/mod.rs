@@ -44,7 +44,7 @@ mod runtime;
 mod transport;
 mod watchdog;
 
-use super::{flat, with_element, CollectiveBackend, HostBuf, HostSlice, Topology};
+use super::{flat, with_element, CollectiveBackend, HostBuf, RawHostSlice, Topology};
 use crate::dtype::{Element, ReduceOp};
 use crate::transport::{Fingerprint, OpKind, Transport};
 use crate::{Error, Result};
@@ -490,7 +490,7 @@ impl CollectiveBackend for MpiBackend {
         with_element!(buf.dtype(), T => self.reduce_typed::<T>(buf.typed(), op, root))
     }
 
-    fn all_gather(&mut self, input: HostSlice<'_>, output: HostBuf<'_>) -> Result<()> {
+    fn all_gather(&mut self, input: RawHostSlice<'_>, output: HostBuf<'_>) -> Result<()> {
         let (dt, n) = (input.dtype(), input.len());
         flat::check_len("all_gather output", output.len(), n * self.t.size())?;
         let c = self.count(n)?;
@@ -511,7 +511,7 @@ impl CollectiveBackend for MpiBackend {
 
     fn reduce_scatter(
         &mut self,
-        input: HostSlice<'_>,
+        input: RawHostSlice<'_>,
         output: HostBuf<'_>,
         op: ReduceOp,
     ) -> Result<()> {
@@ -522,7 +522,7 @@ impl CollectiveBackend for MpiBackend {
 
     fn gather(
         &mut self,
-        input: HostSlice<'_>,
+        input: RawHostSlice<'_>,
         output: Option<HostBuf<'_>>,
         root: usize,
     ) -> Result<()> {
@@ -554,7 +554,7 @@ impl CollectiveBackend for MpiBackend {
 
     fn scatter(
         &mut self,
-        input: Option<HostSlice<'_>>,
+        input: Option<RawHostSlice<'_>>,
         output: HostBuf<'_>,
         root: usize,
     ) -> Result<()> {
@@ -584,7 +584,7 @@ impl CollectiveBackend for MpiBackend {
         })
     }
 
-    fn all_to_all(&mut self, input: HostSlice<'_>, output: HostBuf<'_>) -> Result<()> {
+    fn all_to_all(&mut self, input: RawHostSlice<'_>, output: HostBuf<'_>) -> Result<()> {
         let (dt, p) = (input.dtype(), self.t.size());
         if !input.len().is_multiple_of(p) {
             return Err(Error::InvalidArgument(format!(

@@ -1,10 +1,10 @@
-//! The CUDA implementations of the staged path's traits: a `CudaSlice` as a
-//! [`StageSource`]/[`StageBuffer`] (copies on the communication stream, after the event recorded
+//! The CUDA implementations of the relay path's traits: a `CudaSlice` as a
+//! [`RelaySource`]/[`RelayBuffer`] (copies on the communication stream, after the event recorded
 //! on the compute stream when the collective was issued), and pinned host memory as
-//! [`HostStaging`].
+//! [`HostRelay`].
 
 use super::{driver_err, CudaElement};
-use crate::device::staged::{HostStaging, StageBuffer, StageSource};
+use crate::device::relay::{HostRelay, RelayBuffer, RelaySource};
 use crate::Result;
 use cudarc::driver::{CudaContext, CudaEvent, CudaSlice, CudaStream, PinnedHostSlice};
 use std::sync::Arc;
@@ -39,7 +39,7 @@ fn upload<T: CudaElement>(s: &mut OnStream<impl AsMut<CudaSlice<T>>>, host: &[T]
     s.stream
         .memcpy_htod(host, s.buf.as_mut())
         .map_err(driver_err("cuMemcpyHtoDAsync", r))?;
-    // The staging memory is reused by the next collective: the copy must be done.
+    // The relay memory is reused by the next collective: the copy must be done.
     s.stream
         .synchronize()
         .map_err(driver_err("cuStreamSynchronize", r))
@@ -76,9 +76,9 @@ impl<T> AsMut<CudaSlice<T>> for Exclusive<'_, T> {
     }
 }
 
-macro_rules! stage_impls {
+macro_rules! relay_impls {
     ($($ty:ty),*) => {$(
-        impl<T: CudaElement> StageSource<T> for OnStream<$ty> {
+        impl<T: CudaElement> RelaySource<T> for OnStream<$ty> {
             fn len(&self) -> usize {
                 self.buf.as_ref().len()
             }
@@ -88,15 +88,15 @@ macro_rules! stage_impls {
         }
     )*};
 }
-stage_impls!(Owned<T>, Shared<'_, T>, Exclusive<'_, T>);
+relay_impls!(Owned<T>, Shared<'_, T>, Exclusive<'_, T>);
 
-impl<T: CudaElement> StageBuffer<T> for OnStream<Owned<T>> {
+impl<T: CudaElement> RelayBuffer<T> for OnStream<Owned<T>> {
     fn upload(&mut self, host: &[T]) -> Result<()> {
         upload(self, host)
     }
 }
 
-impl<T: CudaElement> StageBuffer<T> for OnStream<Exclusive<'_, T>> {
+impl<T: CudaElement> RelayBuffer<T> for OnStream<Exclusive<'_, T>> {
     fn upload(&mut self, host: &[T]) -> Result<()> {
         upload(self, host)
     }
@@ -104,13 +104,13 @@ impl<T: CudaElement> StageBuffer<T> for OnStream<Exclusive<'_, T>> {
 
 /// Page-locked host memory, so that the copies run at full PCIe/NVLink-C2C speed; grows to the
 /// largest collective seen.
-pub(crate) struct PinnedStaging {
+pub(crate) struct PinnedRelay {
     pub(crate) ctx: Arc<CudaContext>,
     pub(crate) buf: Option<PinnedHostSlice<u8>>,
     pub(crate) rank: usize,
 }
 
-impl HostStaging for PinnedStaging {
+impl HostRelay for PinnedRelay {
     fn get(&mut self, bytes: usize) -> Result<&mut [u8]> {
         if self.buf.as_ref().is_none_or(|b| b.len() < bytes) {
             self.buf = None;

@@ -281,3 +281,122 @@ impl<W: DdpWrapper + ?Sized> Drop for NoSync<'_, W> {
         self.ddp.set_require_backward_grad_sync(prev);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::adapter::{param_specs, tests::Toy};
+    use crate::reducer::ReducerOptions;
+    use std::cell::RefCell;
+    use std::collections::HashMap;
+
+    /// A third framework's wrapper: what it writes itself is its backward (here: gradients
+    /// given as a map); the rest is the core's.
+    struct ToyDdp(DdpCore<Toy>);
+
+    impl Deref for ToyDdp {
+        type Target = DdpCore<Toy>;
+        fn deref(&self) -> &DdpCore<Toy> {
+            &self.0
+        }
+    }
+
+    impl DerefMut for ToyDdp {
+        fn deref_mut(&mut self) -> &mut DdpCore<Toy> {
+            &mut self.0
+        }
+    }
+
+    impl DdpWrapper for ToyDdp {
+        type Params = Toy;
+    }
+
+    impl ToyDdp {
+        fn local(&mut self, mut grads: HashMap<usize, Vec<f32>>) -> Result<()> {
+            self.prepare_for_backward()?;
+            self.mark_grads(&mut grads, |_, _| Ok(()))
+        }
+
+        fn backward(&mut self, grads: HashMap<usize, Vec<f32>>) -> Result<StepStats> {
+            self.local(grads)?;
+            self.finish()
+        }
+
+        fn averaged(&self) -> Vec<f32> {
+            let got = self
+                .reducer()
+                .with_grad(0, |g| g.get::<f32>().unwrap().to_vec());
+            got.unwrap()
+        }
+    }
+
+    fn grads(v: f32) -> HashMap<usize, Vec<f32>> {
+        HashMap::from([(0, vec![v; 2])])
+    }
+
+    #[test]
+    fn a_third_adapter_gets_no_sync_join_and_checkpoints_from_the_core() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().to_path_buf();
+        ddp_comm::testing::run_ranks(2, move |pg| {
+            let r = pg.rank() as f32;
+            let toy = Toy {
+                params: vec![("a".into(), RefCell::new(vec![r; 2]))],
+            };
+            let specs = param_specs(&toy).unwrap();
+            let reducer = Reducer::new(&pg, specs, ReducerOptions::default()).unwrap();
+            let mut ddp = ToyDdp(DdpCore::new(&pg, toy, reducer));
+            assert_eq!(ddp.param_names(), vec!["a"]);
+            assert_eq!(
+                (ddp.rank(), ddp.world_size(), ddp.param_count()),
+                (pg.rank(), 2, 1)
+            );
+
+            // no_sync: a local backward, then the guard restores synchronization and the next
+            // backward reduces the sum of both: ((1 + 2) * 2) / 2.
+            {
+                let mut guard = NoSync::new(&mut ddp);
+                assert!(!guard.backward(grads(r + 1.0)).unwrap().synced);
+            }
+            assert!(ddp.reducer().require_backward_grad_sync());
+            assert!(ddp.backward(grads(r + 1.0)).unwrap().synced);
+            assert_eq!(ddp.averaged(), vec![3.0; 2]);
+            assert_eq!(ddp.total_stats().steps, 1);
+
+            // Join: rank 1 has run out; rank 0's gradient is averaged over itself alone.
+            let mut join = Join::new(&pg);
+            let step = join.begin_step(pg.rank() == 0).unwrap().unwrap();
+            let input = step.has_data.then(|| grads(7.0));
+            let (stats, ran) = ddp
+                .join_step("backward", "gradients", input, &join, &step, |d, g| {
+                    d.local(g)
+                })
+                .unwrap();
+            assert!(stats.synced);
+            assert_eq!(ran.is_some(), pg.rank() == 0);
+            assert_eq!(ddp.averaged(), vec![7.0; 2]);
+            // An input that contradicts has_data is refused before any collective.
+            let wrong = (!step.has_data).then(|| grads(1.0));
+            let e = ddp
+                .join_step("backward", "gradients", wrong, &join, &step, |d, g| {
+                    d.local(g)
+                })
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains("has_data"), "{e}");
+
+            // The checkpoint tail: rank 0 writes what `fill` adds, every rank agrees.
+            let meta = ddp.epoch_meta(3);
+            assert_eq!((meta.epoch, meta.world_size), (3, 2));
+            let written = ddp
+                .write_checkpoint(&path, meta, |ckpt| ckpt.insert("a", vec![2], vec![r; 2]))
+                .unwrap();
+            assert_eq!(written.is_some(), pg.rank() == 0);
+            // Rank 0's failure is every rank's.
+            let failed = ddp.write_checkpoint(&path, ddp.epoch_meta(4), |_| {
+                Err(crate::Error::Checkpoint("no room".into()))
+            });
+            assert!(failed.is_err());
+        });
+    }
+}

@@ -274,8 +274,8 @@ mod tests {
     use std::collections::HashMap;
 
     /// The smallest framework: named `f32` vectors, gradients in a map.
-    struct Toy {
-        params: Vec<(String, RefCell<Vec<f32>>)>,
+    pub(super) struct Toy {
+        pub(super) params: Vec<(String, RefCell<Vec<f32>>)>,
     }
 
     impl ParamAccess for Toy {

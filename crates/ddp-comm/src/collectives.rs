@@ -92,59 +92,82 @@ pub trait Collectives<T: Element> {
     fn barrier(&self) -> Result<()>;
 }
 
+/// The methods of [`Collectives`] that a group's own methods of the same names implement, for
+/// its `impl Collectives` block (`$ty`: the group; `, gather_async` adds `all_gather_async` and
+/// `reduce_scatter_async` where the group's own take the same arguments).
+macro_rules! forward_collectives {
+    ($ty:ty, gather_async) => {
+        fn all_gather_async(&self, input: Self::Buf) -> Self::Pending {
+            <$ty>::all_gather_async(self, input)
+        }
+        fn reduce_scatter_async(&self, input: Self::Buf, op: $crate::ReduceOp) -> Self::Pending {
+            <$ty>::reduce_scatter_async(self, input, op)
+        }
+        $crate::collectives::forward_collectives!($ty);
+    };
+    ($ty:ty) => {
+        fn rank(&self) -> usize {
+            <$ty>::rank(self)
+        }
+        fn size(&self) -> usize {
+            <$ty>::size(self)
+        }
+        fn all_reduce(&self, buf: &mut Self::Buf, op: $crate::ReduceOp) -> $crate::Result<()> {
+            <$ty>::all_reduce(self, buf, op)
+        }
+        fn all_reduce_async(&self, buf: Self::Buf, op: $crate::ReduceOp) -> Self::Pending {
+            <$ty>::all_reduce_async(self, buf, op)
+        }
+        fn broadcast(&self, buf: &mut Self::Buf, root: usize) -> $crate::Result<()> {
+            <$ty>::broadcast(self, buf, root)
+        }
+        fn broadcast_async(&self, buf: Self::Buf, root: usize) -> Self::Pending {
+            <$ty>::broadcast_async(self, buf, root)
+        }
+        fn reduce(
+            &self,
+            buf: &mut Self::Buf,
+            op: $crate::ReduceOp,
+            root: usize,
+        ) -> $crate::Result<()> {
+            <$ty>::reduce(self, buf, op, root)
+        }
+        fn reduce_async(&self, buf: Self::Buf, op: $crate::ReduceOp, root: usize) -> Self::Pending {
+            <$ty>::reduce_async(self, buf, op, root)
+        }
+        fn all_gather(&self, input: &Self::Buf, output: &mut Self::Buf) -> $crate::Result<()> {
+            <$ty>::all_gather(self, input, output)
+        }
+        fn reduce_scatter(
+            &self,
+            input: &Self::Buf,
+            output: &mut Self::Buf,
+            op: $crate::ReduceOp,
+        ) -> $crate::Result<()> {
+            <$ty>::reduce_scatter(self, input, output, op)
+        }
+        fn send(&self, buf: &Self::Buf, dst: usize) -> $crate::Result<()> {
+            <$ty>::send(self, buf, dst)
+        }
+        fn recv(&self, buf: &mut Self::Buf, src: usize) -> $crate::Result<()> {
+            <$ty>::recv(self, buf, src)
+        }
+        fn barrier(&self) -> $crate::Result<()> {
+            <$ty>::barrier(self)
+        }
+    };
+}
+pub(crate) use forward_collectives;
+
 impl<T: Element> Collectives<T> for ProcessGroup {
     type Buf = Vec<T>;
     type Pending = Work<Vec<T>>;
 
-    fn rank(&self) -> usize {
-        ProcessGroup::rank(self)
-    }
-    fn size(&self) -> usize {
-        ProcessGroup::size(self)
-    }
     fn copy_from_host(&self, host: &[T]) -> Result<Vec<T>> {
         Ok(host.to_vec())
     }
     fn copy_to_host(&self, buf: &Vec<T>) -> Result<Vec<T>> {
         Ok(buf.clone())
     }
-    fn all_reduce(&self, buf: &mut Vec<T>, op: ReduceOp) -> Result<()> {
-        ProcessGroup::all_reduce(self, buf, op)
-    }
-    fn all_reduce_async(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        ProcessGroup::all_reduce_async(self, buf, op)
-    }
-    fn broadcast(&self, buf: &mut Vec<T>, root: usize) -> Result<()> {
-        ProcessGroup::broadcast(self, buf, root)
-    }
-    fn broadcast_async(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        ProcessGroup::broadcast_async(self, buf, root)
-    }
-    fn reduce(&self, buf: &mut Vec<T>, op: ReduceOp, root: usize) -> Result<()> {
-        ProcessGroup::reduce(self, buf, op, root)
-    }
-    fn reduce_async(&self, buf: Vec<T>, op: ReduceOp, root: usize) -> Work<Vec<T>> {
-        ProcessGroup::reduce_async(self, buf, op, root)
-    }
-    fn all_gather(&self, input: &Vec<T>, output: &mut Vec<T>) -> Result<()> {
-        ProcessGroup::all_gather(self, input, output)
-    }
-    fn all_gather_async(&self, input: Vec<T>) -> Work<Vec<T>> {
-        ProcessGroup::all_gather_async(self, input)
-    }
-    fn reduce_scatter(&self, input: &Vec<T>, output: &mut Vec<T>, op: ReduceOp) -> Result<()> {
-        ProcessGroup::reduce_scatter(self, input, output, op)
-    }
-    fn reduce_scatter_async(&self, input: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        ProcessGroup::reduce_scatter_async(self, input, op)
-    }
-    fn send(&self, buf: &Vec<T>, dst: usize) -> Result<()> {
-        ProcessGroup::send(self, buf, dst)
-    }
-    fn recv(&self, buf: &mut Vec<T>, src: usize) -> Result<()> {
-        ProcessGroup::recv(self, buf, src)
-    }
-    fn barrier(&self) -> Result<()> {
-        ProcessGroup::barrier(self)
-    }
+    forward_collectives!(ProcessGroup, gather_async);
 }

@@ -8,7 +8,7 @@
 use super::nccl::{nccl_dtype, nccl_op};
 use super::relay::{Exclusive, Owned, Shared};
 use super::{CudaElement, CudaGroup, CudaWork, Imp, Pending};
-use crate::collectives::Collectives;
+use crate::collectives::{forward_collectives, Collectives};
 use crate::device::relay::{RelayGroup, RelayIo};
 use crate::device::DeviceOp;
 use crate::dtype::ReduceOp;
@@ -328,12 +328,6 @@ impl<T: CudaElement> Collectives<T> for CudaGroup {
     type Buf = CudaSlice<T>;
     type Pending = CudaWork<CudaSlice<T>>;
 
-    fn rank(&self) -> usize {
-        CudaGroup::rank(self)
-    }
-    fn size(&self) -> usize {
-        CudaGroup::size(self)
-    }
     fn copy_from_host(&self, host: &[T]) -> Result<CudaSlice<T>> {
         let s = &self.compute;
         if host.is_empty() {
@@ -352,48 +346,5 @@ impl<T: CudaElement> Collectives<T> for CudaGroup {
             .clone_dtoh(buf)
             .map_err(super::driver_err("cuMemcpyDtoHAsync", self.rank()))
     }
-    fn all_reduce(&self, buf: &mut CudaSlice<T>, op: ReduceOp) -> Result<()> {
-        CudaGroup::all_reduce(self, buf, op)
-    }
-    fn all_reduce_async(&self, buf: CudaSlice<T>, op: ReduceOp) -> CudaWork<CudaSlice<T>> {
-        CudaGroup::all_reduce_async(self, buf, op)
-    }
-    fn broadcast(&self, buf: &mut CudaSlice<T>, root: usize) -> Result<()> {
-        CudaGroup::broadcast(self, buf, root)
-    }
-    fn broadcast_async(&self, buf: CudaSlice<T>, root: usize) -> CudaWork<CudaSlice<T>> {
-        CudaGroup::broadcast_async(self, buf, root)
-    }
-    fn reduce(&self, buf: &mut CudaSlice<T>, op: ReduceOp, root: usize) -> Result<()> {
-        CudaGroup::reduce(self, buf, op, root)
-    }
-    fn reduce_async(&self, buf: CudaSlice<T>, op: ReduceOp, root: usize) -> CudaWork<CudaSlice<T>> {
-        CudaGroup::reduce_async(self, buf, op, root)
-    }
-    fn all_gather(&self, input: &CudaSlice<T>, output: &mut CudaSlice<T>) -> Result<()> {
-        CudaGroup::all_gather(self, input, output)
-    }
-    fn all_gather_async(&self, input: CudaSlice<T>) -> CudaWork<CudaSlice<T>> {
-        CudaGroup::all_gather_async(self, input)
-    }
-    fn reduce_scatter(
-        &self,
-        input: &CudaSlice<T>,
-        output: &mut CudaSlice<T>,
-        op: ReduceOp,
-    ) -> Result<()> {
-        CudaGroup::reduce_scatter(self, input, output, op)
-    }
-    fn reduce_scatter_async(&self, input: CudaSlice<T>, op: ReduceOp) -> CudaWork<CudaSlice<T>> {
-        CudaGroup::reduce_scatter_async(self, input, op)
-    }
-    fn send(&self, buf: &CudaSlice<T>, dst: usize) -> Result<()> {
-        CudaGroup::send(self, buf, dst)
-    }
-    fn recv(&self, buf: &mut CudaSlice<T>, src: usize) -> Result<()> {
-        CudaGroup::recv(self, buf, src)
-    }
-    fn barrier(&self) -> Result<()> {
-        CudaGroup::barrier(self)
-    }
+    forward_collectives!(CudaGroup, gather_async);
 }

@@ -20,7 +20,7 @@
 
 use super::op::DeviceOp;
 use crate::backend::{CollectiveBackend, HostBuf, RawHostSlice};
-use crate::collectives::Collectives;
+use crate::collectives::{forward_collectives, Collectives};
 use crate::dtype::{Element, ReduceOp};
 use crate::work::Work;
 use crate::{Error, ProcessGroup, Result};
@@ -157,6 +157,16 @@ impl RelayGroup {
     /// The host group the collectives run on.
     pub fn process_group(&self) -> &ProcessGroup {
         &self.pg
+    }
+
+    /// This rank in the group.
+    pub fn rank(&self) -> usize {
+        self.pg.rank()
+    }
+
+    /// Number of ranks.
+    pub fn size(&self) -> usize {
+        self.pg.size()
     }
 
     /// Check `op` against its buffers, run it on the group's thread and wait for it: every
@@ -395,38 +405,11 @@ impl<T: Element> Collectives<T> for RelayGroup {
     type Buf = Vec<T>;
     type Pending = Work<Vec<T>>;
 
-    fn rank(&self) -> usize {
-        self.pg.rank()
-    }
-    fn size(&self) -> usize {
-        self.pg.size()
-    }
     fn copy_from_host(&self, host: &[T]) -> Result<Vec<T>> {
         Ok(host.to_vec())
     }
     fn copy_to_host(&self, buf: &Vec<T>) -> Result<Vec<T>> {
         Ok(buf.clone())
-    }
-    fn all_reduce(&self, buf: &mut Vec<T>, op: ReduceOp) -> Result<()> {
-        RelayGroup::all_reduce(self, buf, op)
-    }
-    fn all_reduce_async(&self, buf: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
-        RelayGroup::all_reduce_async(self, buf, op)
-    }
-    fn broadcast(&self, buf: &mut Vec<T>, root: usize) -> Result<()> {
-        RelayGroup::broadcast(self, buf, root)
-    }
-    fn broadcast_async(&self, buf: Vec<T>, root: usize) -> Work<Vec<T>> {
-        RelayGroup::broadcast_async(self, buf, root)
-    }
-    fn reduce(&self, buf: &mut Vec<T>, op: ReduceOp, root: usize) -> Result<()> {
-        RelayGroup::reduce(self, buf, op, root)
-    }
-    fn reduce_async(&self, buf: Vec<T>, op: ReduceOp, root: usize) -> Work<Vec<T>> {
-        RelayGroup::reduce_async(self, buf, op, root)
-    }
-    fn all_gather(&self, input: &Vec<T>, output: &mut Vec<T>) -> Result<()> {
-        RelayGroup::all_gather(self, input, output)
     }
     fn all_gather_async(&self, input: Vec<T>) -> Work<Vec<T>> {
         let out = vec![T::zeroed(); input.len() * self.pg.size()];
@@ -437,9 +420,6 @@ impl<T: Element> Collectives<T> for RelayGroup {
             |(_, o)| o,
         )
     }
-    fn reduce_scatter(&self, input: &Vec<T>, output: &mut Vec<T>, op: ReduceOp) -> Result<()> {
-        RelayGroup::reduce_scatter(self, input, output, op)
-    }
     fn reduce_scatter_async(&self, input: Vec<T>, op: ReduceOp) -> Work<Vec<T>> {
         let out = vec![T::zeroed(); input.len() / self.pg.size()];
         self.spawn(
@@ -449,13 +429,5 @@ impl<T: Element> Collectives<T> for RelayGroup {
             |(_, o)| o,
         )
     }
-    fn send(&self, buf: &Vec<T>, dst: usize) -> Result<()> {
-        RelayGroup::send(self, buf, dst)
-    }
-    fn recv(&self, buf: &mut Vec<T>, src: usize) -> Result<()> {
-        RelayGroup::recv(self, buf, src)
-    }
-    fn barrier(&self) -> Result<()> {
-        RelayGroup::barrier(self)
-    }
+    forward_collectives!(RelayGroup);
 }

@@ -23,9 +23,10 @@ use super::{
 use crate::dtype::DType;
 use crate::store::Store;
 use crate::{Error, Result};
+use std::io::{IoSlice, IoSliceMut};
 use std::io::{Read, Write};
 use std::net::{IpAddr, SocketAddr, TcpListener, TcpStream};
-use std::os::fd::{AsRawFd, RawFd};
+use std::os::fd::{AsFd, AsRawFd, RawFd};
 use std::time::{Duration, Instant};
 
 const FRAME_MAGIC: u32 = 0xDD9C_0001;
@@ -327,45 +328,16 @@ fn connect_with_retry(addr: &str, deadline: Instant) -> std::io::Result<TcpStrea
 }
 
 /// `writev` of the unsent part of `header ++ data`. Returns bytes written or the error.
-fn writev2(fd: RawFd, a: &[u8], b: &[u8]) -> std::io::Result<usize> {
-    let iov = [
-        libc::iovec {
-            iov_base: a.as_ptr() as *mut libc::c_void,
-            iov_len: a.len(),
-        },
-        libc::iovec {
-            iov_base: b.as_ptr() as *mut libc::c_void,
-            iov_len: b.len(),
-        },
-    ];
-    // SAFETY: the iovecs point into live slices for the duration of the call.
-    let n = unsafe { libc::writev(fd, iov.as_ptr(), 2) };
-    if n < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
+fn writev2(fd: impl AsFd, a: &[u8], b: &[u8]) -> std::io::Result<usize> {
+    Ok(rustix::io::writev(fd, &[IoSlice::new(a), IoSlice::new(b)])?)
 }
 
 /// `readv` into the unread part of `header ++ buf`. Returns bytes read (0 = peer closed).
-fn readv2(fd: RawFd, a: &mut [u8], b: &mut [u8]) -> std::io::Result<usize> {
-    let iov = [
-        libc::iovec {
-            iov_base: a.as_mut_ptr() as *mut libc::c_void,
-            iov_len: a.len(),
-        },
-        libc::iovec {
-            iov_base: b.as_mut_ptr() as *mut libc::c_void,
-            iov_len: b.len(),
-        },
-    ];
-    // SAFETY: the iovecs point into live, exclusively borrowed slices for the duration of the call.
-    let n = unsafe { libc::readv(fd, iov.as_ptr(), 2) };
-    if n < 0 {
-        Err(std::io::Error::last_os_error())
-    } else {
-        Ok(n as usize)
-    }
+fn readv2(fd: impl AsFd, a: &mut [u8], b: &mut [u8]) -> std::io::Result<usize> {
+    Ok(rustix::io::readv(
+        fd,
+        &mut [IoSliceMut::new(a), IoSliceMut::new(b)],
+    )?)
 }
 
 impl Transport for TcpTransport {
@@ -416,7 +388,7 @@ impl Transport for TcpTransport {
                 if st.done == st.total {
                     continue;
                 }
-                let fd = self.peer(s.to)?.fd;
+                let fd = &self.peer(s.to)?.stream;
                 let (h, d) = if st.done < HEADER_LEN {
                     (&st.header[st.done..], s.data)
                 } else {
@@ -445,7 +417,7 @@ impl Transport for TcpTransport {
                 if st.done == st.total {
                     continue;
                 }
-                let fd = self.peer(r.from)?.fd;
+                let fd = &self.peer(r.from)?.stream;
                 let res = if st.done < HEADER_LEN {
                     let cap = r.buf.len().min(IO_CAP);
                     readv2(fd, &mut st.header[st.done..], &mut r.buf[..cap])
@@ -558,7 +530,7 @@ impl Transport for TcpTransport {
                     } else {
                         (&header[..0], &reason.as_bytes()[done - HEADER_LEN..])
                     };
-                    match writev2(p.fd, h, d) {
+                    match writev2(&p.stream, h, d) {
                         Ok(n) => done += n,
                         Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
                             std::thread::sleep(Duration::from_micros(200))

@@ -55,6 +55,31 @@ use std::time::Duration;
 use transport::MpiTransport;
 use watchdog::{Armed, Watch};
 
+/// `MPI_Gather` and `MPI_Scatter`: send buffer, count, type, receive buffer, count, type, root,
+/// communicator.
+type RootedCall = unsafe extern "C" fn(
+    *const c_void,
+    c_int,
+    ffi::MPI_Datatype,
+    *mut c_void,
+    c_int,
+    ffi::MPI_Datatype,
+    c_int,
+    ffi::MPI_Comm,
+) -> c_int;
+/// `MPI_Igather` and `MPI_Iscatter`: the same, and the request.
+type RootedStart = unsafe extern "C" fn(
+    *const c_void,
+    c_int,
+    ffi::MPI_Datatype,
+    *mut c_void,
+    c_int,
+    ffi::MPI_Datatype,
+    c_int,
+    ffi::MPI_Comm,
+    *mut ffi::MPI_Request,
+) -> c_int;
+
 /// Env var: `0` turns the per-collective fingerprint check off (default on).
 pub const FINGERPRINTS_ENV: &str = "DDP_MPI_FINGERPRINTS";
 
@@ -345,6 +370,55 @@ impl MpiBackend {
         })
     }
 
+    /// At the root, the buffer `what` (`size × n` elements) a rooted collective must be given
+    /// there, checked; `None` on the other ranks.
+    fn at_root<B>(
+        &self,
+        what: &str,
+        root: usize,
+        buf: Option<B>,
+        n: usize,
+        len: impl Fn(&B) -> usize,
+    ) -> Result<Option<B>> {
+        if self.t.rank() != root {
+            return Ok(None);
+        }
+        let b = buf.ok_or_else(|| {
+            let (call, side) = what.split_once(' ').unwrap_or((what, "a"));
+            Error::InvalidArgument(format!("{call}: the root must pass an {side} buffer"))
+        })?;
+        flat::check_len(what, len(&b), n * self.t.size())?;
+        self.count(len(&b))?;
+        Ok(Some(b))
+    }
+
+    /// Gather or scatter: `n` elements of `dt` per rank between `(inp, out)` (the root's side
+    /// `size × n`, checked by [`MpiBackend::at_root`]), by `calls`, the blocking and the
+    /// non-blocking form, which share one signature.
+    fn rooted(
+        &mut self,
+        call: &str,
+        (inp, out): (*const c_void, *mut c_void),
+        dt: crate::dtype::DType,
+        n: usize,
+        root: usize,
+        calls: (RootedCall, RootedStart),
+    ) -> Result<()> {
+        let c = self.count(n)?;
+        let ty = runtime::datatype(dt);
+        let root = root as c_int;
+        self.run(call, |comm, req| {
+            // SAFETY: the buffers outlive the call; this rank's side holds `n` elements and the
+            // root's `size × n` (checked by `at_root`).
+            unsafe {
+                match req {
+                    None => (calls.0)(inp, c, ty, out, c, ty, root, comm),
+                    Some(r) => (calls.1)(inp, c, ty, out, c, ty, root, comm, r),
+                }
+            }
+        })
+    }
+
     fn count(&self, n: usize) -> Result<c_int> {
         runtime::count(n, &|| self.describe())
     }
@@ -527,29 +601,19 @@ impl CollectiveBackend for MpiBackend {
         root: usize,
     ) -> Result<()> {
         let (dt, n) = (input.dtype(), input.len());
-        let out: *mut c_void = if self.t.rank() == root {
-            let o = output.ok_or_else(|| {
-                Error::InvalidArgument("gather: the root must pass an output buffer".into())
-            })?;
-            flat::check_len("gather output", o.len(), n * self.t.size())?;
-            self.count(o.len())?;
-            with_element!(dt, T => runtime::recv_ptr(o.typed::<T>()))
-        } else {
-            std::ptr::null_mut()
+        let out: *mut c_void = match self.at_root("gather output", root, output, n, |o| o.len())? {
+            Some(o) => with_element!(dt, T => runtime::recv_ptr(o.typed::<T>())),
+            None => std::ptr::null_mut(),
         };
-        let c = self.count(n)?;
         let inp: *const c_void = with_element!(dt, T => runtime::send_ptr(input.typed::<T>()));
-        let ty = runtime::datatype(dt);
-        let root = root as c_int;
-        self.run("MPI_Gather", |comm, req| {
-            // SAFETY: buffers outlive the call; the root's output holds size × n (checked).
-            unsafe {
-                match req {
-                    None => ffi::MPI_Gather(inp, c, ty, out, c, ty, root, comm),
-                    Some(r) => ffi::MPI_Igather(inp, c, ty, out, c, ty, root, comm, r),
-                }
-            }
-        })
+        self.rooted(
+            "MPI_Gather",
+            (inp, out),
+            dt,
+            n,
+            root,
+            (ffi::MPI_Gather, ffi::MPI_Igather),
+        )
     }
 
     fn scatter(
@@ -559,29 +623,19 @@ impl CollectiveBackend for MpiBackend {
         root: usize,
     ) -> Result<()> {
         let (dt, n) = (output.dtype(), output.len());
-        let inp: *const c_void = if self.t.rank() == root {
-            let i = input.ok_or_else(|| {
-                Error::InvalidArgument("scatter: the root must pass an input buffer".into())
-            })?;
-            flat::check_len("scatter input", i.len(), n * self.t.size())?;
-            self.count(i.len())?;
-            with_element!(dt, T => runtime::send_ptr(i.typed::<T>()))
-        } else {
-            std::ptr::null()
+        let inp: *const c_void = match self.at_root("scatter input", root, input, n, |i| i.len())? {
+            Some(i) => with_element!(dt, T => runtime::send_ptr(i.typed::<T>())),
+            None => std::ptr::null(),
         };
-        let c = self.count(n)?;
         let out: *mut c_void = with_element!(dt, T => runtime::recv_ptr(output.typed::<T>()));
-        let ty = runtime::datatype(dt);
-        let root = root as c_int;
-        self.run("MPI_Scatter", |comm, req| {
-            // SAFETY: buffers outlive the call; the root's input holds size × n (checked).
-            unsafe {
-                match req {
-                    None => ffi::MPI_Scatter(inp, c, ty, out, c, ty, root, comm),
-                    Some(r) => ffi::MPI_Iscatter(inp, c, ty, out, c, ty, root, comm, r),
-                }
-            }
-        })
+        self.rooted(
+            "MPI_Scatter",
+            (inp, out),
+            dt,
+            n,
+            root,
+            (ffi::MPI_Scatter, ffi::MPI_Iscatter),
+        )
     }
 
     fn all_to_all(&mut self, input: RawHostSlice<'_>, output: HostBuf<'_>) -> Result<()> {

@@ -34,8 +34,10 @@ pub enum Backend {
 pub enum BackwardMode {
     /// `loss.backward()`, then the bucketed all-reduce.
     Plain,
-    /// Stage-by-stage backward, each stage's buckets communicated while earlier stages compute.
-    Staged,
+    /// Block-by-block backward, each block's buckets communicated while earlier blocks compute
+    /// (`staged` is its former name).
+    #[value(alias = "staged")]
+    Blockwise,
 }
 
 /// The optimizer.

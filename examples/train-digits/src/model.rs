@@ -1,6 +1,6 @@
 //! The classifier: an MLP `64 → hidden → 10` (ReLU; `ddp_candle::nn::Linear` layers, PyTorch's
 //! layout with a cheaper CPU backward), its parameters in a candle `VarMap`, built
-//! as two stages (`fc1 + relu`, `fc2`) so the staged backward can overlap communication.
+//! as two blocks (`fc1 + relu`, `fc2`) so the blockwise backward can overlap communication.
 //! Initialization is PyTorch's `nn.Linear` default (uniform in `±1/sqrt(fan_in)`) drawn from a
 //! seeded generator, so runs are reproducible (DDP then copies rank 0's values everywhere anyway).
 

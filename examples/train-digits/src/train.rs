@@ -228,9 +228,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
     // Before training: rank 0 checks that the directory is writable and (with --resume) reads the
     // checkpoint and shares it, so the directory need not be shared; every rank checks it.
     let stage = ZeroStage::from_level(args.zero)?;
-    if stage != ZeroStage::Ddp && args.backward == BackwardMode::Staged {
+    if stage != ZeroStage::Ddp && args.backward == BackwardMode::Blockwise {
         return Err(format!(
-            "--backward staged is not supported with --zero {} yet (stage 3 runs its own \
+            "--backward blockwise is not supported with --zero {} yet (stage 3 runs its own \
              backward, unit by unit)",
             args.zero
         )
@@ -322,7 +322,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
             lr,
             match args.backward {
                 BackwardMode::Plain => "plain",
-                BackwardMode::Staged => "staged",
+                BackwardMode::Blockwise => "blockwise",
             },
             ddp.param_count(),
         );
@@ -400,7 +400,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     prof.phase(Phase::Optimizer, || ddp.step())?;
                     loss
                 }
-                (Trainer::Zero(ddp), BackwardMode::Staged) => {
+                (Trainer::Zero(ddp), BackwardMode::Blockwise) => {
                     // Forward and backward interleave stage by stage: one span for both.
                     let out = prof.phase(Phase::Forward, || {
                         ddp.ddp_mut()

@@ -31,7 +31,7 @@ pub fn units(inputs: usize, hidden: usize, classes: usize) -> Vec<Unit> {
 }
 
 impl Trainer {
-    /// The stage-0-2 wrapper (the run's own features: staged backward, hooks, plain
+    /// The stage-0-2 wrapper (the run's own features: blockwise backward, hooks, plain
     /// checkpoints); `None` at stage 3.
     pub fn zero(&self) -> Option<&ZeroDdp> {
         match self {

@@ -3,8 +3,8 @@
 //!
 //! - CPU: [`ddp::reducer::CpuBucket`] (the device path on host memory, what the tests run).
 //! - CUDA (feature `cuda`): `crate::cuda::CudaBucket`, reduced by a
-//!   `ddp_comm::cuda::CudaGroup` of the same ranks (NCCL when every rank has its own GPU, host
-//!   staged when ranks share one).
+//!   `ddp_comm::cuda::CudaGroup` of the same ranks (NCCL when every rank has its own GPU,
+//!   relayed through host memory when ranks share one).
 //!
 //! Either way the reducer's state machine, hooks and finite check are the same code.
 

@@ -7,7 +7,7 @@
 //!  candle backward (compute stream) ── grad ──memcpy_dtod──▶ CudaBucket (flat, device)
 //!                                                                 │ bucket full: all_reduce_async
 //!                                    comm stream (waits on an event of the compute stream):
-//!                                    NCCL (every rank its own GPU) or host-staged (shared GPU)
+//!                                    NCCL (every rank its own GPU) or host relay (shared GPU)
 //!                                                                 │ finish(): wait
 //!  optimizer ◀── averaged grad tensor ◀──clone_dtod── view of the bucket
 //! ```
@@ -15,7 +15,7 @@
 //! Everything is queued on candle's stream of the device (the compute stream handed to the
 //! `CudaGroup`), so each copy runs after the kernels that produced its gradient and the
 //! collectives are ordered against both with CUDA events; the host only blocks in `finish`.
-//! Under the staged backward the buckets of later stages are on the wire while earlier stages
+//! Under the blockwise backward the buckets of later blocks are on the wire while earlier blocks
 //! still compute.
 
 mod bucket;

@@ -1,6 +1,6 @@
 //! ZeRO stage 3 (FSDP-style): parameters sharded too, gathered one *unit* at a time.
 //!
-//! A unit is a group of parameters used together (a layer, or a stage of a staged model). Its
+//! A unit is a group of parameters used together (a layer, or a block of a blockwise model). Its
 //! parameters are laid out flat, in the order given, as one bucket of a [`ShardLayout`]: rank
 //! `r` owns chunk `r` of every unit, exactly as stages 1 and 2 own chunks of the reducer's
 //! buckets, so the same sharded checkpoints (parameter space, any world size) serve every stage.

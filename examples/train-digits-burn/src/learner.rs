@@ -8,7 +8,7 @@
 //! bit: the strategy runs the same reducer on the same gradients.
 
 use crate::model::Mlp;
-use crate::train::{optimizer, report, setup, BoxResult, RunCounts, Setup};
+use crate::setup::{optimizer, report, setup, BoxResult, Rows, RunCounts, Setup};
 use crate::Args;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
@@ -140,9 +140,9 @@ fn verify_checkpoint(pg: &ProcessGroup, dir: &Path, epoch: usize) -> BoxResult<(
 }
 
 pub fn run(args: &Args) -> BoxResult<()> {
-    if args.hook != ddp::hooks::HookSpec::None
-        || args.max_steps.is_some()
-        || args.target_accuracy.is_some()
+    if args.common.hook != ddp::hooks::HookSpec::None
+        || args.common.max_steps.is_some()
+        || args.common.target_accuracy.is_some()
         || args.zero != 0
     {
         return Err(
@@ -162,7 +162,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     } = setup(args)?;
     let rank = pg.rank();
     let opts = DdpOptions {
-        check_finite: !args.no_check_finite,
+        check_finite: !args.common.no_check_finite,
         ..Default::default()
     };
     // Burn numbers epochs from 1 (its loop starts at `checkpoint + 1`); the sampler's epochs
@@ -174,7 +174,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
             .on_epoch(move |e| s.set_epoch(e as u64 - 1)),
     );
     // Burn's learner directory: metric logs, and its checkpoints with --checkpoint-dir.
-    let dir = match &args.checkpoint_dir {
+    let dir = match &args.common.checkpoint_dir {
         Some(d) => d.clone(),
         None => std::env::temp_dir().join(format!("train-digits-burn-{}", std::process::id())),
     };
@@ -183,22 +183,22 @@ pub fn run(args: &Args) -> BoxResult<()> {
     } else {
         dir.join(format!("rank{rank}"))
     };
-    prepare_dirs(&pg, &dir, args.checkpoint_dir.as_deref())?;
-    let valid = DataLoaderBuilder::new(crate::train::Rows(Arc::new(test.clone())))
+    prepare_dirs(&pg, &dir, args.common.checkpoint_dir.as_deref())?;
+    let valid = DataLoaderBuilder::new(Rows(Arc::new(test.clone())))
         .batch_size(256)
         .build(InMemDataset::new((0..test.len()).collect::<Vec<_>>()));
     let mut training = SupervisedTraining::new(&dir, loader, valid)
-        .num_epochs(args.epochs as usize)
+        .num_epochs(args.common.epochs as usize)
         .with_application_logger(None)
         .with_training_strategy(strategy.into_training_strategy());
-    if rank != 0 || args.log_every == 0 {
+    if rank != 0 || args.common.log_every == 0 {
         training = training.renderer(Box::new(QuietRenderer));
     }
     // Optimizer steps before this run's first epoch (recorded with each checkpoint: earlier
     // epochs may have run at another world size, with another number of steps per epoch).
     let mut steps_before = 0u64;
-    let steps_per_epoch = samples_per_epoch.div_ceil(args.batch_size) as u64;
-    if let Some(d) = &args.checkpoint_dir {
+    let steps_per_epoch = samples_per_epoch.div_ceil(args.common.batch_size) as u64;
+    if let Some(d) = &args.common.checkpoint_dir {
         let mut first_epoch = 0;
         match (args.resume, last_checkpoint(d)) {
             (true, Some(epoch)) => {
@@ -252,15 +252,15 @@ pub fn run(args: &Args) -> BoxResult<()> {
         println!(
             "train-digits-burn (Burn's Learner): world_size {}, batch {} per rank, {} epochs",
             pg.size(),
-            args.batch_size,
-            args.epochs
+            args.common.batch_size,
+            args.common.epochs
         );
     }
     let start = Instant::now();
     let learner = Learner::new(
-        Mlp::new(args.hidden, args.seed, &device),
+        Mlp::new(args.common.hidden, args.common.seed, &device),
         optimizer(args),
-        args.lr(),
+        args.common.lr(),
     );
     let result = training.launch(learner);
     let train_time = start.elapsed();
@@ -271,7 +271,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         return Err(format!("Burn's training loop failed: {e}").into());
     }
     let fit = strategy.last_fit().ok_or("the strategy did not run")?;
-    if args.checkpoint_dir.is_none() {
+    if args.common.checkpoint_dir.is_none() {
         let _ = std::fs::remove_dir_all(&dir);
     }
     let no_sync = DdpOptions {
@@ -280,7 +280,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
     };
     // Burn returns the model for inference (`valid()`, no trainable parameters): its values
     // back into a trainable one, for the replica check and the summary.
-    let model = Mlp::new(args.hidden, args.seed, &device).load_record(result.model.into_record());
+    let model = Mlp::new(args.common.hidden, args.common.seed, &device)
+        .load_record(result.model.into_record());
     let ddp = Ddp::new(model, &pg, no_sync)?;
     let run = RunCounts {
         steps: steps_before + fit.steps,

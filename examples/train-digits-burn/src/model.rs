@@ -1,11 +1,11 @@
 //! The classifier: Burn's `Linear` layers, `64 → hidden → 10` with ReLU (Burn's default
 //! initialization, seeded by `--seed`; DDP copies rank 0's values everywhere anyway).
 
-use crate::data::{Dataset, CLASSES, FEATURES};
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::tensor::{activation, Device, Int, Tensor, TensorData};
+use ddp_example_support::data::{Dataset, CLASSES, FEATURES};
 
 #[derive(Module, Debug)]
 pub struct Mlp {

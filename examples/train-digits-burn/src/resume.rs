@@ -17,7 +17,7 @@
 //! other through the module's parameters in structural order.
 
 use crate::model::Mlp;
-use crate::train::BoxResult;
+use crate::setup::BoxResult;
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};

@@ -5,56 +5,23 @@
 //! at any stage and world size (module `resume`, `ddp::checkpoint::resume_or_start_global`), and
 //! reports as `train-digits` does.
 
-use crate::data::{self, Dataset};
-use crate::model::{evaluate, tensors, Mlp};
-use crate::{Args, Backend, OptimizerKind};
-use burn::data::dataloader::batcher::Batcher;
-use burn::data::dataloader::{DataLoader, DataLoaderBuilder};
+use crate::learner::has_learner_checkpoints;
+use crate::model::{evaluate, Mlp};
+use crate::resume::{self, Source};
+use crate::setup::{optimizer, report, sgd, BoxResult, Rows, RunCounts, Setup};
+use crate::Args;
+use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
-use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
-use burn::tensor::{Device, Int, Tensor};
+use burn::tensor::Tensor;
 use ddp::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
 use ddp::hooks::PeriodicModelAverager;
 use ddp::sharding::ZeroStage;
 use ddp::DistributedSampler;
-use ddp_burn::{Ddp, DdpOptions, ShardedDataset, ZeroDdp};
-use ddp_comm::process_group::Backend as CommBackend;
-use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
-use std::error::Error;
-use std::sync::Arc;
+use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
+use ddp_comm::ProcessGroup;
+use ddp_example_support::flags::OptimizerKind;
 use std::time::{Duration, Instant};
-
-pub type BoxResult<T> = Result<T, Box<dyn Error>>;
-
-#[path = "resume.rs"]
-mod resume;
-use resume::Source;
-
-/// Builds a batch from row indices of the training set.
-#[derive(Clone)]
-pub struct Rows(pub Arc<Dataset>);
-
-impl Batcher<usize, (Tensor<2>, Tensor<1, Int>)> for Rows {
-    fn batch(&self, rows: Vec<usize>, device: &Device) -> (Tensor<2>, Tensor<1, Int>) {
-        tensors(&self.0, &rows, device)
-    }
-}
-
-fn sgd(args: &Args) -> SgdConfig {
-    SgdConfig::new().with_momentum((args.momentum > 0.0).then(|| {
-        MomentumConfig::new()
-            .with_momentum(args.momentum)
-            .with_dampening(0.0)
-    }))
-}
-
-pub fn optimizer(args: &Args) -> ModuleOptimizer {
-    match args.optimizer {
-        OptimizerKind::Sgd => sgd(args).init(),
-        OptimizerKind::Adamw => AdamWConfig::new().init(),
-    }
-}
 
 /// The run as its checkpoints record it; a checkpoint of other hyper-parameters is refused on
 /// resume. The ZeRO stage is not one: it changes where the state lives, not the training (a
@@ -63,20 +30,20 @@ fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan
     RunPlan {
         world_size,
         samples_per_epoch,
-        batch_size: args.batch_size,
-        epochs: args.epochs,
-        max_steps: args.max_steps,
+        batch_size: args.common.batch_size,
+        epochs: args.common.epochs,
+        max_steps: args.common.max_steps,
         hyper: serde_json::json!({
             "framework": "burn",
-            "optimizer": args.optimizer_name(),
-            "lr": args.lr(),
-            "momentum": args.momentum,
-            "batch_size": args.batch_size,
-            "hidden": args.hidden,
-            "seed": args.seed,
-            "hook": args.hook.to_string(),
+            "optimizer": args.common.optimizer_name(),
+            "lr": args.common.lr(),
+            "momentum": args.common.momentum,
+            "batch_size": args.common.batch_size,
+            "hidden": args.common.hidden,
+            "seed": args.common.seed,
+            "hook": args.common.hook.to_string(),
         }),
-        rng_state: args.seed,
+        rng_state: args.common.seed,
     }
 }
 
@@ -88,7 +55,7 @@ fn save(
     averager: Option<&PeriodicModelAverager>,
     meta: &CheckpointMeta,
 ) -> BoxResult<()> {
-    let Some(dir) = &args.checkpoint_dir else {
+    let Some(dir) = &args.common.checkpoint_dir else {
         return Ok(());
     };
     // Comm hook state (PowerSGD's residuals differ between ranks: rank 0 saves every rank's,
@@ -106,56 +73,6 @@ fn save(
     Ok(())
 }
 
-/// What both training loops (this one and Burn's `Learner`, module `learner`) start from.
-pub struct Setup {
-    pub pg: ProcessGroup,
-    pub train: Arc<Dataset>,
-    pub test: Dataset,
-    pub device: Device,
-    /// This rank's shard of the training rows (`set_epoch` before each epoch).
-    pub shard: Arc<ShardedDataset<InMemDataset<usize>>>,
-    /// Batches of `--batch-size` rows of the shard.
-    pub loader: Arc<dyn DataLoader<(Tensor<2>, Tensor<1, Int>)>>,
-    /// Samples of the shard per epoch.
-    pub samples_per_epoch: usize,
-}
-
-/// Joins the process group, loads the data and builds this rank's shard and loader.
-pub fn setup(args: &Args) -> BoxResult<Setup> {
-    let pg = init_process_group(InitOptions {
-        timeout: Duration::from_secs(args.timeout_s),
-        backend: args.backend.map(|b| match b {
-            Backend::Auto => CommBackend::Auto,
-            Backend::Tcp => CommBackend::Tcp,
-            Backend::Shm => CommBackend::Shm,
-        }),
-        ..Default::default()
-    })?;
-    let all = data::load()?;
-    let (train, test) = data::train_test_split(&all);
-    let train = Arc::new(train);
-    let device = Device::flex().autodiff();
-    let sampler = DistributedSampler::new(train.len(), pg.size(), pg.rank())?.seed(args.seed);
-    let samples_per_epoch = sampler.len();
-    let shard = Arc::new(ShardedDataset::new(
-        Arc::new(InMemDataset::new((0..train.len()).collect::<Vec<_>>())),
-        sampler,
-    )?);
-    let loader = DataLoaderBuilder::new(Rows(train.clone()))
-        .batch_size(args.batch_size)
-        .set_device(device.clone())
-        .build(shard.clone());
-    Ok(Setup {
-        pg,
-        train,
-        test,
-        device,
-        shard,
-        loader,
-        samples_per_epoch,
-    })
-}
-
 pub fn run(args: &Args) -> BoxResult<()> {
     let stage = ZeroStage::from_level(args.zero)?;
     if stage == ZeroStage::Three {
@@ -165,46 +82,50 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 .into(),
         );
     }
-    if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
+    if stage != ZeroStage::Ddp && args.common.hook != ddp::hooks::HookSpec::None {
         return Err(format!(
             "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
              itself",
-            args.hook, args.zero
+            args.common.hook, args.zero
         )
         .into());
     }
-    let s = setup(args)?;
+    let s = crate::setup::setup(args)?;
     let plan = run_plan(args, s.pg.size(), s.samples_per_epoch);
     // Rank 0 locks and probes the directory, loads the plain checkpoint (with --resume) and
     // shares it, at any world size; a failure there reaches every rank with rank 0's reason.
     // Save sets (stages 1-2): every rank writes its shard, so every rank then checks the
     // directory too, before training.
-    let plain = match &args.checkpoint_dir {
+    let plain = match &args.common.checkpoint_dir {
         Some(dir) => {
             checkpoint::resume_or_start_global(&s.pg, dir, args.resume, &plan, s.train.len())?
         }
         _ => None,
     };
-    if let (Some(dir), true) = (&args.checkpoint_dir, stage != ZeroStage::Ddp) {
+    if let (Some(dir), true) = (&args.common.checkpoint_dir, stage != ZeroStage::Ddp) {
         ddp::sharding::prepare_dir(&s.pg, dir)?;
     }
-    let source = match &args.checkpoint_dir {
+    let source = match &args.common.checkpoint_dir {
         Some(dir) if args.resume => resume::resume_source(dir, plain)?,
         _ => None,
     };
     let opts = DdpOptions {
-        check_finite: !args.no_check_finite,
+        check_finite: !args.common.no_check_finite,
         ..Default::default()
     };
-    let ddp = Ddp::new(Mlp::new(args.hidden, args.seed, &s.device), &s.pg, opts)?;
-    match (stage, args.optimizer) {
+    let ddp = Ddp::new(
+        Mlp::new(args.common.hidden, args.common.seed, &s.device),
+        &s.pg,
+        opts,
+    )?;
+    match (stage, args.common.optimizer) {
         (ZeroStage::Ddp, _) => {
             let mut t = DdpStepper {
                 ddp,
                 opt: optimizer(args),
-                averager: args.hook.averager()?,
+                averager: args.common.hook.averager()?,
             };
-            if let Some(hook) = args.hook.hook()? {
+            if let Some(hook) = args.common.hook.hook()? {
                 t.ddp.register_comm_hook(hook)?;
             }
             let loaded = match &source {
@@ -267,9 +188,9 @@ impl Start {
     ) -> BoxResult<Start> {
         let (rank, world) = (s.pg.rank(), s.pg.size());
         let Some((meta, what)) = loaded else {
-            if let (true, Some(dir)) = (args.resume, &args.checkpoint_dir) {
+            if let (true, Some(dir)) = (args.resume, &args.common.checkpoint_dir) {
                 // Never a fresh start over checkpoints this loop cannot load.
-                if crate::learner::has_learner_checkpoints(dir) {
+                if has_learner_checkpoints(dir) {
                     return Err(format!(
                         "--resume: {} holds checkpoints of Burn's Learner: resume them with \
                          --learner; nothing was loaded",
@@ -424,7 +345,7 @@ impl<O: Optimizer> Stepper for ZeroDdp<Mlp, O> {
     }
 
     fn save(&self, _pg: &ProcessGroup, args: &Args, meta: &CheckpointMeta) -> BoxResult<()> {
-        if let Some(dir) = &args.checkpoint_dir {
+        if let Some(dir) = &args.common.checkpoint_dir {
             // Every rank writes its shard; rank 0 the index (loadable at any world size and
             // stage).
             ZeroDdp::save(self, dir, meta)?;
@@ -467,11 +388,11 @@ fn train_loop(
              (global {}), {} steps per epoch, {} lr {}, zero {}, {} parameters",
             train.len(),
             test.len(),
-            args.batch_size,
-            args.batch_size * world,
+            args.common.batch_size,
+            args.common.batch_size * world,
             plan.steps_per_epoch(),
-            args.optimizer_name(),
-            args.lr(),
+            args.common.optimizer_name(),
+            args.common.lr(),
             args.zero,
             t.ddp()
                 .reducer()
@@ -499,38 +420,38 @@ fn train_loop(
         true => plan.meta_global(pos, base + pos.consumed * world),
         false => plan.meta(pos),
     };
-    'epochs: while pos.epoch < args.epochs {
+    'epochs: while pos.epoch < args.common.epochs {
         shard.set_epoch(pos.epoch);
         let (epoch_loader, skip) = match reshard.take() {
             Some(g) => {
                 // The rest of the epoch's global order, split over this world's ranks.
                 epoch_base = g;
                 let mut sampler =
-                    DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+                    DistributedSampler::new(train.len(), world, rank)?.seed(args.common.seed);
                 sampler.set_epoch(pos.epoch);
                 let rows = InMemDataset::new(sampler.indices_from_global(g));
                 let l = DataLoaderBuilder::new(Rows(train.clone()))
-                    .batch_size(args.batch_size)
+                    .batch_size(args.common.batch_size)
                     .set_device(device.clone())
                     .build(rows);
                 (l, 0)
             }
             None => {
                 epoch_base = 0;
-                (loader.clone(), pos.consumed / args.batch_size)
+                (loader.clone(), pos.consumed / args.common.batch_size)
             }
         };
         let mut loss_sum = 0f64;
         let mut batches = 0u64;
         for b in epoch_loader.iter().skip(skip) {
-            if args.max_steps.is_some_and(|m| pos.step >= m) {
+            if args.common.max_steps.is_some_and(|m| pos.step >= m) {
                 break 'epochs;
             }
             let (x, y) = b?;
             let n = y.dims()[0];
             let loss = t.ddp().module().loss(x, y);
             loss_sum += loss.clone().into_scalar::<f64>();
-            t.train_step(loss, args.lr())?;
+            t.train_step(loss, args.common.lr())?;
             pos.step += 1;
             pos.consumed += n;
             steps_run += 1;
@@ -541,7 +462,7 @@ fn train_loop(
         pos.consumed = 0;
         epoch_base = 0;
         t.save(pg, args, &meta_at(0, &pos))?;
-        if let Some(target) = args.target_accuracy {
+        if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
             let reached = ddp::join::rank0_decides(pg, || -> BoxResult<bool> {
@@ -553,24 +474,22 @@ fn train_loop(
                 break 'epochs;
             }
         }
-        if rank == 0
-            && args.log_every > 0
-            && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
-        {
+        if rank == 0 && args.common.log_due(pos.epoch) {
             let (acc, _) = evaluate(t.ddp().module(), test, device);
             println!(
-                "epoch {:>3}/{}  step {:>5}  train_loss(rank0) {:.4}  test_acc {:.4}  {:.1}s",
-                pos.epoch,
-                args.epochs,
-                pos.step,
-                loss_sum / batches.max(1) as f64,
-                acc,
-                start.elapsed().as_secs_f64()
+                "{}",
+                args.common.epoch_line(
+                    pos.epoch,
+                    pos.step,
+                    loss_sum / batches.max(1) as f64,
+                    acc,
+                    start.elapsed().as_secs_f64(),
+                )
             );
         }
     }
     let train_time = start.elapsed() - eval_time;
-    if pos.epoch < args.epochs && time_to_target.is_none() {
+    if pos.epoch < args.common.epochs && time_to_target.is_none() {
         t.save(pg, args, &meta_at(epoch_base, &pos))?;
     }
     let bytes_sent = t.finish(steps_run)?;
@@ -583,102 +502,4 @@ fn train_loop(
         bytes_sent,
     };
     report(args, pg, t.ddp(), train, test, device, run)
-}
-
-/// What a finished run did, for [`report`].
-pub struct RunCounts {
-    /// Optimizer steps in total (across resumes).
-    pub steps: u64,
-    /// Steps of this run.
-    pub steps_run: u64,
-    /// Samples this rank trained on in this run.
-    pub local_samples: u64,
-    /// Training time, evaluations for --target-accuracy excluded.
-    pub train_time: Duration,
-    /// When the held-out accuracy reached --target-accuracy (evaluations excluded).
-    pub time_to_target: Option<Duration>,
-    /// Bytes this rank sent for gradients and model averaging in this run.
-    pub bytes_sent: u64,
-}
-
-/// Checks the replicas and prints the summary (rank 0), as train-digits does; a collective.
-pub fn report(
-    args: &Args,
-    pg: &ProcessGroup,
-    ddp: &Ddp<Mlp>,
-    train: &Dataset,
-    test: &Dataset,
-    device: &Device,
-    run: RunCounts,
-) -> BoxResult<()> {
-    let (rank, world) = (pg.rank(), pg.size());
-    let mut counts = [run.local_samples as f64, run.train_time.as_secs_f64()];
-    pg.all_reduce(&mut counts[..1], ReduceOp::Sum)?;
-    pg.all_reduce(&mut counts[1..], ReduceOp::Max)?;
-    let replicas = ddp.verify_replicas()?;
-    let max_diff = replicas.max_abs_diff;
-    if rank == 0 {
-        let (test_acc, test_loss) = evaluate(ddp.module(), test, device);
-        let (_, train_loss) = evaluate(ddp.module(), train, device);
-        let (param_sum, param_l2) = ddp.param_sum_l2()?;
-        let samples_per_s = if counts[1] > 0.0 {
-            counts[0] / counts[1]
-        } else {
-            0.0
-        };
-        let stats = ddp.total_stats();
-        println!(
-            "held-out accuracy {:.4} ({} images), test loss {:.4}, final train loss {:.4}",
-            test_acc,
-            test.len(),
-            test_loss,
-            train_loss
-        );
-        println!(
-            "{} steps ({} this run) in {:.2}s: {:.0} samples/s over {} ranks",
-            run.steps, run.steps_run, counts[1], samples_per_s, world
-        );
-        if stats.steps > 0 {
-            let wait = stats.comm_wait.as_secs_f64() * 1e3 / stats.steps as f64;
-            let total = stats.total.as_secs_f64() * 1e3 / stats.steps as f64;
-            println!(
-                "gradient sync (rank 0): {wait:.3} ms/step waiting for communication of {total:.3} \
-                 ms/step backward+communication"
-            );
-        }
-        println!(
-            "replica check: {} (max |param difference| across ranks = {:e})",
-            replicas.describe(&ddp.param_names()),
-            max_diff
-        );
-        if args.json {
-            // train-digits' keys, in its order.
-            let time_to_target: serde_json::Value = run
-                .time_to_target
-                .map_or(serde_json::Value::Null, |t| t.as_secs_f64().into());
-            let bytes_per_step = run.bytes_sent as f64 / run.steps_run.max(1) as f64;
-            let fields: [(&str, serde_json::Value); 13] = [
-                ("world_size", world.into()),
-                ("steps", run.steps.into()),
-                ("test_accuracy", test_acc.into()),
-                ("final_loss", train_loss.into()),
-                ("samples_per_s", samples_per_s.into()),
-                ("replicas_identical", replicas.identical.into()),
-                ("max_param_diff", max_diff.into()),
-                ("param_sum", param_sum.into()),
-                ("param_l2", param_l2.into()),
-                ("hook", args.hook.to_string().into()),
-                ("bytes_per_step", bytes_per_step.into()),
-                ("train_time_s", counts[1].into()),
-                ("time_to_target_s", time_to_target),
-            ];
-            let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
-            println!("{{{}}}", body.join(","));
-        }
-    }
-    pg.barrier()?;
-    if !replicas.identical {
-        return Err(format!("after training: {}", replicas.describe(&ddp.param_names())).into());
-    }
-    Ok(())
 }

@@ -2,8 +2,7 @@
 //! `ddprun::spawn`, real collectives, real checkpoint files, a real `SIGKILL`. Every process is
 //! waited on with a deadline and killed if it overruns, so a hang fails the test.
 
-#[path = "../../train-digits/tests/common/mod.rs"]
-mod common;
+use ddp_example_support::testing as common;
 
 use std::io::Read;
 use std::process::{Child, Command, Stdio};

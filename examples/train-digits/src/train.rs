@@ -3,11 +3,10 @@
 //! before training starts and on resume by `ddp::checkpoint::resume_or_start`), resumes exactly,
 //! and reports accuracy, loss, throughput and the cross-rank replica check.
 
-use crate::data::{self, CLASSES, FEATURES};
 use crate::model::{evaluate, Mlp};
 use crate::observe::{MetricsLog, Progress, StepMetrics};
 use crate::trainer::{self, Trainer};
-use crate::{Args, Backend, BackwardMode, OptimizerKind};
+use crate::{Args, Backend, BackwardMode};
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
@@ -18,7 +17,10 @@ use ddp::DistributedSampler;
 use ddp_candle::optim::ParamsSgd;
 use ddp_candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
 use ddp_comm::process_group::Backend as CommBackend;
-use ddp_comm::{init_process_group, InitOptions, ProcessGroup, ReduceOp};
+use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
+use ddp_example_support::data::{self, CLASSES, FEATURES};
+use ddp_example_support::flags::OptimizerKind;
+use ddp_example_support::summary::{self, Details, RunSummary};
 use std::error::Error;
 use std::time::{Duration, Instant};
 
@@ -26,7 +28,7 @@ type BoxResult<T> = Result<T, Box<dyn Error>>;
 
 fn init_options(args: &Args) -> InitOptions {
     InitOptions {
-        timeout: Duration::from_secs(args.timeout_s),
+        timeout: Duration::from_secs(args.common.timeout_s),
         backend: args.backend.map(|b| match b {
             Backend::Auto => CommBackend::Auto,
             Backend::Tcp => CommBackend::Tcp,
@@ -41,17 +43,17 @@ fn init_options(args: &Args) -> InitOptions {
 /// `--scale-lr BASE`.
 fn effective_lr(args: &Args, world: usize) -> f64 {
     match args.scale_lr {
-        Some(base) => ddp::scale_lr_linear(args.lr(), args.batch_size, world, base),
-        None => args.lr(),
+        Some(base) => ddp::scale_lr_linear(args.common.lr(), args.common.batch_size, world, base),
+        None => args.common.lr(),
     }
 }
 
 /// The optimizer of the run, at learning rate `lr`.
 fn optimizer(args: &Args, lr: f64) -> ShardOptimizer {
-    match args.optimizer {
+    match args.common.optimizer {
         OptimizerKind::Sgd => ShardOptimizer::Sgd(ParamsSgd {
             lr,
-            momentum: args.momentum,
+            momentum: args.common.momentum,
             ..Default::default()
         }),
         OptimizerKind::Adamw => ShardOptimizer::AdamW(candle_nn::ParamsAdamW {
@@ -65,13 +67,13 @@ fn optimizer(args: &Args, lr: f64) -> ShardOptimizer {
 /// (it would not continue "exactly"), as is a position this run could not have reached.
 fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan {
     let mut hyper = serde_json::json!({
-        "optimizer": args.optimizer_name(),
-        "lr": args.lr(),
-        "momentum": args.momentum,
-        "batch_size": args.batch_size,
-        "hidden": args.hidden,
-        "seed": args.seed,
-        "hook": args.hook.to_string(),
+        "optimizer": args.common.optimizer_name(),
+        "lr": args.common.lr(),
+        "momentum": args.common.momentum,
+        "batch_size": args.common.batch_size,
+        "hidden": args.common.hidden,
+        "seed": args.common.seed,
+        "hook": args.common.hook.to_string(),
     });
     if let Some(base) = args.scale_lr {
         hyper["scale_lr"] = base.into();
@@ -79,11 +81,11 @@ fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan
     RunPlan {
         world_size,
         samples_per_epoch,
-        batch_size: args.batch_size,
-        epochs: args.epochs,
-        max_steps: args.max_steps,
+        batch_size: args.common.batch_size,
+        epochs: args.common.epochs,
+        max_steps: args.common.max_steps,
         hyper,
-        rng_state: args.seed,
+        rng_state: args.common.seed,
     }
 }
 
@@ -112,7 +114,7 @@ fn save(
     averager: Option<&PeriodicModelAverager>,
     position: &Position,
 ) -> BoxResult<()> {
-    let Some(dir) = &args.checkpoint_dir else {
+    let Some(dir) = &args.common.checkpoint_dir else {
         return Ok(());
     };
     let zero = match trainer.zero() {
@@ -210,7 +212,7 @@ fn load_source(
 }
 
 pub fn run(args: &Args) -> BoxResult<()> {
-    if args.batch_size == 0 {
+    if args.common.batch_size == 0 {
         return Err("--batch-size must be at least 1".into());
     }
     let pg = init_process_group(init_options(args))?;
@@ -221,9 +223,16 @@ pub fn run(args: &Args) -> BoxResult<()> {
 
     let device = ddp_candle::device::worker_device(args.device)?;
     let varmap = VarMap::new();
-    let model = Mlp::new(&varmap, FEATURES, args.hidden, CLASSES, args.seed, &device)?;
+    let model = Mlp::new(
+        &varmap,
+        FEATURES,
+        args.common.hidden,
+        CLASSES,
+        args.common.seed,
+        &device,
+    )?;
 
-    let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.seed);
+    let mut sampler = DistributedSampler::new(train.len(), world, rank)?.seed(args.common.seed);
     let plan = run_plan(args, world, sampler.len());
     // Before training: rank 0 checks that the directory is writable and (with --resume) reads the
     // checkpoint and shares it, so the directory need not be shared; every rank checks it.
@@ -243,44 +252,44 @@ pub fn run(args: &Args) -> BoxResult<()> {
         )
         .into());
     }
-    if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
+    if stage != ZeroStage::Ddp && args.common.hook != ddp::hooks::HookSpec::None {
         return Err(format!(
             "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
              through its own comm hook",
-            args.hook, args.zero
+            args.common.hook, args.zero
         )
         .into());
     }
     // Plain checkpoints: rank 0 locks and probes the directory, loads (with --resume) and
     // shares. Save sets (stages 1-3): every rank writes its shard, so every rank checks.
-    let plain = match &args.checkpoint_dir {
+    let plain = match &args.common.checkpoint_dir {
         Some(dir) if stage == ZeroStage::Ddp || args.resume => {
             checkpoint::resume_or_start_global(&pg, dir, args.resume, &plan, train.len())?
         }
         _ => None,
     };
-    if let (Some(dir), true) = (&args.checkpoint_dir, stage != ZeroStage::Ddp) {
+    if let (Some(dir), true) = (&args.common.checkpoint_dir, stage != ZeroStage::Ddp) {
         ddp::sharding::prepare_dir(&pg, dir)?;
     }
-    let source = match &args.checkpoint_dir {
+    let source = match &args.common.checkpoint_dir {
         Some(dir) if args.resume => resume_source(dir, plain)?,
         _ => None,
     };
     let lr = effective_lr(args, world);
 
     let opts = DdpOptions {
-        check_finite: !args.no_check_finite,
+        check_finite: !args.common.no_check_finite,
         ..Default::default()
     };
-    let mut averager = args.hook.averager()?;
+    let mut averager = args.common.hook.averager()?;
     let mut ddp = if stage == ZeroStage::Three {
-        let units = trainer::units(FEATURES, args.hidden, CLASSES);
+        let units = trainer::units(FEATURES, args.common.hidden, CLASSES);
         Trainer::Fsdp(Box::new(Fsdp::from_varmap(&varmap, units, &pg, |vars| {
             optimizer(args, lr).build(vars)
         })?))
     } else {
         let mut ddp = Ddp::new(&varmap, &pg, opts)?;
-        if let Some(hook) = args.hook.hook()? {
+        if let Some(hook) = args.common.hook.hook()? {
             ddp.register_comm_hook(hook)?;
         }
         Trainer::Zero(Box::new(ZeroDdp::with_optimizer(
@@ -302,7 +311,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         if rank == 0 {
             println!("{}", point.describe(&what, world));
         }
-    } else if let (true, Some(dir), 0) = (args.resume, &args.checkpoint_dir, rank) {
+    } else if let (true, Some(dir), 0) = (args.resume, &args.common.checkpoint_dir, rank) {
         println!("no checkpoint in {}: starting fresh", dir.display());
     }
     if let Some(z) = ddp.zero_mut() {
@@ -315,10 +324,10 @@ pub fn run(args: &Args) -> BoxResult<()> {
             args.device,
             train.len(),
             test.len(),
-            args.batch_size,
-            args.batch_size * world,
-            sampler.len().div_ceil(args.batch_size),
-            args.optimizer_name(),
+            args.common.batch_size,
+            args.common.batch_size * world,
+            sampler.len().div_ceil(args.common.batch_size),
+            args.common.optimizer_name(),
             lr,
             match args.backward {
                 BackwardMode::Plain => "plain",
@@ -328,12 +337,13 @@ pub fn run(args: &Args) -> BoxResult<()> {
         );
     }
 
-    let steps_per_epoch = sampler.len().div_ceil(args.batch_size) as u64;
+    let steps_per_epoch = sampler.len().div_ceil(args.common.batch_size) as u64;
     let total_steps = args
+        .common
         .max_steps
         .unwrap_or(u64::MAX)
-        .min(args.epochs.saturating_mul(steps_per_epoch));
-    let mut progress = Progress::new(rank, args.quiet, total_steps, pos.step, args.epochs);
+        .min(args.common.epochs.saturating_mul(steps_per_epoch));
+    let mut progress = Progress::new(rank, args.quiet, total_steps, pos.step, args.common.epochs);
     let mut metrics = match (&args.metrics, rank) {
         (Some(path), 0) => Some(
             MetricsLog::open(path, args.metrics_every, world)
@@ -357,7 +367,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let mut epoch_base = 0usize;
     let global_at =
         |base: usize, pos: &TrainingState| resharded_run.then_some(base + pos.consumed * world);
-    'epochs: while pos.epoch < args.epochs {
+    'epochs: while pos.epoch < args.common.epochs {
         sampler.set_epoch(pos.epoch);
         let indices = match reshard.take() {
             Some(g) => {
@@ -372,8 +382,8 @@ pub fn run(args: &Args) -> BoxResult<()> {
         let epoch_len = pos.consumed + indices.len();
         let mut loss_sum = 0f64;
         let mut batches = 0u64;
-        for batch in indices.chunks(args.batch_size) {
-            if args.max_steps.is_some_and(|m| pos.step >= m) {
+        for batch in indices.chunks(args.common.batch_size) {
+            if args.common.max_steps.is_some_and(|m| pos.step >= m) {
                 break 'epochs;
             }
             prof.begin_step();
@@ -484,7 +494,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         prof.phase(Phase::Checkpoint, || {
             save(&pg, args, &plan, &ddp, averager.as_ref(), &here)
         })?;
-        if let Some(target) = args.target_accuracy {
+        if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
             let reached = ddp::join::rank0_decides(&pg, || -> BoxResult<bool> {
@@ -496,27 +506,21 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 break 'epochs;
             }
         }
-        if rank == 0
-            && !args.quiet
-            && args.log_every > 0
-            && (pos.epoch.is_multiple_of(args.log_every) || pos.epoch == args.epochs)
-        {
+        if rank == 0 && !args.quiet && args.common.log_due(pos.epoch) {
             let (acc, _) = evaluate(&model, &test.features, &test.labels)?;
-            progress.println(&format!(
-                "epoch {:>3}/{}  step {:>5}  train_loss(rank0) {:.4}  test_acc {:.4}  {:.1}s",
+            progress.println(&args.common.epoch_line(
                 pos.epoch,
-                args.epochs,
                 pos.step,
                 loss_sum / batches.max(1) as f64,
                 acc,
-                start.elapsed().as_secs_f64()
+                start.elapsed().as_secs_f64(),
             ));
         }
     }
     progress.finish();
     let train_time = start.elapsed() - eval_time;
     // Stopped early (--max-steps) mid-epoch: record the exact position.
-    if pos.epoch < args.epochs {
+    if pos.epoch < args.common.epochs {
         let here = Position {
             state: pos,
             global: global_at(epoch_base, &pos),
@@ -559,14 +563,11 @@ pub fn run(args: &Args) -> BoxResult<()> {
     }
 
     // Summary: global samples, replica check, statistics.
-    let mut counts = [local_samples as f64, train_time.as_secs_f64()];
-    pg.all_reduce(&mut counts[..1], ReduceOp::Sum)?;
-    pg.all_reduce(&mut counts[1..], ReduceOp::Max)?;
+    let (samples_per_s, train_time_s) = summary::throughput(&pg, local_samples, train_time)?;
     let replicas = ddp.verify_replicas()?;
-    let max_diff = replicas.max_abs_diff;
     if rank == 0 {
-        let (test_acc, test_loss) = evaluate(&model, &test.features, &test.labels)?;
-        let (_, train_loss) = evaluate(&model, &train.features, &train.labels)?;
+        let (test_accuracy, test_loss) = evaluate(&model, &test.features, &test.labels)?;
+        let (_, final_loss) = evaluate(&model, &train.features, &train.labels)?;
         let vars: Vec<Var> = ddp_candle::CandleParams::from_varmap(&varmap)?
             .vars()
             .iter()
@@ -574,61 +575,31 @@ pub fn run(args: &Args) -> BoxResult<()> {
             .collect();
         let (param_sum, param_l2) =
             ddp_candle::tensors::param_sum_l2(&vars.iter().collect::<Vec<_>>())?;
-        let samples_per_s = if counts[1] > 0.0 {
-            counts[0] / counts[1]
-        } else {
-            0.0
+        let run = RunSummary {
+            world_size: world,
+            steps: pos.step,
+            test_accuracy,
+            final_loss,
+            samples_per_s,
+            replicas_identical: replicas.identical,
+            max_param_diff: replicas.max_abs_diff,
+            param_sum,
+            param_l2,
+            hook: args.common.hook.to_string(),
+            bytes_per_step,
+            train_time_s,
+            time_to_target_s: time_to_target.map(|t| t.as_secs_f64()),
         };
-        let identical = replicas.identical;
-        let stats = ddp.total_stats();
-        println!(
-            "held-out accuracy {:.4} ({} images), test loss {:.4}, final train loss {:.4}",
-            test_acc,
-            test.len(),
+        let details = Details {
+            test_images: test.len(),
             test_loss,
-            train_loss
-        );
-        println!(
-            "{} steps ({} this run) in {:.2}s: {:.0} samples/s over {} ranks",
-            pos.step, steps_run, counts[1], samples_per_s, world
-        );
-        if stats.steps > 0 {
-            let wait = stats.comm_wait.as_secs_f64() * 1e3 / stats.steps as f64;
-            let total = stats.total.as_secs_f64() * 1e3 / stats.steps as f64;
+            steps_run,
+            stats: ddp.total_stats(),
             // The overlap figure is the report's (one definition, printed one way).
-            println!(
-                "gradient sync (rank 0): {wait:.3} ms/step waiting for communication of {total:.3} \
-                 ms/step backward+communication; {}",
-                report.hidden_comm_line()
-            );
-        }
-        println!(
-            "replica check: {} (max |param difference| across ranks = {:e})",
-            replicas.describe(&ddp.param_names()),
-            max_diff
-        );
-        if args.json {
-            // Keys in the documented order (serde_json's `json!` would sort them).
-            let time_to_target: serde_json::Value =
-                time_to_target.map_or(serde_json::Value::Null, |t| t.as_secs_f64().into());
-            let fields: [(&str, serde_json::Value); 13] = [
-                ("world_size", world.into()),
-                ("steps", pos.step.into()),
-                ("test_accuracy", test_acc.into()),
-                ("final_loss", train_loss.into()),
-                ("samples_per_s", samples_per_s.into()),
-                ("replicas_identical", identical.into()),
-                ("max_param_diff", max_diff.into()),
-                ("param_sum", param_sum.into()),
-                ("param_l2", param_l2.into()),
-                ("hook", args.hook.to_string().into()),
-                ("bytes_per_step", bytes_per_step.into()),
-                ("train_time_s", counts[1].into()),
-                ("time_to_target_s", time_to_target),
-            ];
-            let body: Vec<String> = fields.iter().map(|(k, v)| format!("\"{k}\":{v}")).collect();
-            println!("{{{}}}", body.join(","));
-        }
+            overlap: Some(report.hidden_comm_line()),
+            replicas: replicas.describe(&ddp.param_names()),
+        };
+        summary::print(&run, &details, args.common.json);
     }
     // Keep every rank alive until rank 0 has finished using the group.
     pg.barrier()?;

@@ -2,7 +2,7 @@
 //! checkpoint directory fails at start, damaged or forged checkpoints are refused on resume with
 //! a clear error (and left as they were), a checkpoint of format 1 (no checksums) still resumes.
 
-mod common;
+use ddp_example_support::testing as common;
 
 use common::Finished;
 use std::collections::{BTreeMap, HashMap};

@@ -2,7 +2,7 @@
 //! real checkpoint files, real `SIGKILL`. Every process is waited on with a deadline and killed
 //! if it overruns, so a hang fails the test instead of blocking it.
 
-mod common;
+use ddp_example_support::testing as common;
 
 use std::io::{BufReader, Read};
 use std::path::Path;

@@ -4,7 +4,7 @@
 
 #![cfg(feature = "mpi")]
 
-mod common;
+use ddp_example_support::testing as common;
 
 use std::process::{Command, Output, Stdio};
 

@@ -3,7 +3,7 @@
 //! resumed at another world size, a resume across `--zero` stages, and an unwritable directory
 //! found only at the first save.
 
-mod common;
+use ddp_example_support::testing as common;
 
 use common::{assert_same_run, run_bin, Finished};
 use std::os::unix::process::CommandExt;

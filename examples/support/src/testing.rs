@@ -1,7 +1,7 @@
-//! What the train-digits test binaries share (train-digits-burn's tests include it too: its
-//! final line is train-digits').
+//! What the tests of both programs share: running a program to completion with a deadline, and
+//! reading and comparing its final `--json` line ([`RunSummary`]).
 
-#![allow(dead_code)] // each test binary uses its own part
+use crate::summary::RunSummary;
 
 /// The keys of the final JSON line that pin a training run down: two runs that agree on all of
 /// them (exactly) trained the same model.
@@ -22,21 +22,7 @@ pub fn assert_same_run(got: &serde_json::Value, want: &serde_json::Value, what: 
 }
 
 /// The keys of the final `--json` line, in their documented order.
-pub const JSON_KEYS: [&str; 13] = [
-    "world_size",
-    "steps",
-    "test_accuracy",
-    "final_loss",
-    "samples_per_s",
-    "replicas_identical",
-    "max_param_diff",
-    "param_sum",
-    "param_l2",
-    "hook",
-    "bytes_per_step",
-    "train_time_s",
-    "time_to_target_s",
-];
+pub const JSON_KEYS: [&str; 13] = RunSummary::KEYS;
 
 /// Asserts that `line` is a JSON object with exactly [`JSON_KEYS`], written in that order.
 pub fn assert_json_keys_in_order(line: &str) {
@@ -71,6 +57,13 @@ impl Finished {
         let line =
             line.unwrap_or_else(|| panic!("no JSON line:\n{}\n{}", self.stdout, self.stderr));
         serde_json::from_str(line).unwrap()
+    }
+
+    /// The final `--json` line as the programs' [`RunSummary`] (panics, showing the output,
+    /// when there is none or it is not one).
+    pub fn summary(&self) -> RunSummary {
+        serde_json::from_value(self.json())
+            .unwrap_or_else(|e| panic!("not a run summary ({e}):\n{}", self.stdout))
     }
 }
 

@@ -8,7 +8,7 @@ use rand::SeedableRng;
 use std::io::Read;
 
 /// The gzip-compressed CSV, embedded so the binary runs anywhere without a download.
-const DIGITS_CSV_GZ: &[u8] = include_bytes!("../data/digits.csv.gz");
+const DIGITS_CSV_GZ: &[u8] = include_bytes!("../../train-digits/data/digits.csv.gz");
 
 /// Pixels per image.
 pub const FEATURES: usize = 64;

@@ -4,7 +4,9 @@
 
 use crate::input::{Metrics, Report, StepPoint, Sweep};
 use crate::scale::{number_label, series, Axis, Series};
-use plotters::coord::Shift;
+use plotters::chart::DualCoordChartContext;
+use plotters::coord::types::RangedCoordf64;
+use plotters::coord::{CoordTranslate, Shift};
 use plotters::prelude::*;
 use std::error::Error;
 
@@ -110,6 +112,87 @@ fn drawn(pts: &[(f64, f64)], x: &Axis, y: &Axis) -> Vec<(f64, f64)> {
         .collect()
 }
 
+/// The words of a two-axis chart versus step.
+struct TwoAxisText {
+    title: &'static str,
+    /// Room for the left axis' labels (pixels).
+    left_width: u32,
+    /// What the left and right axes show.
+    left: &'static str,
+    right: &'static str,
+}
+
+/// A chart of two value axes over one step axis.
+type TwoAxisChart<'a, DB> = DualCoordChartContext<
+    'a,
+    DB,
+    Cartesian2d<RangedCoordf64, RangedCoordf64>,
+    Cartesian2d<RangedCoordf64, RangedCoordf64>,
+>;
+
+/// The frame of a two-axis chart versus step (caption, step axis, left and right axes, their
+/// labels), ready for its series.
+fn two_axis_chart<'a, DB: DrawingBackend>(
+    root: &'a DrawingArea<DB, Shift>,
+    ax: &TwoAxes,
+    text: &TwoAxisText,
+) -> DynResult<TwoAxisChart<'a, DB>>
+where
+    DB::ErrorType: 'static,
+{
+    let (x, left, right) = (&ax.x, &ax.left, &ax.right);
+    let mut chart = ChartBuilder::on(root)
+        .caption(caption(text.title, ax.skipped), (FONT, 24))
+        .margin(15)
+        .x_label_area_size(50)
+        .y_label_area_size(text.left_width)
+        .right_y_label_area_size(70)
+        .build_cartesian_2d(x.range(), left.range())?
+        .set_secondary_coord(x.range(), right.range());
+    chart
+        .configure_mesh()
+        .x_desc("step (optimizer steps)")
+        .x_label_formatter(&|v| x.label(v))
+        .y_desc(left.desc(text.left))
+        .y_labels(left.labels())
+        .y_label_formatter(&|v| left.label(v))
+        .label_style((FONT, 15))
+        .axis_desc_style((FONT, 17))
+        .draw()?;
+    chart
+        .configure_secondary_axes()
+        .y_desc(right.desc(text.right))
+        .y_labels(right.labels())
+        .y_label_formatter(&|v| right.label(v))
+        .label_style((FONT, 15))
+        .axis_desc_style((FONT, 17))
+        .draw()?;
+    Ok(chart)
+}
+
+/// The legend box of a chart, at `position`.
+fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+    chart: &mut ChartContext<'a, DB, CT>,
+    position: SeriesLabelPosition,
+) -> DynResult<()>
+where
+    DB::ErrorType: 'static,
+{
+    chart
+        .configure_series_labels()
+        .background_style(WHITE.mix(0.85))
+        .border_style(BLACK)
+        .label_font((FONT, 15))
+        .position(position)
+        .draw()?;
+    Ok(())
+}
+
+/// A line series' mark in the legend, in colour `c`.
+fn line_mark(c: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
+    move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
+}
+
 /// Training loss (left axis) and held-out accuracy (right axis) versus step.
 pub fn loss_accuracy<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
@@ -125,65 +208,39 @@ where
         ((0.0, 1e-3), 0.1),
         ((0.0, 1.0), 0.0),
     );
-    let (x, left, right) = (ax.x, ax.left, ax.right);
-    let mut chart = ChartBuilder::on(root)
-        .caption(
-            caption("Training loss and held-out accuracy", ax.skipped),
-            (FONT, 24),
-        )
-        .margin(15)
-        .x_label_area_size(50)
-        .y_label_area_size(70)
-        .right_y_label_area_size(70)
-        .build_cartesian_2d(x.range(), left.range())?
-        .set_secondary_coord(x.range(), right.range());
-    chart
-        .configure_mesh()
-        .x_desc("step (optimizer steps)")
-        .x_label_formatter(&|v| x.label(v))
-        .y_desc(left.desc("training loss (cross-entropy, rank 0)"))
-        .y_labels(left.labels())
-        .y_label_formatter(&|v| left.label(v))
-        .label_style((FONT, 15))
-        .axis_desc_style((FONT, 17))
-        .draw()?;
-    chart
-        .configure_secondary_axes()
-        .y_desc(right.desc("held-out accuracy (fraction correct)"))
-        .y_labels(right.labels())
-        .y_label_formatter(&|v| right.label(v))
-        .label_style((FONT, 15))
-        .axis_desc_style((FONT, 17))
-        .draw()?;
+    let mut chart = two_axis_chart(
+        root,
+        &ax,
+        &TwoAxisText {
+            title: "Training loss and held-out accuracy",
+            left_width: 70,
+            left: "training loss (cross-entropy, rank 0)",
+            right: "held-out accuracy (fraction correct)",
+        },
+    )?;
+    let (x, left, right) = (&ax.x, &ax.left, &ax.right);
     for (i, (run, (loss, acc))) in runs.iter().zip(&ax.series).enumerate() {
         let p = prefix(runs.len(), &run.label);
         let (lc, ac) = (color(2 * i), color(2 * i + 1));
         chart
             .draw_series(LineSeries::new(
-                drawn(&loss.points, &x, &left),
+                drawn(&loss.points, x, left),
                 lc.stroke_width(2),
             ))?
             .label(format!("{p}training loss (left axis)"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], lc.stroke_width(2)));
+            .legend(line_mark(lc));
         if !acc.points.is_empty() {
             let marks = if acc.points.len() <= MAX_MARKED { 4 } else { 0 };
             chart
                 .draw_secondary_series(
-                    LineSeries::new(drawn(&acc.points, &x, &right), ac.stroke_width(2))
+                    LineSeries::new(drawn(&acc.points, x, right), ac.stroke_width(2))
                         .point_size(marks),
                 )?
                 .label(format!("{p}held-out accuracy (right axis)"))
                 .legend(move |(x, y)| Circle::new((x + 10, y), 4, ac.filled()));
         }
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FONT, 15))
-        .position(SeriesLabelPosition::MiddleRight)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::MiddleRight)
 }
 
 /// Throughput (left axis) and rank 0's communication wait (right axis) versus step.
@@ -201,63 +258,36 @@ where
         ((0.0, 1.0), 0.15),
         ((0.0, 0.01), 0.15),
     );
-    let (x, left, right) = (ax.x, ax.left, ax.right);
-    let mut chart = ChartBuilder::on(root)
-        .caption(
-            caption("Throughput and communication wait", ax.skipped),
-            (FONT, 24),
-        )
-        .margin(15)
-        .x_label_area_size(50)
-        .y_label_area_size(80)
-        .right_y_label_area_size(70)
-        .build_cartesian_2d(x.range(), left.range())?
-        .set_secondary_coord(x.range(), right.range());
-    chart
-        .configure_mesh()
-        .x_desc("step (optimizer steps)")
-        .x_label_formatter(&|v| x.label(v))
-        .y_desc(left.desc("throughput (samples/s, all ranks)"))
-        .y_labels(left.labels())
-        .y_label_formatter(&|v| left.label(v))
-        .label_style((FONT, 15))
-        .axis_desc_style((FONT, 17))
-        .draw()?;
-    chart
-        .configure_secondary_axes()
-        .y_desc(right.desc("communication wait (ms/step, rank 0)"))
-        .y_labels(right.labels())
-        .y_label_formatter(&|v| right.label(v))
-        .label_style((FONT, 15))
-        .axis_desc_style((FONT, 17))
-        .draw()?;
+    let mut chart = two_axis_chart(
+        root,
+        &ax,
+        &TwoAxisText {
+            title: "Throughput and communication wait",
+            left_width: 80,
+            left: "throughput (samples/s, all ranks)",
+            right: "communication wait (ms/step, rank 0)",
+        },
+    )?;
+    let (x, left, right) = (&ax.x, &ax.left, &ax.right);
     for (i, (run, (sps, wait))) in runs.iter().zip(&ax.series).enumerate() {
         let p = prefix(runs.len(), &run.label);
         let (tc, wc) = (color(2 * i), color(2 * i + 1));
         let marks = if sps.points.len() <= MAX_MARKED { 3 } else { 0 };
         chart
             .draw_series(
-                LineSeries::new(drawn(&sps.points, &x, &left), tc.stroke_width(2))
-                    .point_size(marks),
+                LineSeries::new(drawn(&sps.points, x, left), tc.stroke_width(2)).point_size(marks),
             )?
             .label(format!("{p}samples/s (left axis)"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], tc.stroke_width(2)));
+            .legend(line_mark(tc));
         chart
             .draw_secondary_series(LineSeries::new(
-                drawn(&wait.points, &x, &right),
+                drawn(&wait.points, x, right),
                 wc.stroke_width(2),
             ))?
             .label(format!("{p}comm wait, ms/step (right axis)"))
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], wc.stroke_width(2)));
+            .legend(line_mark(wc));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FONT, 15))
-        .position(SeriesLabelPosition::LowerRight)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::LowerRight)
 }
 
 /// The job's share of communication hidden under backward as every ddp-rs output prints it
@@ -362,14 +392,7 @@ where
             .label(name)
             .legend(move |(x, y)| Rectangle::new([(x, y - 6), (x + 14, y + 6)], c.filled()));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FONT, 15))
-        .position(SeriesLabelPosition::UpperRight)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::UpperRight)
 }
 
 /// `1024` → `1 KiB`; beyond EiB, `1.2e30 B`.
@@ -456,16 +479,9 @@ where
         chart
             .draw_series(LineSeries::new(pts, c.stroke_width(2)).point_size(marks))?
             .label(s.label.clone())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2)));
+            .legend(line_mark(c));
     }
-    chart
-        .configure_series_labels()
-        .background_style(WHITE.mix(0.85))
-        .border_style(BLACK)
-        .label_font((FONT, 15))
-        .position(SeriesLabelPosition::UpperLeft)
-        .draw()?;
-    Ok(())
+    legend(&mut chart, SeriesLabelPosition::UpperLeft)
 }
 
 #[cfg(test)]

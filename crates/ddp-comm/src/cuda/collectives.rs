@@ -158,30 +158,32 @@ impl CudaGroup {
     /// Check `op`, then queue it on NCCL with the buffers' device pointers (cudarc orders the
     /// buffers' later uses after the comm stream when the pointers' guards drop, after the call).
     fn enqueue<T: CudaElement>(&self, op: DeviceOp, bufs: Borrowed<'_, T>) -> Result<Pending> {
+        let (input, output) = match &bufs {
+            Borrowed::InPlace(b) => (b.len(), b.len()),
+            Borrowed::Source(b) => (b.len(), b.len()),
+            Borrowed::Split(i, o) => (i.len(), o.len()),
+        };
+        let fp = op.fingerprint::<T>(&self.pg, input, output)?;
         let stream = &*self.comm_stream;
-        let (src, dst, n, _guards) = match bufs {
+        let (src, dst, _guards) = match bufs {
             Borrowed::InPlace(b) => {
-                let n = b.len();
                 let (p, g) = b.device_ptr_mut(stream);
-                (p, p, (n, n), [Some(g), None])
+                (p, p, [Some(g), None])
             }
             Borrowed::Source(b) => {
-                let n = b.len();
                 let (p, g) = b.device_ptr(stream);
-                (p, p, (n, n), [Some(g), None])
+                (p, p, [Some(g), None])
             }
             Borrowed::Split(i, o) => {
-                let n = (i.len(), o.len());
                 let (s, gs) = i.device_ptr(stream);
                 let (d, gd) = o.device_ptr_mut(stream);
-                (s, d, n, [Some(gs), Some(gd)])
+                (s, d, [Some(gs), Some(gd)])
             }
         };
-        let fp = op.fingerprint::<T>(&self.pg, n.0, n.1)?;
         // NCCL counts per rank: the output's block for reduce_scatter, the input otherwise.
         let count = match op {
-            DeviceOp::ReduceScatter(_) => n.1,
-            _ => n.0,
+            DeviceOp::ReduceScatter(_) => output,
+            _ => input,
         };
         self.nccl(fp, |comm, stream| {
             // SAFETY: `src`/`dst` are the live buffers of this call on this group's device,

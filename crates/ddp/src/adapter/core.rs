@@ -130,7 +130,7 @@ impl<P: ParamAccess> DdpCore<P> {
     }
 
     /// Hands every gradient present in `grads` to the reducer, last parameter first
-    /// ([`mark_grads`](super::mark_grads) on this core's parameters and reducer).
+    /// ([`mark_grads`] on this core's parameters and reducer).
     pub fn mark_grads(
         &mut self,
         grads: &mut P::Grads,

@@ -28,7 +28,7 @@
 //! Above the drivers, [`DdpCore`] is the framework-agnostic half of a DDP wrapper (process
 //! group, reducer, `no_sync`'s [`NoSync`] guard, the [`Join`](crate::Join) step, statistics,
 //! the checkpoint tail), which each adapter's `DistributedDataParallel` embeds and exposes
-//! through `Deref` (module [`core`](self::core)).
+//! through `Deref` (module [`core`]).
 
 pub mod core;
 

@@ -30,6 +30,10 @@ impl Dataset {
         self.labels.len()
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.labels.is_empty()
+    }
+
     /// The rows `indices`, as a `(features, labels)` pair of flat vectors.
     pub fn gather(&self, indices: &[usize]) -> (Vec<f32>, Vec<u32>) {
         let mut x = Vec::with_capacity(indices.len() * FEATURES);

@@ -518,35 +518,30 @@ fn changing_zero_on_resume_loads_the_checkpoint() {
     let _ = std::fs::remove_dir_all(&root);
 }
 
+/// Runs 2 processes with `flags` and a `--checkpoint-dir` no one can create, root included (a
+/// path through a regular file, under test `tag`'s directory, removed afterwards); `(exit code,
+/// stdout, stderr, that path)`.
+fn run_with_unwritable_dir(tag: &str, flags: &[&str]) -> (Option<i32>, String, String, String) {
+    let root = temp_dir(tag);
+    std::fs::create_dir_all(&root).unwrap();
+    let file = root.join("a-file");
+    std::fs::write(&file, b"not a directory").unwrap();
+    let bad = file.join("ckpt").to_str().unwrap().to_string();
+    let quick = ["--nproc", "2", "--log-every", "0"];
+    let args = [&quick[..], flags, &["--checkpoint-dir", &bad]].concat();
+    let (code, out, err) = finish(start(&args), Duration::from_secs(120));
+    let _ = std::fs::remove_dir_all(&root);
+    (code, out, err, bad)
+}
+
 /// Issue 40, item 6: a ZeRO run whose checkpoint directory cannot be written (here a path
 /// through a regular file) fails on every rank before it trains, naming the directory, instead
 /// of at its first save.
 #[test]
 fn zero_with_an_unwritable_checkpoint_dir_fails_at_start() {
-    let root = temp_dir("unwritable");
-    std::fs::create_dir_all(&root).unwrap();
-    let file = root.join("a-file");
-    std::fs::write(&file, b"not a directory").unwrap();
-    let bad = file.join("ckpt");
-    let (code, out, err) = finish(
-        start(&[
-            "--nproc",
-            "2",
-            "--log-every",
-            "0",
-            "--zero",
-            "1",
-            "--checkpoint-dir",
-            bad.to_str().unwrap(),
-        ]),
-        Duration::from_secs(120),
-    );
-    let _ = std::fs::remove_dir_all(&root);
+    let (code, out, err, bad) = run_with_unwritable_dir("unwritable", &["--zero", "1"]);
     assert_eq!(code, Some(1), "{out}\n{err}");
-    assert!(
-        err.contains("not writable") && err.contains(bad.to_str().unwrap()),
-        "{err}"
-    );
+    assert!(err.contains("not writable") && err.contains(&bad), "{err}");
     assert!(
         !out.contains("train-digits-burn: world_size"),
         "training started:\n{out}"
@@ -684,27 +679,10 @@ fn learner_json_counts_steps_and_bytes_across_a_resume() {
 /// reason, naming the directory.
 #[test]
 fn learner_with_an_unwritable_directory_names_the_real_error() {
-    let root = temp_dir("learner-unwritable");
-    std::fs::create_dir_all(&root).unwrap();
-    let file = root.join("a-file");
-    std::fs::write(&file, b"not a directory").unwrap();
-    let bad = file.join("ckpt");
-    let (code, out, err) = finish(
-        start(&[
-            "--nproc",
-            "2",
-            "--log-every",
-            "0",
-            "--learner",
-            "--checkpoint-dir",
-            bad.to_str().unwrap(),
-        ]),
-        Duration::from_secs(120),
-    );
-    let _ = std::fs::remove_dir_all(&root);
+    let (code, out, err, bad) = run_with_unwritable_dir("learner-unwritable", &["--learner"]);
     assert_eq!(code, Some(1), "{out}\n{err}");
     assert!(
-        err.contains("Not a directory") && err.contains(bad.to_str().unwrap()),
+        err.contains("Not a directory") && err.contains(&bad),
         "{err}"
     );
     assert!(!err.contains("No such file"), "{err}");

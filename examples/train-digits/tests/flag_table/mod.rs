@@ -164,3 +164,41 @@ pub fn accepted(bin: &str, args: &[&str]) {
         String::from_utf8_lossy(&o.stderr)
     );
 }
+
+/// Quick values of the flags `train-digits` and `train-digits-burn` share
+/// (`ddp_example_support::flags::CommonArgs`): one epoch, one step, one worker, no progress.
+pub const DIGITS_BASE: &[(&str, &str)] = &[
+    ("--nproc", "1"),
+    ("--epochs", "1"),
+    ("--max-steps", "1"),
+    ("--log-every", "0"),
+];
+
+/// The rows of the numeric flags `train-digits` and `train-digits-burn` share
+/// (`ddp_example_support::flags::CommonArgs`).
+pub const DIGITS_NUMERIC: &[(&str, &[&str])] = &[
+    ("--nproc", &["0", "1.5", "100000", U64_OVER]),
+    ("--epochs", &["0", "1.5", U64_OVER]),
+    ("--batch-size", &["0", "1.5", U64_OVER]),
+    ("--lr", &["0", "-0.001", "1e-400"]),
+    ("--momentum", &["1", "1.5", "-0.1"]),
+    ("--seed", &["1.5", U64_OVER]),
+    ("--hidden", &["0", "65537"]),
+    ("--max-steps", &["0", "1.5"]),
+    ("--timeout-s", &["0", "31536001", "1.5"]),
+    ("--log-every", &["1.5", U64_OVER]),
+    ("--target-accuracy", &["2", "1.0000001", "-0.1", "-1e-9"]),
+];
+
+/// The edges of the shared bounds are accepted (one step of one rank each, `quick` the
+/// arguments that make it so).
+pub fn digits_edges_accepted(bin: &str, quick: &[&str]) {
+    for extra in [
+        ["--target-accuracy", "0"],
+        ["--target-accuracy", "1"],
+        ["--momentum", "0.99"],
+    ] {
+        let args: Vec<&str> = quick.iter().chain(&extra).copied().collect();
+        accepted(bin, &args);
+    }
+}

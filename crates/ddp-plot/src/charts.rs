@@ -112,14 +112,18 @@ fn drawn(pts: &[(f64, f64)], x: &Axis, y: &Axis) -> Vec<(f64, f64)> {
         .collect()
 }
 
-/// The words of a two-axis chart versus step.
-struct TwoAxisText {
+/// A two-axis chart versus step: its title, what its axes show (their words, the values of a
+/// step they plot, the fit of each axis: [`Axis::fit`]'s empty range and headroom).
+struct TwoAxisSpec {
     title: &'static str,
     /// Room for the left axis' labels (pixels).
     left_width: u32,
-    /// What the left and right axes show.
     left: &'static str,
     right: &'static str,
+    left_value: fn(&StepPoint) -> Option<f64>,
+    right_value: fn(&StepPoint) -> Option<f64>,
+    left_fit: ((f64, f64), f64),
+    right_fit: ((f64, f64), f64),
 }
 
 /// A chart of two value axes over one step axis.
@@ -130,16 +134,23 @@ type TwoAxisChart<'a, DB> = DualCoordChartContext<
     Cartesian2d<RangedCoordf64, RangedCoordf64>,
 >;
 
-/// The frame of a two-axis chart versus step (caption, step axis, left and right axes, their
-/// labels), ready for its series.
+/// The series of `runs` for a two-axis chart versus step and its frame (caption, step axis,
+/// left and right axes, their labels), ready for the series.
 fn two_axis_chart<'a, DB: DrawingBackend>(
     root: &'a DrawingArea<DB, Shift>,
-    ax: &TwoAxes,
-    text: &TwoAxisText,
-) -> DynResult<TwoAxisChart<'a, DB>>
+    runs: &[Metrics],
+    text: &TwoAxisSpec,
+) -> DynResult<(TwoAxisChart<'a, DB>, TwoAxes)>
 where
     DB::ErrorType: 'static,
 {
+    let ax = two_axes(
+        runs,
+        text.left_value,
+        text.right_value,
+        text.left_fit,
+        text.right_fit,
+    );
     let (x, left, right) = (&ax.x, &ax.left, &ax.right);
     let mut chart = ChartBuilder::on(root)
         .caption(caption(text.title, ax.skipped), (FONT, 24))
@@ -167,7 +178,7 @@ where
         .label_style((FONT, 15))
         .axis_desc_style((FONT, 17))
         .draw()?;
-    Ok(chart)
+    Ok((chart, ax))
 }
 
 /// The legend box of a chart, at `position`.
@@ -201,21 +212,18 @@ pub fn loss_accuracy<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let ax = two_axes(
-        runs,
-        |q| q.loss,
-        |q| q.accuracy,
-        ((0.0, 1e-3), 0.1),
-        ((0.0, 1.0), 0.0),
-    );
-    let mut chart = two_axis_chart(
+    let (mut chart, ax) = two_axis_chart(
         root,
-        &ax,
-        &TwoAxisText {
+        runs,
+        &TwoAxisSpec {
             title: "Training loss and held-out accuracy",
             left_width: 70,
             left: "training loss (cross-entropy, rank 0)",
             right: "held-out accuracy (fraction correct)",
+            left_value: |q| q.loss,
+            right_value: |q| q.accuracy,
+            left_fit: ((0.0, 1e-3), 0.1),
+            right_fit: ((0.0, 1.0), 0.0),
         },
     )?;
     let (x, left, right) = (&ax.x, &ax.left, &ax.right);
@@ -251,21 +259,18 @@ pub fn throughput<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let ax = two_axes(
-        runs,
-        |q| q.samples_per_s,
-        |q| q.comm_wait_ms,
-        ((0.0, 1.0), 0.15),
-        ((0.0, 0.01), 0.15),
-    );
-    let mut chart = two_axis_chart(
+    let (mut chart, ax) = two_axis_chart(
         root,
-        &ax,
-        &TwoAxisText {
+        runs,
+        &TwoAxisSpec {
             title: "Throughput and communication wait",
             left_width: 80,
             left: "throughput (samples/s, all ranks)",
             right: "communication wait (ms/step, rank 0)",
+            left_value: |q| q.samples_per_s,
+            right_value: |q| q.comm_wait_ms,
+            left_fit: ((0.0, 1.0), 0.15),
+            right_fit: ((0.0, 0.01), 0.15),
         },
     )?;
     let (x, left, right) = (&ax.x, &ax.left, &ax.right);

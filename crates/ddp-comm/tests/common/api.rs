@@ -10,13 +10,6 @@ use ddp_comm::{Collectives, ReduceOp, Wait};
 pub struct Vecs<'g, G>(pub &'g G);
 
 impl<G> Vecs<'_, G> {
-    pub fn rank<T: Num>(&self) -> usize
-    where
-        G: Collectives<T>,
-    {
-        self.0.rank()
-    }
-
     fn up<T: Num>(&self, v: &[T]) -> G::Buf
     where
         G: Collectives<T>,

@@ -4,6 +4,7 @@
 //! refuse NaN and ±inf, and clap names the flag and the value in the error (exit status 2).
 
 use clap::ValueEnum;
+use ddp::checkpoint::RunPlan;
 use ddprun::validate::{finite, int_in, positive, MAX_SECS};
 use std::path::PathBuf;
 
@@ -96,6 +97,30 @@ impl CommonArgs {
         match self.optimizer {
             OptimizerKind::Sgd => "sgd",
             OptimizerKind::Adamw => "adamw",
+        }
+    }
+
+    /// The run as checkpoints record it: its length and the hyper-parameters both programs
+    /// have (a program adds its own to `hyper`). A checkpoint of other hyper-parameters is
+    /// refused on resume (it would not continue "exactly"), as is a position this run could
+    /// not have reached.
+    pub fn run_plan(&self, world_size: usize, samples_per_epoch: usize) -> RunPlan {
+        RunPlan {
+            world_size,
+            samples_per_epoch,
+            batch_size: self.batch_size,
+            epochs: self.epochs,
+            max_steps: self.max_steps,
+            hyper: serde_json::json!({
+                "optimizer": self.optimizer_name(),
+                "lr": self.lr(),
+                "momentum": self.momentum,
+                "batch_size": self.batch_size,
+                "hidden": self.hidden,
+                "seed": self.seed,
+                "hook": self.hook.to_string(),
+            }),
+            rng_state: self.seed,
         }
     }
 

@@ -4,6 +4,7 @@
 //! - [`data`]: the UCI digits, embedded, and the fixed 80/20 split;
 //! - [`flags`]: the common flags ([`flags::CommonArgs`], flattened into each program's `Args`)
 //!   and their value parsers;
+//! - [`resume`]: which checkpoint of a directory a run resumes from (plain or save set);
 //! - [`summary`]: the end of a run, the text lines and the final `--json` line
 //!   ([`summary::RunSummary`], which the tests and scripts read);
 //! - [`testing`]: the helpers of both programs' tests (run to completion, compare final lines).
@@ -12,5 +13,6 @@
 
 pub mod data;
 pub mod flags;
+pub mod resume;
 pub mod summary;
 pub mod testing;

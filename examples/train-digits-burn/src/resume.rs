@@ -1,5 +1,5 @@
 //! Where a `train-digits-burn` run resumes from, at any `--zero` stage and world size (the design
-//! of train-digits' `resume_source` / `load_source`).
+//! of train-digits' `load_source`; which checkpoint, `ddp_example_support::resume`).
 //!
 //! ```text
 //!   plain checkpoint (stage 0: Burn's records as blobs)  ──load_records──► stage 0
@@ -22,33 +22,10 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
 use burn_pack::Scalar;
-use ddp::checkpoint::{self, Checkpoint, OptimizerStateDict};
+use ddp::checkpoint::{Checkpoint, OptimizerStateDict};
 use ddp_burn::Ddp;
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
-
-/// What a run resumes from: a plain checkpoint (already loaded and shared by rank 0) or the
-/// current save set of the directory.
-pub enum Source {
-    Plain(Box<checkpoint::ResumedGlobal>),
-    Set(PathBuf),
-}
-
-/// The checkpoint to resume from in `dir`: the newer of the plain checkpoint (`plain`) and the
-/// current save set; `None` when there is neither. A directory with a checkpoint never ends as
-/// a fresh start, whatever `--zero` the run has.
-pub fn resume_source(
-    dir: &Path,
-    plain: Option<checkpoint::ResumedGlobal>,
-) -> BoxResult<Option<Source>> {
-    let set = ddp::sharding::set_meta(dir)?;
-    Ok(match (plain, set) {
-        (Some(p), Some(s)) if s.step > p.checkpoint.meta.step => Some(Source::Set(dir.into())),
-        (Some(p), _) => Some(Source::Plain(Box::new(p))),
-        (None, Some(_)) => Some(Source::Set(dir.into())),
-        (None, None) => None,
-    })
-}
+use std::path::Path;
 
 /// Key prefix of an optimizer state scalar in the flat form's optimizer hyper (ddp-burn's
 /// `ZeroDdp` convention).

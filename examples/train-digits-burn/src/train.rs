@@ -7,7 +7,7 @@
 
 use crate::learner::has_learner_checkpoints;
 use crate::model::{evaluate, Mlp};
-use crate::resume::{self, Source};
+use crate::resume;
 use crate::setup::{optimizer, report, sgd, BoxResult, Rows, RunCounts, Setup};
 use crate::Args;
 use burn::data::dataloader::DataLoaderBuilder;
@@ -21,30 +21,16 @@ use ddp::DistributedSampler;
 use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::ProcessGroup;
 use ddp_example_support::flags::OptimizerKind;
+use ddp_example_support::resume::{resume_source, Source};
 use std::time::{Duration, Instant};
 
 /// The run as its checkpoints record it; a checkpoint of other hyper-parameters is refused on
 /// resume. The ZeRO stage is not one: it changes where the state lives, not the training (a
 /// run resumes from any stage's checkpoint, module `resume`).
 fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan {
-    RunPlan {
-        world_size,
-        samples_per_epoch,
-        batch_size: args.common.batch_size,
-        epochs: args.common.epochs,
-        max_steps: args.common.max_steps,
-        hyper: serde_json::json!({
-            "framework": "burn",
-            "optimizer": args.common.optimizer_name(),
-            "lr": args.common.lr(),
-            "momentum": args.common.momentum,
-            "batch_size": args.common.batch_size,
-            "hidden": args.common.hidden,
-            "seed": args.common.seed,
-            "hook": args.common.hook.to_string(),
-        }),
-        rng_state: args.common.seed,
-    }
+    let mut plan = args.common.run_plan(world_size, samples_per_epoch);
+    plan.hyper["framework"] = "burn".into();
+    plan
 }
 
 fn save(
@@ -106,7 +92,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         ddp::sharding::prepare_dir(&s.pg, dir)?;
     }
     let source = match &args.common.checkpoint_dir {
-        Some(dir) if args.resume => resume::resume_source(dir, plain)?,
+        Some(dir) if args.resume => resume_source(dir, plain)?,
         _ => None,
     };
     let opts = DdpOptions {

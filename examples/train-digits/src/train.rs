@@ -20,6 +20,7 @@ use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
 use ddp_example_support::data::{self, CLASSES, FEATURES};
 use ddp_example_support::flags::OptimizerKind;
+use ddp_example_support::resume::{resume_source, Source};
 use ddp_example_support::summary::{self, Details, RunSummary};
 use std::error::Error;
 use std::time::{Duration, Instant};
@@ -63,30 +64,14 @@ fn optimizer(args: &Args, lr: f64) -> ShardOptimizer {
     }
 }
 
-/// The run as checkpoints record it; a checkpoint of other hyper-parameters is refused on resume
-/// (it would not continue "exactly"), as is a position this run could not have reached.
+/// The run as checkpoints record it (`CommonArgs::run_plan`), `--scale-lr` among its
+/// hyper-parameters.
 fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan {
-    let mut hyper = serde_json::json!({
-        "optimizer": args.common.optimizer_name(),
-        "lr": args.common.lr(),
-        "momentum": args.common.momentum,
-        "batch_size": args.common.batch_size,
-        "hidden": args.common.hidden,
-        "seed": args.common.seed,
-        "hook": args.common.hook.to_string(),
-    });
+    let mut plan = args.common.run_plan(world_size, samples_per_epoch);
     if let Some(base) = args.scale_lr {
-        hyper["scale_lr"] = base.into();
+        plan.hyper["scale_lr"] = base.into();
     }
-    RunPlan {
-        world_size,
-        samples_per_epoch,
-        batch_size: args.common.batch_size,
-        epochs: args.common.epochs,
-        max_steps: args.common.max_steps,
-        hyper,
-        rng_state: args.common.seed,
-    }
+    plan
 }
 
 /// Where the run stands in its epoch, in the checkpoint's terms.
@@ -140,29 +125,6 @@ fn save(
         checkpoint::save_atomic(dir, &ckpt)?;
     }
     Ok(())
-}
-
-/// What a run resumes from: a plain checkpoint (any stage imports it) or the save set of the
-/// directory (any stage loads it: stages 1-3 cut it for this world, stage 0 consolidates it).
-enum Source {
-    Plain(Box<checkpoint::ResumedGlobal>),
-    Set(std::path::PathBuf),
-}
-
-/// The checkpoint to resume from in `dir`: the newer of the plain checkpoint (`plain`, already
-/// loaded and shared) and the current save set; `None` when there is neither. A directory with
-/// a checkpoint never ends as a fresh start, whatever `--zero` the run has.
-fn resume_source(
-    dir: &std::path::Path,
-    plain: Option<checkpoint::ResumedGlobal>,
-) -> BoxResult<Option<Source>> {
-    let set = ddp::sharding::set_meta(dir)?;
-    Ok(match (plain, set) {
-        (Some(p), Some(s)) if s.step > p.checkpoint.meta.step => Some(Source::Set(dir.into())),
-        (Some(p), _) => Some(Source::Plain(Box::new(p))),
-        (None, Some(_)) => Some(Source::Set(dir.into())),
-        (None, None) => None,
-    })
 }
 
 /// Loads `source` into the run's wrapper and optimizer at any stage; returns the checkpoint's

@@ -1,6 +1,6 @@
 //! The end of a run, as both programs print it: a few lines of text, then (with `--json`) the
 //! run summary [`RunSummary`] as the last line of output, one JSON object whose keys and order
-//! are documented (README, `examples/train-digits/README.md`) and parsed by the tests and the
+//! are documented (`examples/train-digits/README.md`) and parsed by the tests and the
 //! benchmark scripts.
 
 use ddp::reducer::TotalStats;

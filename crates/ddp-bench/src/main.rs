@@ -9,6 +9,8 @@
 //! - [`train`]: DDP training throughput of an MLP (`ddp-bench train`).
 //! - [`launch`]: spawning and supervising the local worker processes.
 
+#![forbid(unsafe_code)]
+
 mod launch;
 mod sweep;
 mod trace_cost;

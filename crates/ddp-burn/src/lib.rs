@@ -172,7 +172,7 @@
 //!
 //! The guide is the book's Burn chapter (`docs/burn.md` in the repository).
 
-#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+#![forbid(unsafe_code)]
 
 pub mod blockwise;
 pub mod checkpoint;

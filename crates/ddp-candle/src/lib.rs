@@ -65,7 +65,7 @@
 //! frameworks (`ddp-burn` is the sibling crate for Burn), and candle version bumps touch only
 //! this crate.
 
-#![deny(unsafe_op_in_unsafe_fn, clippy::undocumented_unsafe_blocks)]
+#![forbid(unsafe_code)]
 
 pub mod alloc;
 pub mod blockwise;

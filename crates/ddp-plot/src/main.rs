@@ -17,6 +17,8 @@
 //! Text needs a TrueType font: `DDP_PLOT_FONT`, else DejaVu Sans or Liberation Sans from the
 //! usual system places (Debian: `fonts-dejavu-core`).
 
+#![forbid(unsafe_code)]
+
 mod charts;
 mod input;
 mod scale;

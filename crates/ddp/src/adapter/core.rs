@@ -193,7 +193,7 @@ impl<P: ParamAccess> DdpCore<P> {
     ) -> Result<Option<PathBuf>> {
         meta.world_size = self.pg.size();
         // Every rank's comm hook state (a collective, so before the rank-0-only part).
-        let hooks = crate::hooks::gather_state(&self.pg, &self.reducer.comm_hook_state())?;
+        let hooks = crate::hooks::state::gather_state(&self.pg, &self.reducer.comm_hook_state())?;
         let written = if self.pg.rank() == 0 {
             (|| -> Result<PathBuf> {
                 let mut ckpt = Checkpoint::new(meta);

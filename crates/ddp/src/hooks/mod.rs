@@ -38,7 +38,7 @@ mod compress;
 mod local_sgd;
 mod powersgd;
 mod spec;
-mod state;
+pub(crate) mod state;
 
 pub use compress::{CompressHook, Compressed, Precision};
 pub use local_sgd::{PeriodicModelAverager, PostLocalSgdHook};

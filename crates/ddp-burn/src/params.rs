@@ -52,39 +52,14 @@ pub struct BurnParams {
 /// type; parameters of rank 1 to 8 are supported).
 macro_rules! with_rank {
     ($rank:expr, $path:expr, |$d:ident| $body:expr) => {
+        with_rank!(@arms $rank, $path, $d, $body, [1 2 3 4 5 6 7 8])
+    };
+    (@arms $rank:expr, $path:expr, $d:ident, $body:expr, [$($n:literal)*]) => {
         match $rank {
-            1 => {
-                const $d: usize = 1;
+            $($n => {
+                const $d: usize = $n;
                 $body
-            }
-            2 => {
-                const $d: usize = 2;
-                $body
-            }
-            3 => {
-                const $d: usize = 3;
-                $body
-            }
-            4 => {
-                const $d: usize = 4;
-                $body
-            }
-            5 => {
-                const $d: usize = 5;
-                $body
-            }
-            6 => {
-                const $d: usize = 6;
-                $body
-            }
-            7 => {
-                const $d: usize = 7;
-                $body
-            }
-            8 => {
-                const $d: usize = 8;
-                $body
-            }
+            })*
             r => Err(Error::Unsupported(format!(
                 "parameter `{}` has rank {r}; ddp-burn supports ranks 1 to 8",
                 $path

@@ -13,13 +13,13 @@
 //! resident (`docs/benchmarks.md`, "ZeRO memory (candle)"). Other dtypes and devices take
 //! candle's tensor operations.
 
-use super::{echo_pieces, echo_slot, unnamed, write_through_named, EchoGrads, Piece, Target};
+use super::{echo_pieces, echo_slot, write_through_named, EchoGrads, Piece, Target};
 use crate::checkpoint::tensor_like;
 use crate::tensors::{with_flat, with_flat_mut};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Var, WithDType};
-use candle_nn::{Optimizer, ParamsAdamW};
+use candle_nn::ParamsAdamW;
 use ddp::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
 
 /// State key of the step count in checkpoints of format version 1, stored as two `f32` halves of
@@ -195,26 +195,13 @@ impl OptimizerState for AdamW {
     }
 }
 
-impl Optimizer for AdamW {
-    type Config = ParamsAdamW;
+super::impl_optimizer!(AdamW, ParamsAdamW);
 
-    /// Unnamed variables are called `param0`, `param1`, ... in checkpoints.
-    fn new(vars: Vec<Var>, params: ParamsAdamW) -> candle_core::Result<Self> {
-        Ok(AdamW::new_named(unnamed(vars), params)?)
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr
-    }
-
+impl AdamW {
     /// The operations of `candle_nn::AdamW::step`, in its order. Contiguous f32/f64 CPU
     /// parameters are updated in place (three passes, no temporaries); others with candle's
     /// tensor operations.
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+    fn apply_step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         self.step_t += 1;
         let k = Coefs::new(&self.params, self.step_t);
         for s in &self.slots {
@@ -448,6 +435,7 @@ impl InplaceOp3 for Fused<'_> {
 mod tests {
     use super::*;
     use candle_core::{DType, Device, Tensor};
+    use candle_nn::Optimizer;
     use ddp::checkpoint::CheckpointMeta;
 
     fn vars(seed: f32) -> Vec<(String, Var)> {

@@ -68,6 +68,34 @@ impl dyn DynOptimizer {
     }
 }
 
+/// `candle_nn::Optimizer` for one of this module's optimizers: named construction from unnamed
+/// variables, the learning rate in `params.lr`, and the step in the type's own `apply_step`.
+macro_rules! impl_optimizer {
+    ($ty:ident, $config:ty) => {
+        impl candle_nn::Optimizer for $ty {
+            type Config = $config;
+
+            /// Unnamed variables are called `param0`, `param1`, ... in checkpoints.
+            fn new(vars: Vec<Var>, params: $config) -> candle_core::Result<Self> {
+                Ok($ty::new_named(super::unnamed(vars), params)?)
+            }
+
+            fn learning_rate(&self) -> f64 {
+                self.params.lr
+            }
+
+            fn set_learning_rate(&mut self, lr: f64) {
+                self.params.lr = lr
+            }
+
+            fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+                self.apply_step(grads)
+            }
+        }
+    };
+}
+use impl_optimizer;
+
 /// Names for optimizers built without names (`Optimizer::new`): `param0`, `param1`, ... (the
 /// keys of their state in checkpoints).
 fn unnamed(vars: Vec<Var>) -> impl Iterator<Item = (String, Var)> {

@@ -17,12 +17,11 @@
 //! tensor operations. The momentum buffers are saved to checkpoints as
 //! `optim.<param>.momentum_buffer` (f32), PyTorch's state name.
 
-use super::{echo_pieces, echo_slot, unnamed, write_through_named, EchoGrads, Piece, Target};
+use super::{echo_pieces, echo_slot, write_through_named, EchoGrads, Piece, Target};
 use crate::checkpoint::tensor_like;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var, WithDType};
-use candle_nn::Optimizer;
 use ddp::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
 use std::cell::RefCell;
 
@@ -248,23 +247,10 @@ impl OptimizerState for Sgd {
     }
 }
 
-impl Optimizer for Sgd {
-    type Config = ParamsSgd;
+super::impl_optimizer!(Sgd, ParamsSgd);
 
-    /// Unnamed variables are called `param0`, `param1`, ... in checkpoints.
-    fn new(vars: Vec<Var>, params: ParamsSgd) -> candle_core::Result<Self> {
-        Ok(Sgd::new_named(unnamed(vars), params)?)
-    }
-
-    fn learning_rate(&self) -> f64 {
-        self.params.lr
-    }
-
-    fn set_learning_rate(&mut self, lr: f64) {
-        self.params.lr = lr
-    }
-
-    fn step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
+impl Sgd {
+    fn apply_step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         self.steps += 1;
         for s in &mut self.slots {
             let Some(g) = s.target.grad(grads) else {
@@ -454,6 +440,7 @@ fn tensor_step(p: &ParamsSgd, var: &Var, g: &Tensor, buf: &mut Buffer) -> candle
 mod tests {
     use super::*;
     use candle_core::Device;
+    use candle_nn::Optimizer;
     use ddp::checkpoint::CheckpointMeta;
 
     fn vars(seed: f32, dtype: DType) -> Vec<(String, Var)> {

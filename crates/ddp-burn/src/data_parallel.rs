@@ -109,9 +109,8 @@ impl<M: Module> DistributedDataParallel<M> {
     }
 
     /// Copies the parameter values of rank `root` to every rank (a collective), one parameter
-    /// at a time: a copy of one parameter is alive beside the module, not of the model (the
-    /// 52 M-parameter ZeRO benchmark's peak at world 4 was set here: 443 MiB per rank, when a
-    /// stage-2 step needs 365).
+    /// at a time: a copy of one parameter is alive beside the module, not of the model (a whole-model copy
+    /// at start-up would set the peak memory of a ZeRO run).
     pub fn broadcast_parameters(&mut self, root: usize) -> Result<()> {
         for i in 0..self.param_count() {
             let mut values = self.params().read_one(self.module(), i)?;

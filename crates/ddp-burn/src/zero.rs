@@ -26,10 +26,8 @@
 //! from the backward to the step, moments). Burn 0.22's backward returns every gradient of a
 //! graph at once, so with a plain `loss.backward()` stage 2's peak holds them whole once
 //! (`8Ψ + 8Ψ/N`); [`ZeroDdp::forward_backward_blockwise`] runs the backward a block at a time
-//! (module [`blockwise`](crate::blockwise)) and keeps them at their shard (`4Ψ + 12Ψ/N`). Measured, 52
-//! M parameters (`ddp-bench train --framework burn`, see the README), peak RSS at world 2 / 4:
-//! DDP 842 / 843 MiB (1.06 of 16Ψ), stage 1 661 / 546 (1.11 / 1.10), stage 2 blockwise 570 / 436
-//! (1.15 / 1.26; plain 629 / 530).
+//! (module [`blockwise`](crate::blockwise)) and keeps them at their shard (`4Ψ + 12Ψ/N`).
+//! Measured peaks: the benchmarks chapter of the book (`docs/benchmarks.md`, ZeRO on Burn).
 //!
 //! Checkpoints are `ddp::sharding`'s: each rank writes its chunks (values and every tensor of
 //! the optimizer state, by Burn's `RecordState` names), rank 0 the index with the state's scalars

@@ -47,13 +47,10 @@ pub struct ZeroOptions {
     /// in place, as at stage 1), so that each carries the parameter all-gather and the next
     /// backward's gradients instead of being allocated, zeroed and filled again: faster, at
     /// the cost of up to `k` buckets (`bucket_cap_mb` each) held between steps, beyond stage
-    /// 2's 4Ψ + 12Ψ/N. Measured (world 2, shared memory, 2 vCPUs, medians of 7, before the
-    /// last bucket was kept whole until the step): the benchmark MLP (two buckets) with SGD
-    /// went from 0.78 to 0.93 of DDP's samples/s with `k = 1`; the 52 M-parameter model's live
-    /// peak from 1.15 to 1.22 of the formula. Default 0 (the formula): even then the last
+    /// 2's 4Ψ + 12Ψ/N. Default 0 (the formula): even then the last
     /// bucket, reduce-scattered at the end of the backward (after the peak), stays whole until
-    /// the step, whose all-gather it carries first (no peak memory; the MLP's stage 2 went from
-    /// 0.88 to 0.94 of DDP with SGD on shared memory, 0.99 to 1.04 on TCP).
+    /// the step, whose all-gather it carries first (no peak memory). Measured effect: the
+    /// benchmarks chapter of the book (`docs/benchmarks.md`).
     pub keep_whole_buckets: usize,
 }
 

@@ -193,9 +193,8 @@ pub fn broadcast_params<P: ParamAccess + ?Sized>(
 
 /// Group size of [`broadcast_params`]: 32 MiB. PyTorch flattens 250 MB buckets
 /// ([`crate::reducer::BROADCAST_BUCKET_BYTES`]) on the device; here each group is a host copy of the
-/// parameters on top of the model, which at 250 MiB was the whole 52 M-parameter ZeRO
-/// benchmark model twice over (its peak resident memory was set by construction: 601 MiB per
-/// rank against 613 for the whole stage-2 run). Broadcasting 32 MiB at a time costs a few more
+/// parameters on top of the model, which at 250 MiB would be a whole model twice over
+/// for the ZeRO benchmark (set the run's peak resident memory). Broadcasting 32 MiB at a time costs a few more
 /// messages, once, at start-up.
 pub const PARAM_BROADCAST_BYTES: usize = 32 * 1024 * 1024;
 

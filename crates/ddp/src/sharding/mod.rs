@@ -27,14 +27,12 @@
 //! On shared memory with cross-memory attach the all-gather into a bucket and the copy out of
 //! it into the parameters copy every received byte three times (into the segment, out of it,
 //! into the parameter); reading it from the owner's buffer straight into the parameter copies
-//! it once. Measured on the benchmark MLP (16 MB, world 2, SGD, trace medians): the gather
-//! phase of a step from 3.8 to 2.1 ms at stage 1 and 4.8 to 3.3 ms at stage 2.
+//! it once. (Gains measured: `docs/benchmarks.md`.)
 //!
 //! Stage 2's hook keeps only the owned chunk of each bucket (`ReduceScatterHook::shard_only`):
 //! the full bucket is freed on the communication thread once reduced, so with a backward that
-//! hands gradients over stage by stage only gradient shards outlive it. Measured on a 52 M
-//! parameter MLP with fp32 AdamW at world 2 (live memory, `bench/zero_memory.sh LEAN=1`, with
-//! `ddp_candle::ZeroDdp::with_optimizer`): stage 1 at 1.06 of its formula, stage 2 at 1.15.
+//! hands gradients over block by block only gradient shards outlive it. Measured against the
+//! formulas: `docs/benchmarks.md`.
 //! Stage 3 keeps no full parameters at all: the model is cut into units, each all-gathered just
 //! before its forward and again before its backward, then freed (module [`units`]; one unit is
 //! one bucket of a [`ShardLayout`], so checkpoints are shared by all stages). Checkpoints: module

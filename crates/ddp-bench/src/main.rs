@@ -102,7 +102,7 @@ pub struct TrainArgs {
     /// Use the blockwise backward (block by block, buckets overlapping earlier blocks' compute)
     /// instead of the plain one (loss.backward() then bucketed all-reduce). On candle's CPU
     /// backend the blockwise path's extra per-block backward passes cost more than the overlap
-    /// saves for this model (measured: 104 vs 82 ms/step at world 2), hence plain by default.
+    /// saves for this model (see the benchmarks chapter), hence plain by default.
     /// With `--zero 2` it is what keeps gradients at their shard (each block's gradients are
     /// reduce-scattered and freed before the next block's backward). `--staged` is its former
     /// name.

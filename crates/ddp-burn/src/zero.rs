@@ -34,7 +34,26 @@
 //! (Adam's step count); a set resumes at any world size and stage 1 or 2, and
 //! `ddp::sharding::consolidate` makes one plain checkpoint of it.
 //!
-//! ```ignore
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # use burn::module::Module;
+//! # use burn::nn::{loss::CrossEntropyLossConfig, Linear, LinearConfig};
+//! # use burn::optim::AdamWConfig;
+//! # use burn::tensor::{Int, Tensor};
+//! # use ddp::sharding::ZeroStage;
+//! # use ddp_burn::ZeroDdp;
+//! # #[derive(Module, Debug)]
+//! # struct Model { fc: Linear }
+//! # impl Model {
+//! #     fn forward_loss(&self, x: Tensor<2>, y: Tensor<1, Int>) -> Tensor<1> {
+//! #         CrossEntropyLossConfig::new().init(&x.device()).forward(self.fc.forward(x), y)
+//! #     }
+//! # }
+//! # let pg = ddp_comm::init_process_group(Default::default())?;
+//! # let device = burn::tensor::Device::flex().autodiff();
+//! # let model = Model { fc: LinearConfig::new(4, 3).init(&device) };
+//! # let batches: Vec<(Tensor<2>, Tensor<1, Int>)> = Vec::new();
+//! # let (dir, meta) = (std::path::Path::new("ckpt"), ddp::checkpoint::CheckpointMeta::default());
 //! let ddp = ddp_burn::Ddp::new(model, &pg, Default::default())?;
 //! let mut zero = ZeroDdp::new(ddp, ZeroStage::Two, AdamWConfig::new().build())?;
 //! for (x, y) in batches {
@@ -44,6 +63,8 @@
 //!     zero.step(1e-3)?;                // owner steps its chunks, all-gather
 //! }
 //! zero.save(dir, &meta)?;              // a shard per rank; resumes on any world size
+//! # Ok(())
+//! # }
 //! ```
 
 use crate::{DistributedDataParallel, Error, Result};

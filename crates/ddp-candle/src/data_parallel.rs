@@ -204,7 +204,17 @@ impl DistributedDataParallel {
     /// averaged over the ranks that had data ([`JoinStep::divisor`]); step the optimizer with
     /// them on every rank (joined ones included) and the replicas stay identical.
     ///
-    /// ```ignore
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use candle_core::{DType, Device, Module, Tensor};
+    /// # use ddp_candle::prelude::*;
+    /// # let pg = ddp_comm::init_process_group(Default::default())?;
+    /// # let varmap = candle_nn::VarMap::new();
+    /// # let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    /// # let model = ddp_candle::nn::linear(4, 3, vb.pp("fc"))?;
+    /// # let mut ddp = Ddp::new(&varmap, &pg, Default::default())?;
+    /// # let mut opt = Sgd::new_named(ddp.named_vars().to_vec(), ParamsSgd { lr: 0.1, ..Default::default() })?;
+    /// # let my_batches: Vec<(Tensor, Tensor)> = Vec::new();
     /// let mut join = ddp::Join::new(&pg);
     /// let mut batches = my_batches.into_iter(); // any number, different on every rank
     /// loop {
@@ -217,6 +227,8 @@ impl DistributedDataParallel {
     ///     let grads = ddp.backward_join(loss.as_ref(), &join, &step)?;
     ///     opt.step(&grads)?; // on every rank
     /// }
+    /// # Ok(())
+    /// # }
     /// ```
     pub fn backward_join(
         &mut self,
@@ -411,8 +423,20 @@ impl DistributedDataParallel {
     /// `r.checkpoint.load_optimizer(&mut opt)`. A mid-epoch position, hyper-parameters or an
     /// RNG state: [`save_checkpoint_with`](Self::save_checkpoint_with) with `plan.meta(&pos)`.
     ///
-    /// ```ignore
+    /// ```no_run
+    /// # fn main() -> Result<(), Box<dyn std::error::Error>> {
+    /// # use candle_core::{DType, Device, Module, Tensor};
+    /// # use ddp_candle::prelude::*;
+    /// # let pg = ddp_comm::init_process_group(Default::default())?;
+    /// # let varmap = candle_nn::VarMap::new();
+    /// # let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+    /// # let model = ddp_candle::nn::linear(4, 3, vb.pp("fc"))?;
+    /// # let mut ddp = Ddp::new(&varmap, &pg, Default::default())?;
+    /// # let mut opt = Sgd::new_named(ddp.named_vars().to_vec(), ParamsSgd { lr: 0.1, ..Default::default() })?;
+    /// # let (dir, epochs) = (std::path::PathBuf::from("ckpt"), 3);
     /// let saved = ddp.save_checkpoint(&dir, &opt, epochs)?; // every rank
+    /// # Ok(())
+    /// # }
     /// ```
     pub fn save_checkpoint<O>(&self, dir: &Path, opt: &O, epoch: u64) -> Result<Option<PathBuf>>
     where

@@ -16,7 +16,20 @@
 //! (4Ψ/N more). Stage 2 keeps only its gradient shard: with the blockwise backward
 //! ([`ZeroDdp::forward_backward_blockwise`]) the full gradients never exist at once.
 //!
-//! ```ignore
+//! ```no_run
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # use candle_core::{DType, Device, Tensor};
+//! # use ddp_candle::{ShardOptimizer, ZeroDdp};
+//! # use ddp::sharding::ZeroStage;
+//! # let pg = ddp_comm::init_process_group(Default::default())?;
+//! # let varmap = candle_nn::VarMap::new();
+//! # let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
+//! # let (fc1, fc2) = (ddp_candle::nn::linear(4, 8, vb.pp("fc1"))?, ddp_candle::nn::linear(8, 3, vb.pp("fc2"))?);
+//! # let blocks: [&dyn candle_core::Module; 2] = [&fc1, &fc2];
+//! # let batches: Vec<(Tensor, Tensor)> = Vec::new();
+//! # let loss = |o: &Tensor, y: &Tensor| candle_nn::loss::cross_entropy(o, y);
+//! # let params = candle_nn::ParamsAdamW::default();
+//! # let (dir, meta) = (std::path::Path::new("ckpt"), ddp::checkpoint::CheckpointMeta::default());
 //! let ddp = ddp_candle::Ddp::new(&varmap, &pg, Default::default())?;
 //! let mut zero = ZeroDdp::with_optimizer(ddp, ZeroStage::Two, ShardOptimizer::AdamW(params))?;
 //! for (x, y) in batches {
@@ -25,6 +38,8 @@
 //!     zero.step()?;                            // owner steps, all-gather
 //! }
 //! zero.save(dir, &meta)?;                      // a shard per rank; resumes on any world size
+//! # Ok(())
+//! # }
 //! ```
 
 use crate::optim::{AdamW, DynOptimizer, ParamsSgd, Sgd};

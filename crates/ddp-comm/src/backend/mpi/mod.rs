@@ -17,8 +17,8 @@
 //!   program's own); rank and world size come from MPI, no store is needed. Subgroups are
 //!   `MPI_Comm_split` of their parent ([`CollectiveBackend::split`]).
 //! - Collectives are MPI's blocking calls: the engine runs one collective at a time anyway, and
-//!   Open MPI's blocking collectives (its tuned component) are 2-3.5x faster on one host than
-//!   the non-blocking ones (libnbc). MPI has no timeouts, so each call is watched
+//!   Open MPI's blocking collectives (its tuned component) are faster on one host than the
+//!   non-blocking ones (libnbc; figures in the book's benchmarks chapter). MPI has no timeouts, so each call is watched
 //!   (`watchdog.rs`): a collective a peer never joins ends the job with [`Error::Timeout`]
 //!   naming it and its sequence number, then `MPI_Abort` (a pending MPI collective cannot be
 //!   cancelled). A peer that dies is reported by `mpirun` itself, which ends the job.
@@ -37,8 +37,8 @@
 //!   `MPI_Allgather` of the fingerprints ([`Error::Mismatch`], naming both sides). In blocking
 //!   mode the check completes before the collective is issued (a mismatched blocking call
 //!   could hang or corrupt memory); non-blocking, it overlaps the collective. It costs one
-//!   small all-reduce per collective (measured by `ddp-bench allreduce --backend mpi` against
-//!   raw `MPI_Allreduce`, README) and is turned off with `DDP_MPI_FINGERPRINTS=0`.
+//!   small all-reduce per collective (`ddp-bench allreduce --backend mpi` against raw
+//!   `MPI_Allreduce`: the book's benchmarks chapter) and is turned off with `DDP_MPI_FINGERPRINTS=0`.
 
 mod runtime;
 mod transport;

@@ -89,6 +89,17 @@ fn train_prints_a_json_line_with_every_key() {
     assert_eq!(last["world_size"], 1);
 }
 
+/// `ddp-bench train` at world 2 on a small model (hidden 32, 2 layers, batch 4, 2 steps after
+/// 1 warmup) with `extra` appended; its JSON lines.
+fn small_zero_train(extra: &[&str]) -> Vec<serde_json::Map<String, serde_json::Value>> {
+    let mut args = vec![
+        "train", "--nproc", "2", "--hidden", "32", "--layers", "2", "--batch", "4", "--steps", "2",
+        "--warmup", "1",
+    ];
+    args.extend_from_slice(extra);
+    json_lines(&args)
+}
+
 /// `--zero 0..3` with AdamW at world 2: every stage reports its peak RSS and bytes per step
 /// (stages 1 and 2 as much as DDP, stage 3 between 1x and 1.5x), stage 3 also its largest unit;
 /// every run checks that the ranks' parameters end identical.
@@ -96,27 +107,7 @@ fn train_prints_a_json_line_with_every_key() {
 fn train_with_zero_stages_reports_memory_and_bytes() {
     let mut bytes = Vec::new();
     for zero in ["0", "1", "2", "3"] {
-        let args = [
-            "train",
-            "--nproc",
-            "2",
-            "--hidden",
-            "32",
-            "--layers",
-            "2",
-            "--batch",
-            "4",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--optimizer",
-            "adamw",
-            "--zero",
-            zero,
-            "--json",
-        ];
-        let rows = json_lines(&args);
+        let rows = small_zero_train(&["--optimizer", "adamw", "--zero", zero, "--json"]);
         let last = rows.last().expect("a JSON line");
         assert_keys(last, &["peak_rss_bytes", "bytes_per_step", "params"]);
         assert_eq!(last["zero"].as_u64(), Some(zero.parse().unwrap()));
@@ -133,26 +124,7 @@ fn train_with_zero_stages_reports_memory_and_bytes() {
     );
     // Stage 3's backward prefetch moves when gathers start, not what is sent.
     for prefetch in ["post", "none"] {
-        let rows = json_lines(&[
-            "train",
-            "--nproc",
-            "2",
-            "--hidden",
-            "32",
-            "--layers",
-            "2",
-            "--batch",
-            "4",
-            "--steps",
-            "2",
-            "--warmup",
-            "1",
-            "--zero",
-            "3",
-            "--json",
-            "--backward-prefetch",
-            prefetch,
-        ]);
+        let rows = small_zero_train(&["--zero", "3", "--json", "--backward-prefetch", prefetch]);
         let last = rows.last().expect("a JSON line");
         assert_eq!(last["backward_prefetch"], prefetch);
         assert_eq!(last["bytes_per_step"].as_f64(), Some(bytes[3]));

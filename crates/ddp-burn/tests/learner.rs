@@ -3,13 +3,9 @@
 //! batch (no ddp-rs code). Every collective is bounded by the group timeout, so a hang shows up
 //! as an error.
 
-use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::{Dataset, InMemDataset};
-use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_train::{
-    ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
-};
+use burn_train::{Learner, SupervisedTraining};
 use ddp::DistributedSampler;
 use ddp_burn::{DdpLearningStrategy, ShardedDataset};
 use std::path::Path;
@@ -17,63 +13,9 @@ use std::sync::{Arc, Mutex};
 
 mod common;
 use common::*;
-
-type Batch = (Tensor<2>, Tensor<1, Int>);
-
-#[derive(Clone, Debug)]
-struct Item {
-    x: Vec<f32>,
-    y: i64,
-}
-
-struct ItemBatcher;
-
-impl Batcher<Item, Batch> for ItemBatcher {
-    fn batch(&self, items: Vec<Item>, device: &Device) -> Batch {
-        let n = items.len();
-        let x: Vec<f32> = items.iter().flat_map(|i| i.x.iter().copied()).collect();
-        let y: Vec<i64> = items.iter().map(|i| i.y).collect();
-        (
-            Tensor::from_data(TensorData::new(x, [n, IN]), device),
-            Tensor::from_data(TensorData::new(y, [n]), device),
-        )
-    }
-}
-
-impl TrainStep for Mlp {
-    type Input = Batch;
-    type Output = ClassificationOutput;
-    fn step(&self, (x, y): Batch) -> TrainOutput<ClassificationOutput> {
-        let out = InferenceStep::step(self, (x, y));
-        TrainOutput::new(self, out.loss.backward(), out)
-    }
-}
-
-impl InferenceStep for Mlp {
-    type Input = Batch;
-    type Output = ClassificationOutput;
-    fn step(&self, (x, y): Batch) -> ClassificationOutput {
-        let output = self.forward(x);
-        let loss = burn::nn::loss::CrossEntropyLossConfig::new()
-            .init(&output.device())
-            .forward(output.clone(), y.clone());
-        ClassificationOutput {
-            loss,
-            output,
-            targets: y,
-        }
-    }
-}
-
-fn items(n: usize) -> Vec<Item> {
-    let (x, y) = dataset(n);
-    (0..n)
-        .map(|i| Item {
-            x: x[i * IN..(i + 1) * IN].to_vec(),
-            y: y[i],
-        })
-        .collect()
-}
+#[path = "common/items.rs"]
+mod items;
+use items::*;
 
 /// Burn's loop as a user writes it (constant LR, SGD with momentum, no application logger);
 /// `strategy` is `None` for Burn's single-device default.

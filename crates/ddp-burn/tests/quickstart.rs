@@ -3,17 +3,18 @@
 //! bit through `resume_or_start` + `load_records`; `ShardedDataset::new(data, &pg)` with sampler
 //! options; `DdpLearningStrategy::supervised` / `launch` (per-rank directory, errors as `Err`).
 
-use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::{Dataset, InMemDataset};
-use burn::tensor::{Device, Int, Tensor, TensorData};
-use burn_train::{ClassificationOutput, InferenceStep, Learner, TrainOutput, TrainStep};
+use burn_train::Learner;
 use ddp_burn::prelude::*;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 mod common;
-use common::{dataset, device, model, optimizer, Mlp, Opt, HID, IN, LR};
+#[path = "common/items.rs"]
+mod items;
+use common::{dataset, device, model, optimizer, Mlp, Opt, HID, LR};
+use items::{items, Item, ItemBatcher};
 
 const B: usize = 4;
 const STEPS: usize = 3;
@@ -179,63 +180,6 @@ fn sharded_dataset_in_one_call_with_sampler_options() {
         (0..10).collect::<Vec<_>>(),
         "shards disjoint and complete"
     );
-}
-
-type Batch = (Tensor<2>, Tensor<1, Int>);
-
-#[derive(Clone, Debug)]
-struct Item {
-    x: Vec<f32>,
-    y: i64,
-}
-
-struct ItemBatcher;
-
-impl Batcher<Item, Batch> for ItemBatcher {
-    fn batch(&self, items: Vec<Item>, device: &Device) -> Batch {
-        let n = items.len();
-        let x: Vec<f32> = items.iter().flat_map(|i| i.x.iter().copied()).collect();
-        let y: Vec<i64> = items.iter().map(|i| i.y).collect();
-        (
-            Tensor::from_data(TensorData::new(x, [n, IN]), device),
-            Tensor::from_data(TensorData::new(y, [n]), device),
-        )
-    }
-}
-
-impl TrainStep for Mlp {
-    type Input = Batch;
-    type Output = ClassificationOutput;
-    fn step(&self, (x, y): Batch) -> TrainOutput<ClassificationOutput> {
-        let out = InferenceStep::step(self, (x, y));
-        TrainOutput::new(self, out.loss.backward(), out)
-    }
-}
-
-impl InferenceStep for Mlp {
-    type Input = Batch;
-    type Output = ClassificationOutput;
-    fn step(&self, (x, y): Batch) -> ClassificationOutput {
-        let output = self.forward(x);
-        let loss = burn::nn::loss::CrossEntropyLossConfig::new()
-            .init(&output.device())
-            .forward(output.clone(), y.clone());
-        ClassificationOutput {
-            loss,
-            output,
-            targets: y,
-        }
-    }
-}
-
-fn items(n: usize) -> Vec<Item> {
-    let (x, y) = dataset(n);
-    (0..n)
-        .map(|i| Item {
-            x: x[i * IN..(i + 1) * IN].to_vec(),
-            y: y[i],
-        })
-        .collect()
 }
 
 /// `supervised` gives rank 0 `base` and rank 1 `base/rank1` (created for Burn's logs), and

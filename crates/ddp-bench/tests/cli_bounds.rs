@@ -11,23 +11,40 @@ use std::time::Duration;
 
 const BIN: &str = env!("CARGO_BIN_EXE_ddp-bench");
 
-#[test]
-fn sweep_flags_at_their_bounds() {
-    let bin = Binary {
+/// The smallest sweep: one rank, one 4-byte message, one iteration, no warmup.
+const SWEEP_BASE: &[(&str, &str)] = &[
+    ("--nproc", "1"),
+    ("--min-bytes", "4"),
+    ("--max-bytes", "4"),
+    ("--iters", "1"),
+    ("--warmup", "0"),
+];
+
+/// The smallest training run: one rank, hidden 8, one layer, batch 2, one step, no warmup.
+const TRAIN_BASE: &[(&str, &str)] = &[
+    ("--nproc", "1"),
+    ("--hidden", "8"),
+    ("--layers", "1"),
+    ("--batch", "2"),
+    ("--steps", "1"),
+    ("--warmup", "0"),
+];
+
+/// `ddp-bench LEAD BASE`, each run at most 60 s, no trailing arguments or environment.
+fn bench<'a>(lead: &'a [&'a str], base: &'a [(&'a str, &'a str)]) -> Binary<'a> {
+    Binary {
         path: BIN,
-        lead: &["allreduce"],
-        base: &[
-            ("--nproc", "1"),
-            ("--min-bytes", "4"),
-            ("--max-bytes", "4"),
-            ("--iters", "1"),
-            ("--warmup", "0"),
-        ],
+        lead,
+        base,
         trail: &[],
         env: &[],
         limit: Duration::from_secs(60),
-    };
-    let all = bin.check_all(&[
+    }
+}
+
+#[test]
+fn sweep_flags_at_their_bounds() {
+    let all = bench(&["allreduce"], SWEEP_BASE).check_all(&[
         ("--nproc", U64_MAX),
         ("--min-bytes", U64_MAX),
         ("--max-bytes", U64_MAX),
@@ -132,22 +149,7 @@ fn sweeps_of_no_bytes_are_refused_and_every_accepted_one_prints_rows() {
 
 #[test]
 fn train_flags_at_their_bounds() {
-    let bin = Binary {
-        path: BIN,
-        lead: &["train"],
-        base: &[
-            ("--nproc", "1"),
-            ("--hidden", "8"),
-            ("--layers", "1"),
-            ("--batch", "2"),
-            ("--steps", "1"),
-            ("--warmup", "0"),
-        ],
-        trail: &[],
-        env: &[],
-        limit: Duration::from_secs(60),
-    };
-    let all = bin.check_all(&[
+    let all = bench(&["train"], TRAIN_BASE).check_all(&[
         ("--nproc", U64_MAX),
         ("--hidden", U64_MAX),
         ("--layers", U64_MAX),
@@ -180,20 +182,13 @@ fn every_numeric_flag_in_help_refuses_values_outside_its_bounds() {
         ("--iters", &["0", "1.5", "1000001"]),
         ("--warmup", &["1.5", "1000001"]),
     ];
-    let sweep_base: &[(&str, &str)] = &[
-        ("--nproc", "1"),
-        ("--min-bytes", "4"),
-        ("--max-bytes", "4"),
-        ("--iters", "1"),
-        ("--warmup", "0"),
-    ];
     let subcommands = flag_table::subcommands(BIN);
     let mut covered = Vec::new();
     for op in ["allreduce", "all_gather", "reduce_scatter", "broadcast"] {
         Table {
             bin: BIN,
             lead: &[op],
-            base: sweep_base,
+            base: SWEEP_BASE,
             numeric: sweep,
             not_numeric: &["--backend"],
         }
@@ -203,14 +198,7 @@ fn every_numeric_flag_in_help_refuses_values_outside_its_bounds() {
     Table {
         bin: BIN,
         lead: &["train"],
-        base: &[
-            ("--nproc", "1"),
-            ("--hidden", "8"),
-            ("--layers", "1"),
-            ("--batch", "2"),
-            ("--steps", "1"),
-            ("--warmup", "0"),
-        ],
+        base: TRAIN_BASE,
         numeric: &[
             ("--nproc", &["0", "1.5", "100000"]),
             ("--hidden", &["0", "65537"]),

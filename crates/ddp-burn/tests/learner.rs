@@ -218,18 +218,6 @@ fn a_mismatched_model_is_refused_on_every_rank() {
     }
 }
 
-/// A `Dataset` behind an `Arc` (the epoch hook keeps a handle to the shard).
-struct ArcDataset<D>(Arc<D>);
-
-impl<D: Dataset<Item>> Dataset<Item> for ArcDataset<D> {
-    fn get(&self, index: usize) -> Result<Item, burn::data::dataset::DatasetError> {
-        self.0.get(index)
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
-}
-
 /// `ChecksummedCheckpointer` (Burn's `Checkpointer` on ddp's checksummed format): a record saved
 /// restores bit for bit, with the metadata given to `with_meta`; one flipped bit anywhere in the
 /// file's record data is refused by `verify` and `restore`, naming the file; `delete` removes

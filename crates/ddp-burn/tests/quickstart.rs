@@ -14,7 +14,7 @@ mod common;
 #[path = "common/items.rs"]
 mod items;
 use common::{dataset, device, model, optimizer, Mlp, Opt, HID, LR};
-use items::{items, Item, ItemBatcher};
+use items::{items, ArcDataset, ItemBatcher};
 
 const B: usize = 4;
 const STEPS: usize = 3;
@@ -220,16 +220,4 @@ fn strategy_sets_up_per_rank_directories_and_launch_surfaces_errors() {
     }
     assert!(base.join("good").is_dir() && base.join("good/rank1").is_dir());
     assert!(!base.join("good/rank0").exists(), "rank 0 uses base itself");
-}
-
-/// A `Dataset` behind an `Arc` (the loader takes ownership; the epoch hook would keep another).
-struct ArcDataset<D>(Arc<D>);
-
-impl<D: Dataset<Item>> Dataset<Item> for ArcDataset<D> {
-    fn get(&self, index: usize) -> Result<Item, burn::data::dataset::DatasetError> {
-        self.0.get(index)
-    }
-    fn len(&self) -> usize {
-        self.0.len()
-    }
 }

@@ -4,8 +4,10 @@
 
 use crate::common::{dataset, Mlp, IN};
 use burn::data::dataloader::batcher::Batcher;
+use burn::data::dataset::Dataset;
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use burn_train::{ClassificationOutput, InferenceStep, TrainOutput, TrainStep};
+use std::sync::Arc;
 
 pub type Batch = (Tensor<2>, Tensor<1, Int>);
 
@@ -62,4 +64,17 @@ pub fn items(n: usize) -> Vec<Item> {
             y: y[i],
         })
         .collect()
+}
+
+/// A `Dataset` behind an `Arc` (the loader takes ownership; the epoch hook keeps another handle
+/// to the shard).
+pub struct ArcDataset<D>(pub Arc<D>);
+
+impl<D: Dataset<Item>> Dataset<Item> for ArcDataset<D> {
+    fn get(&self, index: usize) -> Result<Item, burn::data::dataset::DatasetError> {
+        self.0.get(index)
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
 }

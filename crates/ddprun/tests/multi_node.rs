@@ -122,45 +122,37 @@ fn final_failure_on_one_node_stops_every_node() {
     assert!(r0.elapsed < Duration::from_secs(25), "{r0}");
 }
 
-#[test]
-fn node_that_never_arrives_is_named() {
-    let port = free_port();
+/// Node `node_rank` of `nnodes` alone on `port` with a 1.5 s rendezvous timeout: it fails (exit
+/// code 1) within 10 s without running its workers, and its stderr contains `error`.
+fn lone_node_fails_with(port: u16, nnodes: usize, node_rank: usize, error: &str) {
     let r = node(
         port,
-        3,
-        0,
+        nnodes,
+        node_rank,
         &["--rdzv-timeout", "1.5"],
         "echo SHOULD-NOT-RUN",
     )
     .finish(LIMIT);
     assert_eq!(r.code(), Some(1), "{r}");
     assert!(!r.stdout.contains("SHOULD-NOT-RUN"), "{r}");
-    assert!(
-        r.stderr.contains("nodes 1, 2 of --nnodes 3 never arrived"),
-        "{r}"
-    );
+    assert!(r.stderr.contains(error), "{r}");
     assert!(r.elapsed < Duration::from_secs(10), "{r}");
+}
+
+#[test]
+fn node_that_never_arrives_is_named() {
+    lone_node_fails_with(free_port(), 3, 0, "nodes 1, 2 of --nnodes 3 never arrived");
 }
 
 #[test]
 fn unreachable_master_is_a_clear_error() {
     let port = free_port();
-    let r = node(
+    lone_node_fails_with(
         port,
         2,
         1,
-        &["--rdzv-timeout", "1.5"],
-        "echo SHOULD-NOT-RUN",
-    )
-    .finish(LIMIT);
-    assert_eq!(r.code(), Some(1), "{r}");
-    assert!(
-        r.stderr.contains(&format!(
-            "cannot reach the rendezvous store at 127.0.0.1:{port}"
-        )),
-        "{r}"
+        &format!("cannot reach the rendezvous store at 127.0.0.1:{port}"),
     );
-    assert!(r.elapsed < Duration::from_secs(10), "{r}");
 }
 
 #[test]

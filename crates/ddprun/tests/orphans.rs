@@ -5,7 +5,6 @@
 mod common;
 
 use common::*;
-use std::path::Path;
 use std::time::Duration;
 
 /// SIGKILLs whatever of `pids` is still there (cleanup after a failed assertion).
@@ -20,28 +19,14 @@ impl Drop for KillOnDrop {
     }
 }
 
-fn pid_files(dir: &Path, names: &[&str]) -> Vec<std::path::PathBuf> {
-    names.iter().map(|n| dir.join(n)).collect()
-}
-
 /// A worker that started `sleep` in the background (same process group): `kill -9 ddprun` kills
 /// the workers (parent-death signal) and the guard kills their groups, `sleep` included.
 #[test]
 fn children_of_workers_die_with_a_sigkilled_launcher() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display().to_string();
-    let script = format!("sleep 1000 & echo $! > {d}/child$RANK; echo $$ > {d}/pid$RANK; wait");
-    let running = Running::start(ddprun(&[
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "0",
-        "sh",
-        "-c",
-        &script,
-    ]));
-    let files = pid_files(dir.path(), &["pid0", "pid1", "child0", "child1"]);
-    let pids = wait_for_pids(&files, Duration::from_secs(20));
+    let (_dir, running, pids) = start_sh_with_pid_files(
+        |d| format!("sleep 1000 & echo $! > {d}/child$RANK; echo $$ > {d}/pid$RANK; wait"),
+        &["pid0", "pid1", "child0", "child1"],
+    );
     let _cleanup = KillOnDrop(pids.clone());
     // SAFETY: killing the launcher we started.
     unsafe { libc::kill(running.pid(), libc::SIGKILL) };
@@ -55,21 +40,9 @@ fn children_of_workers_die_with_a_sigkilled_launcher() {
 /// when the attempt ends: it was reparented to the launcher, a child subreaper.
 #[test]
 fn processes_that_leave_the_worker_group_are_killed_at_the_end() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display().to_string();
-    let script = format!("setsid sleep 1000 & echo $! > {d}/daemon$RANK; sleep 0.3");
-    let running = Running::start(ddprun(&[
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "0",
-        "sh",
-        "-c",
-        &script,
-    ]));
-    let pids = wait_for_pids(
-        &pid_files(dir.path(), &["daemon0", "daemon1"]),
-        Duration::from_secs(20),
+    let (_dir, running, pids) = start_sh_with_pid_files(
+        |d| format!("setsid sleep 1000 & echo $! > {d}/daemon$RANK; sleep 0.3"),
+        &["daemon0", "daemon1"],
     );
     let _cleanup = KillOnDrop(pids.clone());
     let r = running.finish(Duration::from_secs(30));

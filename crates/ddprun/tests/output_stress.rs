@@ -75,15 +75,7 @@ fn start_raw(
     std::thread::JoinHandle<()>,
 ) {
     use std::io::Read;
-    let mut cmd = ddprun(&[
-        "--nproc-per-node",
-        "1",
-        "--master-port",
-        "0",
-        "sh",
-        "-c",
-        script,
-    ]);
+    let mut cmd = sh_command(1, &[], script);
     cmd.stderr(std::process::Stdio::null());
     let mut child = cmd.spawn().unwrap();
     let mut out = child.stdout.take().unwrap();
@@ -163,15 +155,7 @@ fn a_huge_line_without_newline_keeps_the_launcher_small() {
         "head -c {LINE} /dev/zero | tr '\\0' x; while [ ! -e '{}' ]; do sleep 0.05; done",
         go.display()
     );
-    let mut cmd = ddprun(&[
-        "--nproc-per-node",
-        "1",
-        "--master-port",
-        "0",
-        "sh",
-        "-c",
-        &script,
-    ]);
+    let mut cmd = sh_command(1, &[], &script);
     cmd.stderr(std::process::Stdio::null());
     let mut child = cmd.spawn().unwrap();
     let mut out = child.stdout.take().unwrap();

@@ -310,28 +310,17 @@ fn redirects_tee_and_rank_filter() {
 #[test]
 fn signals_to_the_launcher_are_forwarded_without_orphans() {
     for (sig, name) in [(libc::SIGTERM, "TERM"), (libc::SIGINT, "INT")] {
-        let dir = tempfile::tempdir().unwrap();
-        let d = dir.path().display().to_string();
         // Each worker starts a background child (same process group), records both pids, and
         // reports the signal it gets.
-        let script = format!(
-            "trap 'echo got {name}; exit 0' {name}; sleep 300 & echo $! > {d}/child$RANK; \
-             echo $$ > {d}/pid$RANK; wait"
+        let (_dir, running, pids) = start_sh_with_pid_files(
+            |d| {
+                format!(
+                    "trap 'echo got {name}; exit 0' {name}; sleep 300 & echo $! > {d}/child$RANK; \
+                     echo $$ > {d}/pid$RANK; wait"
+                )
+            },
+            &["pid0", "pid1", "child0", "child1"],
         );
-        let running = Running::start(ddprun(&[
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "0",
-            "sh",
-            "-c",
-            &script,
-        ]));
-        let files: Vec<_> = ["pid0", "pid1", "child0", "child1"]
-            .iter()
-            .map(|f| dir.path().join(f))
-            .collect();
-        let pids = wait_for_pids(&files, Duration::from_secs(20));
         // SAFETY: signalling the launcher we started.
         unsafe { libc::kill(running.pid(), sig) };
         let r = running.finish(Duration::from_secs(20));
@@ -419,21 +408,9 @@ fn bad_program_and_bad_flags() {
 /// get SIGKILL from the kernel when their parent dies.
 #[test]
 fn workers_die_with_a_killed_launcher() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path().display().to_string();
-    let script = format!("echo $$ > {d}/pid$RANK; exec sleep 60");
-    let running = Running::start(ddprun(&[
-        "--nproc-per-node",
-        "2",
-        "--master-port",
-        "0",
-        "sh",
-        "-c",
-        &script,
-    ]));
-    let pids = wait_for_pids(
-        &[dir.path().join("pid0"), dir.path().join("pid1")],
-        Duration::from_secs(20),
+    let (_dir, running, pids) = start_sh_with_pid_files(
+        |d| format!("echo $$ > {d}/pid$RANK; exec sleep 60"),
+        &["pid0", "pid1"],
     );
     // SAFETY: killing the launcher we started.
     unsafe { libc::kill(running.pid(), libc::SIGKILL) };

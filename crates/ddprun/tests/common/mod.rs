@@ -203,13 +203,37 @@ pub fn run(args: &[&str], limit: Duration) -> Run {
     Running::start(ddprun(args)).finish(limit)
 }
 
-/// `ddprun --nproc-per-node NPROC --master-port 0 FLAGS sh -c SCRIPT`, finished within `limit`.
-pub fn run_sh(nproc: usize, flags: &[&str], script: &str, limit: Duration) -> Run {
+/// `ddprun --nproc-per-node NPROC --master-port 0 FLAGS sh -c SCRIPT`, not started.
+pub fn sh_command(nproc: usize, flags: &[&str], script: &str) -> Command {
     let nproc = nproc.to_string();
     let mut args = vec!["--nproc-per-node", &nproc, "--master-port", "0"];
     args.extend_from_slice(flags);
     args.extend_from_slice(&["sh", "-c", script]);
-    run(&args, limit)
+    ddprun(&args)
+}
+
+/// `ddprun --nproc-per-node NPROC --master-port 0 FLAGS sh -c SCRIPT`, started.
+pub fn start_sh(nproc: usize, flags: &[&str], script: &str) -> Running {
+    Running::start(sh_command(nproc, flags, script))
+}
+
+/// `ddprun --nproc-per-node 2 --master-port 0 sh -c SCRIPT`, started with `script(d)` for a fresh
+/// temporary directory `d`, once the workers wrote the pid files `names` there (20 s at most):
+/// the directory (kept alive), the launcher, and the pids in the order of `names`.
+pub fn start_sh_with_pid_files(
+    script: impl FnOnce(&str) -> String,
+    names: &[&str],
+) -> (tempfile::TempDir, Running, Vec<i32>) {
+    let dir = tempfile::tempdir().unwrap();
+    let running = start_sh(2, &[], &script(&dir.path().display().to_string()));
+    let files: Vec<_> = names.iter().map(|n| dir.path().join(n)).collect();
+    let pids = wait_for_pids(&files, Duration::from_secs(20));
+    (dir, running, pids)
+}
+
+/// `ddprun --nproc-per-node NPROC --master-port 0 FLAGS sh -c SCRIPT`, finished within `limit`.
+pub fn run_sh(nproc: usize, flags: &[&str], script: &str, limit: Duration) -> Run {
+    start_sh(nproc, flags, script).finish(limit)
 }
 
 /// A TCP port that was free a moment ago.

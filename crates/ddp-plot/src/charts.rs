@@ -204,6 +204,18 @@ fn line_mark(c: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
     move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
 }
 
+/// The axes of [`loss_accuracy`].
+const LOSS_ACCURACY: TwoAxisSpec = TwoAxisSpec {
+    title: "Training loss and held-out accuracy",
+    left_width: 70,
+    left: "training loss (cross-entropy, rank 0)",
+    right: "held-out accuracy (fraction correct)",
+    left_value: |q| q.loss,
+    right_value: |q| q.accuracy,
+    left_fit: ((0.0, 1e-3), 0.1),
+    right_fit: ((0.0, 1.0), 0.0),
+};
+
 /// Training loss (left axis) and held-out accuracy (right axis) versus step.
 pub fn loss_accuracy<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
@@ -212,20 +224,7 @@ pub fn loss_accuracy<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let (mut chart, ax) = two_axis_chart(
-        root,
-        runs,
-        &TwoAxisSpec {
-            title: "Training loss and held-out accuracy",
-            left_width: 70,
-            left: "training loss (cross-entropy, rank 0)",
-            right: "held-out accuracy (fraction correct)",
-            left_value: |q| q.loss,
-            right_value: |q| q.accuracy,
-            left_fit: ((0.0, 1e-3), 0.1),
-            right_fit: ((0.0, 1.0), 0.0),
-        },
-    )?;
+    let (mut chart, ax) = two_axis_chart(root, runs, &LOSS_ACCURACY)?;
     let (x, left, right) = (&ax.x, &ax.left, &ax.right);
     for (i, (run, (loss, acc))) in runs.iter().zip(&ax.series).enumerate() {
         let p = prefix(runs.len(), &run.label);
@@ -251,6 +250,18 @@ where
     legend(&mut chart, SeriesLabelPosition::MiddleRight)
 }
 
+/// The axes of [`throughput`].
+const THROUGHPUT: TwoAxisSpec = TwoAxisSpec {
+    title: "Throughput and communication wait",
+    left_width: 80,
+    left: "throughput (samples/s, all ranks)",
+    right: "communication wait (ms/step, rank 0)",
+    left_value: |q| q.samples_per_s,
+    right_value: |q| q.comm_wait_ms,
+    left_fit: ((0.0, 1.0), 0.15),
+    right_fit: ((0.0, 0.01), 0.15),
+};
+
 /// Throughput (left axis) and rank 0's communication wait (right axis) versus step.
 pub fn throughput<DB: DrawingBackend>(
     root: &DrawingArea<DB, Shift>,
@@ -259,20 +270,7 @@ pub fn throughput<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let (mut chart, ax) = two_axis_chart(
-        root,
-        runs,
-        &TwoAxisSpec {
-            title: "Throughput and communication wait",
-            left_width: 80,
-            left: "throughput (samples/s, all ranks)",
-            right: "communication wait (ms/step, rank 0)",
-            left_value: |q| q.samples_per_s,
-            right_value: |q| q.comm_wait_ms,
-            left_fit: ((0.0, 1.0), 0.15),
-            right_fit: ((0.0, 0.01), 0.15),
-        },
-    )?;
+    let (mut chart, ax) = two_axis_chart(root, runs, &THROUGHPUT)?;
     let (x, left, right) = (&ax.x, &ax.left, &ax.right);
     for (i, (run, (sps, wait))) in runs.iter().zip(&ax.series).enumerate() {
         let p = prefix(runs.len(), &run.label);

@@ -167,22 +167,17 @@ fn restart_after_failure_on_first_attempt() {
                     echo \"rank $RANK fails on attempt 0\" >&2; exit 1; fi; \
                   echo \"rank $RANK ok on attempt $TORCHELASTIC_RESTART_COUNT\"";
     let log_dir = logs.path().display().to_string();
-    let r = run(
+    let r = run_sh(
+        2,
         &[
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            "0",
             "--max-restarts",
             "1",
             "--log-dir",
             &log_dir,
             "--run-id",
             "rs",
-            "sh",
-            "-c",
-            script,
         ],
+        script,
         LIMIT,
     );
     assert_eq!(r.code(), Some(0), "{r}");

@@ -115,18 +115,6 @@ impl AdamW {
     pub fn step_count(&self) -> usize {
         self.step_t
     }
-
-    /// Adds the state (both moments of every parameter, the step count and the
-    /// hyper-parameters) to `ckpt`; the same as `ckpt.save_optimizer(self)`.
-    pub fn save_state(&self, ckpt: &mut Checkpoint) -> Result<()> {
-        ckpt.save_optimizer(self)
-    }
-
-    /// Restores the state saved by [`save_state`](Self::save_state) (errors name a missing or
-    /// mis-shaped tensor); the same as `ckpt.load_optimizer(self)`.
-    pub fn load_state(&mut self, ckpt: &Checkpoint) -> Result<()> {
-        ckpt.load_optimizer(self)
-    }
 }
 
 /// States `exp_avg` and `exp_avg_sq` per parameter (PyTorch's names), the step count, and the

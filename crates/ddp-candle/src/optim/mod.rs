@@ -92,6 +92,21 @@ macro_rules! impl_optimizer {
                 self.apply_step(grads)
             }
         }
+
+        impl $ty {
+            /// Adds the state (what its `OptimizerState` impl lists) to `ckpt`; the same as
+            /// `ckpt.save_optimizer(self)`.
+            pub fn save_state(&self, ckpt: &mut ddp::checkpoint::Checkpoint) -> crate::Result<()> {
+                ckpt.save_optimizer(self)
+            }
+
+            /// Restores the state saved by [`save_state`](Self::save_state) (errors name a
+            /// missing or mis-shaped tensor; a parameter without a saved SGD momentum buffer
+            /// starts fresh, as in PyTorch); the same as `ckpt.load_optimizer(self)`.
+            pub fn load_state(&mut self, ckpt: &ddp::checkpoint::Checkpoint) -> crate::Result<()> {
+                ckpt.load_optimizer(self)
+            }
+        }
     };
 }
 use impl_optimizer;

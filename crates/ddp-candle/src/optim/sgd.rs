@@ -176,19 +176,6 @@ impl Sgd {
     pub fn step_count(&self) -> u64 {
         self.steps
     }
-
-    /// Adds the state (the momentum buffers created so far, the step count and the
-    /// hyper-parameters) to `ckpt`; the same as `ckpt.save_optimizer(self)`.
-    pub fn save_state(&self, ckpt: &mut Checkpoint) -> Result<()> {
-        ckpt.save_optimizer(self)
-    }
-
-    /// Restores the state saved by [`save_state`](Self::save_state); the same as
-    /// `ckpt.load_optimizer(self)`. A parameter without a saved buffer starts fresh, as in
-    /// PyTorch; a mis-shaped one is an error naming it.
-    pub fn load_state(&mut self, ckpt: &Checkpoint) -> Result<()> {
-        ckpt.load_optimizer(self)
-    }
 }
 
 /// State `momentum_buffer` per parameter (PyTorch's name), the step count, and the

@@ -124,8 +124,8 @@ impl<M: Module> DistributedDataParallel<M> {
                     )))
                 }
             }
-            self.params().stage_owned(i, values)?;
-            self.apply_staged()?;
+            self.params().set_pending(i, values)?;
+            self.apply_pending()?;
         }
         Ok(())
     }
@@ -312,8 +312,8 @@ impl<M: Module> DistributedDataParallel<M> {
         Ok(stats)
     }
 
-    /// Stages new values of parameter `index` for [`apply_staged`](Self::apply_staged).
-    pub(crate) fn stage_param(&self, index: usize, values: &[f32]) -> Result<()> {
+    /// Holds new values of parameter `index` for [`apply_pending`](Self::apply_pending).
+    pub(crate) fn set_pending_param(&self, index: usize, values: &[f32]) -> Result<()> {
         self.params()
             .write_param(index, ddp::reducer::HostSlice::of(values))
     }
@@ -323,8 +323,8 @@ impl<M: Module> DistributedDataParallel<M> {
         self.update(|m| Ok(m), |params, m| params.apply_windows(m, buffers))
     }
 
-    /// Writes the staged parameter values into the module.
-    pub(crate) fn apply_staged(&mut self) -> Result<()> {
+    /// Writes the pending parameter values into the module.
+    pub(crate) fn apply_pending(&mut self) -> Result<()> {
         self.update(|m| Ok(m), |params, m| params.apply(m))
     }
 
@@ -356,7 +356,7 @@ impl<M: Module> DistributedDataParallel<M> {
     pub fn param_values_f64(&self) -> Result<Vec<Vec<f64>>> {
         self.params().capture(self.module())?;
         self.params()
-            .take_staged()
+            .take_pending()
             .into_iter()
             .map(|v| match v {
                 Some(HostBuffer::F32(v)) => Ok(v.iter().map(|&x| x as f64).collect()),
@@ -372,9 +372,9 @@ impl<M: Module> DistributedDataParallel<M> {
     /// Checks across ranks that every replica holds bit-identical parameters (a collective).
     pub fn verify_replicas(&self) -> Result<ReplicaReport> {
         self.params().capture(self.module())?;
-        let staged = self.params().take_staged();
+        let pending = self.params().take_pending();
         // In the parameters' own dtype (no f64 copy of an f32 model) when they share one.
-        let f32s: Option<Vec<&[f32]>> = staged
+        let f32s: Option<Vec<&[f32]>> = pending
             .iter()
             .map(|b| match b {
                 Some(HostBuffer::F32(v)) => Some(v.as_slice()),
@@ -384,7 +384,7 @@ impl<M: Module> DistributedDataParallel<M> {
         if let Some(slices) = f32s {
             return Ok(ddp::verify::verify_replicas(self.process_group(), &slices)?);
         }
-        drop(staged);
+        drop(pending);
         let values = self.param_values_f64()?;
         let slices: Vec<&[f64]> = values.iter().map(Vec::as_slice).collect();
         Ok(ddp::verify::verify_replicas(self.process_group(), &slices)?)

@@ -34,14 +34,14 @@ struct Entry {
 }
 
 /// The trainable float parameters of a Burn module in structural order (see the module doc),
-/// plus a staging area for values read from and written to the module (start-up broadcast,
+/// plus a pending area for values read from and written to the module (start-up broadcast,
 /// replica checks).
 #[derive(Debug)]
 pub struct BurnParams {
     entries: Vec<Entry>,
     /// Values of the parameters as last read by [`BurnParams::capture`], or as written by
     /// `write_param`; [`BurnParams::apply`] writes them into a module.
-    staged: RefCell<Vec<Option<HostBuffer>>>,
+    pending: RefCell<Vec<Option<HostBuffer>>>,
     /// Gradients taken out of a `GradientsParams` by [`BurnParams::take_grads`] for one
     /// synchronized hand-over to the reducer (owned, so burn-flex gives their data without a
     /// copy); `with_grad` reads them first.
@@ -210,7 +210,7 @@ impl ModuleVisitor for Ranges<'_> {
 /// element)])` (see [`BurnParams::apply_windows`]).
 pub(crate) type Windows = Vec<(Vec<f32>, Vec<(usize, usize)>)>;
 
-/// Writes staged values into the trainable parameters, in walk order.
+/// Writes pending values into the trainable parameters, in walk order.
 struct Apply<'a> {
     entries: &'a [Entry],
     values: Vec<Option<HostBuffer>>,
@@ -268,11 +268,11 @@ impl BurnParams {
             }
             comm_dtype(&e.path, e.dtype)?;
         }
-        let staged = RefCell::new(vec![None; entries.len()]);
+        let pending = RefCell::new(vec![None; entries.len()]);
         let taken = RefCell::new(vec![None; entries.len()]);
         Ok(BurnParams {
             entries,
-            staged,
+            pending,
             taken,
         })
     }
@@ -388,9 +388,9 @@ impl BurnParams {
         Ok(norm)
     }
 
-    /// Stages `values` for parameter `index` (taken over: [`apply`](Self::apply) moves them
+    /// Holds `values` pending for parameter `index` (taken over: [`apply`](Self::apply) moves them
     /// into the tensor), checking their length and dtype now.
-    pub(crate) fn stage_owned(&self, index: usize, values: HostBuffer) -> Result<()> {
+    pub(crate) fn set_pending(&self, index: usize, values: HostBuffer) -> Result<()> {
         let e = &self.entries[index];
         let n: usize = e.shape.iter().product();
         let fits = matches!(
@@ -407,7 +407,7 @@ impl BurnParams {
                 e.dtype
             )));
         }
-        self.staged.borrow_mut()[index] = Some(values);
+        self.pending.borrow_mut()[index] = Some(values);
         Ok(())
     }
 
@@ -480,23 +480,23 @@ impl BurnParams {
         host_buffer(&e.path, &view.into_data())
     }
 
-    /// Reads every parameter's value from `module` into the staging area (for `read_param`).
+    /// Reads every parameter's value from `module` into the pending area (for `read_param`).
     pub fn capture<M: Module>(&self, module: &M) -> Result<()> {
         let w = walk(module, true);
         self.check_same(&w.entries)?;
         let values = w.values.unwrap_or_default();
-        *self.staged.borrow_mut() = values
+        *self.pending.borrow_mut() = values
             .into_iter()
             .map(|v| v.map(Some))
             .collect::<Result<_>>()?;
         Ok(())
     }
 
-    /// Writes the staged values (from `write_param`) into `module`'s parameters, keeping their
-    /// ids, devices and `require_grad`, and clears the staging area.
+    /// Writes the pending values (from `write_param`) into `module`'s parameters, keeping their
+    /// ids, devices and `require_grad`, and clears the pending area.
     pub fn apply<M: Module>(&self, module: M) -> Result<M> {
         let values = std::mem::replace(
-            &mut *self.staged.borrow_mut(),
+            &mut *self.pending.borrow_mut(),
             vec![None; self.entries.len()],
         );
         let mut mapper = Apply {
@@ -550,10 +550,10 @@ impl BurnParams {
         }
     }
 
-    /// Takes the staged values (after [`capture`](Self::capture)), clearing the staging area.
-    pub fn take_staged(&self) -> Vec<Option<HostBuffer>> {
+    /// Takes the pending values (after [`capture`](Self::capture)), clearing them.
+    pub fn take_pending(&self) -> Vec<Option<HostBuffer>> {
         std::mem::replace(
-            &mut *self.staged.borrow_mut(),
+            &mut *self.pending.borrow_mut(),
             vec![None; self.entries.len()],
         )
     }
@@ -613,7 +613,7 @@ impl ParamAccess for BurnParams {
     }
 
     fn read_param(&self, index: usize) -> Result<HostBuffer> {
-        self.staged.borrow()[index].clone().ok_or_else(|| {
+        self.pending.borrow()[index].clone().ok_or_else(|| {
             Error::Unsupported(format!(
                 "parameter `{}` was not captured before reading it",
                 self.entries[index].path
@@ -622,6 +622,6 @@ impl ParamAccess for BurnParams {
     }
 
     fn write_param(&self, index: usize, values: HostSlice<'_>) -> Result<()> {
-        self.stage_owned(index, values.to_buffer())
+        self.set_pending(index, values.to_buffer())
     }
 }

@@ -323,7 +323,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
     }
 
     /// Every rank's parameters all-gathered from the owners' chunks and written into the
-    /// module, a bucket at a time (each bucket's parameters are staged, then applied). This
+    /// module, a bucket at a time (each bucket's parameters are set pending, then applied). This
     /// rank's block of bucket `i` is filled just before its all-gather starts, while the
     /// buckets before it are in flight: by [`Fill`], stepping the chunk (its values read from
     /// the module, its gradient from the block or the shard), so that one chunk's values,
@@ -395,13 +395,13 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                     return Ok(()); // the buckets become the parameters below
                 }
                 let mut ddp = ddp.borrow_mut();
-                let staged =
-                    ddp.stage_param(p, v)
+                let set =
+                    ddp.set_pending_param(p, v)
                         .and_then(|()| match last_of_bucket.contains(&p) {
-                            true => ddp.apply_staged(),
+                            true => ddp.apply_pending(),
                             false => Ok(()),
                         });
-                staged.map_err(keep)
+                set.map_err(keep)
             },
             None,
         );

@@ -6,7 +6,7 @@
 //! arrives, and closes silent connections at the handshake deadline. The accept loops survive
 //! running out of descriptors.
 
-use super::conns::{Admission, Shared, Stage, MAX_CONNECTIONS_ENV};
+use super::conns::{Admission, Phase, Shared, MAX_CONNECTIONS_ENV};
 use super::protocol::{ErrorKind, Response};
 use super::serve;
 use super::sniff::{first_bytes, is_torch_client, FirstBytes};
@@ -184,7 +184,7 @@ pub(super) fn greeter(shared: &Arc<Shared>) {
                 let Some(e) = c.map.get_mut(&id) else {
                     continue;
                 };
-                if e.stage != Stage::Connected {
+                if e.phase != Phase::Connected {
                     continue;
                 }
                 let verdict = first_bytes(&e.stream);
@@ -210,7 +210,7 @@ pub(super) fn greeter(shared: &Arc<Shared>) {
                     }
                     FirstBytes::Plausible => {}
                 }
-                e.stage = Stage::Greeted;
+                e.phase = Phase::Greeted;
                 let until = e.since + shared.limits.handshake_timeout;
                 greeted.push((id, Arc::clone(&e.stream), e.peer, until));
             }
@@ -257,7 +257,7 @@ pub(super) fn greeter(shared: &Arc<Shared>) {
             let late: Vec<u64> = c
                 .map
                 .iter()
-                .filter(|(_, e)| e.stage == Stage::Connected && e.since.elapsed() >= timeout)
+                .filter(|(_, e)| e.phase == Phase::Connected && e.since.elapsed() >= timeout)
                 .map(|(id, _)| *id)
                 .collect();
             let n = late.len();

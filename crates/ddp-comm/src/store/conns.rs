@@ -1,5 +1,5 @@
 //! The state every thread of a [`super::StoreServer`] shares: the key-value [`State`], the open
-//! connections ([`Conns`]: each one's [`Stage`], the limits that bound them and who is evicted
+//! connections ([`Conns`]: each one's [`Phase`], the limits that bound them and who is evicted
 //! first), the admission of a new connection and the throttled logs. The threads that use it
 //! (`accept`, `serve`, `torch`) and the server that creates it (`server`) all sit above this
 //! module, which imports none of them.
@@ -60,7 +60,7 @@ impl State {
 
 /// Where a connection is in its life.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Stage {
+pub(super) enum Phase {
     /// Accepted, nothing received yet: watched by the greeter, no thread.
     Connected,
     /// Bytes arrived: a thread reads the `HELLO`.
@@ -73,7 +73,7 @@ pub(super) enum Stage {
 
 pub(super) struct Entry {
     pub(super) stream: Arc<TcpStream>,
-    pub(super) stage: Stage,
+    pub(super) phase: Phase,
     pub(super) peer: SocketAddr,
     pub(super) since: Instant,
 }
@@ -102,8 +102,8 @@ impl Entry {
 impl Conns {
     pub(super) fn forget(&mut self, id: u64) -> Option<Entry> {
         let e = self.map.remove(&id)?;
-        match e.stage {
-            Stage::Authenticated => self.authenticated -= 1,
+        match e.phase {
+            Phase::Authenticated => self.authenticated -= 1,
             _ => self.pending -= 1,
         }
         Some(e)
@@ -120,26 +120,26 @@ impl Conns {
         let (mut with_data, mut greeted, mut challenged) = (None, None, None);
         let mut idle = None;
         for (id, e) in &self.map {
-            match e.stage {
-                Stage::Connected if !matches!(first_bytes(&e.stream), FirstBytes::Plausible) => {
+            match e.phase {
+                Phase::Connected if !matches!(first_bytes(&e.stream), FirstBytes::Plausible) => {
                     idle = Some(*id);
                     break;
                 }
-                Stage::Connected => {
+                Phase::Connected => {
                     with_data.get_or_insert(*id);
                 }
-                Stage::Greeted => {
+                Phase::Greeted => {
                     greeted.get_or_insert(*id);
                 }
-                Stage::Challenged => {
+                Phase::Challenged => {
                     challenged.get_or_insert(*id);
                 }
-                Stage::Authenticated => {}
+                Phase::Authenticated => {}
             }
         }
         let id = idle.or(with_data).or(greeted).or(challenged)?;
         let e = self.forget(id)?;
-        let closed = e.stage == Stage::Connected && Arc::strong_count(&e.stream) == 1;
+        let closed = e.phase == Phase::Connected && Arc::strong_count(&e.stream) == 1;
         Some((e.close(), closed))
     }
 }
@@ -212,7 +212,7 @@ impl Shared {
             id,
             Entry {
                 stream: Arc::clone(&stream),
-                stage: Stage::Connected,
+                phase: Phase::Connected,
                 peer,
                 since: Instant::now(),
             },
@@ -232,18 +232,18 @@ impl Shared {
         Admission::Serve(id, stream)
     }
 
-    /// Move connection `id` to `stage`; `false` if it was evicted meanwhile (then it must end).
-    pub(super) fn set_stage(&self, id: u64, stage: Stage) -> bool {
+    /// Move connection `id` to `phase`; `false` if it was evicted meanwhile (then it must end).
+    pub(super) fn set_phase(&self, id: u64, phase: Phase) -> bool {
         let mut c = self.conns();
         let c = &mut *c;
         let Some(e) = c.map.get_mut(&id) else {
             return false;
         };
-        if stage == Stage::Authenticated && e.stage != Stage::Authenticated {
+        if phase == Phase::Authenticated && e.phase != Phase::Authenticated {
             c.pending -= 1;
             c.authenticated += 1;
         }
-        e.stage = stage;
+        e.phase = phase;
         true
     }
 }

@@ -98,6 +98,22 @@ mod op {
     pub const WELCOME: u8 = 0x89;
 }
 
+/// What a request with `opcode` is called in decode errors ("truncated set request").
+fn request_what(opcode: u8) -> &'static str {
+    match opcode {
+        op::HELLO => "handshake",
+        op::AUTH => "authentication",
+        op::SET => "set request",
+        op::GET => "get request",
+        op::ADD => "add request",
+        op::COMPARE_SET => "compare_set request",
+        op::WAIT => "wait request",
+        op::DELETE => "delete request",
+        op::CHECK => "check request",
+        _ => "request",
+    }
+}
+
 /// A client → server message.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Request {
@@ -441,11 +457,10 @@ impl Request {
         };
         let mut d = Decoder {
             buf: rest,
-            what: "request",
+            what: request_what(opcode),
         };
         let req = match opcode {
             op::HELLO => {
-                d.what = "handshake";
                 let magic = d.take(4, "magic")?;
                 if magic != MAGIC {
                     return Err(DecodeError(format!(
@@ -463,57 +478,33 @@ impl Request {
                 let nonce = d.bytes("client nonce")?;
                 Request::Hello { version, nonce }
             }
-            op::AUTH => {
-                d.what = "authentication";
-                Request::Auth {
-                    proof: d.bytes("proof")?,
-                }
-            }
-            op::SET => {
-                d.what = "set request";
-                Request::Set {
-                    key: d.key()?,
-                    value: d.bytes("value")?,
-                }
-            }
-            op::GET => {
-                d.what = "get request";
-                Request::Get {
-                    key: d.key()?,
-                    timeout_ms: d.u64("timeout_ms")?,
-                }
-            }
-            op::ADD => {
-                d.what = "add request";
-                Request::Add {
-                    key: d.key()?,
-                    delta: d.i64("delta")?,
-                }
-            }
-            op::COMPARE_SET => {
-                d.what = "compare_set request";
-                Request::CompareSet {
-                    key: d.key()?,
-                    expected: d.bytes("expected")?,
-                    desired: d.bytes("desired")?,
-                }
-            }
-            op::WAIT => {
-                d.what = "wait request";
-                Request::Wait {
-                    keys: d.keys()?,
-                    timeout_ms: d.u64("timeout_ms")?,
-                }
-            }
-            op::DELETE => {
-                d.what = "delete request";
-                Request::Delete { key: d.key()? }
-            }
+            op::AUTH => Request::Auth {
+                proof: d.bytes("proof")?,
+            },
+            op::SET => Request::Set {
+                key: d.key()?,
+                value: d.bytes("value")?,
+            },
+            op::GET => Request::Get {
+                key: d.key()?,
+                timeout_ms: d.u64("timeout_ms")?,
+            },
+            op::ADD => Request::Add {
+                key: d.key()?,
+                delta: d.i64("delta")?,
+            },
+            op::COMPARE_SET => Request::CompareSet {
+                key: d.key()?,
+                expected: d.bytes("expected")?,
+                desired: d.bytes("desired")?,
+            },
+            op::WAIT => Request::Wait {
+                keys: d.keys()?,
+                timeout_ms: d.u64("timeout_ms")?,
+            },
+            op::DELETE => Request::Delete { key: d.key()? },
             op::NUM_KEYS => Request::NumKeys,
-            op::CHECK => {
-                d.what = "check request";
-                Request::Check { key: d.key()? }
-            }
+            op::CHECK => Request::Check { key: d.key()? },
             other => {
                 return Err(DecodeError(format!(
                     "unknown request opcode 0x{other:02x} (client speaks a newer or different protocol?)"

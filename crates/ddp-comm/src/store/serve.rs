@@ -6,7 +6,7 @@
 //! variable that every `set`, `add` and `compare_set` notifies, so waiting costs no CPU.
 
 use super::auth::{self, Side, NONCE_LEN};
-use super::conns::{lock, Shared, Stage, State};
+use super::conns::{lock, Phase, Shared, State};
 use super::protocol::{
     self, read_frame, write_frame, ErrorKind, FrameError, Request, Response, MAX_FRAME,
     MAX_HANDSHAKE_FRAME, VERSION,
@@ -189,7 +189,7 @@ fn handshake_steps(
         }
     };
     let Some(secret) = &shared.secret else {
-        if !shared.set_stage(id, Stage::Authenticated) {
+        if !shared.set_phase(id, Phase::Authenticated) {
             return Err(None);
         }
         return send(stream, &Response::Ok).map_err(|_| None);
@@ -203,7 +203,7 @@ fn handshake_steps(
         return Err(Some(msg));
     }
     let server_nonce = auth::nonce().map_err(|e| Some(format!("no random nonce: {e}")))?;
-    if !shared.set_stage(id, Stage::Challenged) {
+    if !shared.set_phase(id, Phase::Challenged) {
         return Err(None);
     }
     send(stream, &Response::Challenge(server_nonce.to_vec())).map_err(|_| None)?;
@@ -226,7 +226,7 @@ fn handshake_steps(
             "wrong or missing shared secret (DDP_STORE_SECRET)".to_string(),
         ));
     }
-    if !shared.set_stage(id, Stage::Authenticated) {
+    if !shared.set_phase(id, Phase::Authenticated) {
         return Err(None);
     }
     let mine = auth::proof(secret, Side::Server, &client_nonce, &server_nonce);

@@ -34,7 +34,7 @@
 //! connection with a warning, as PyTorch's own server does; nothing is allocated before the
 //! bytes it is for arrive.
 
-use super::conns::{lock, Shared, Stage, State};
+use super::conns::{lock, Phase, Shared, State};
 use super::protocol::{MAX_KEY_LEN, MAX_VALUE_LEN};
 use super::sniff::PREAMBLE;
 use std::io::{self, Read, Write};
@@ -499,7 +499,7 @@ pub(super) fn serve_connection(
         });
         return;
     }
-    if !shared.set_stage(id, Stage::Authenticated) {
+    if !shared.set_phase(id, Phase::Authenticated) {
         return;
     }
     let _ = stream.set_read_timeout(None);

@@ -76,6 +76,25 @@ struct TwoAxes {
     skipped: usize,
 }
 
+/// One run's share of a two-axis chart: its legend prefix, its colours (left, right) and its
+/// two series.
+type RunSeries<'s> = (String, (RGBColor, RGBColor), &'s Series, &'s Series);
+
+impl TwoAxes {
+    /// Each run with its legend prefix, colours and series, in order.
+    fn per_run<'s>(&'s self, runs: &'s [Metrics]) -> impl Iterator<Item = RunSeries<'s>> + 's {
+        let n = runs.len();
+        (runs.iter().zip(&self.series).enumerate()).map(move |(i, (run, (l, r)))| {
+            (
+                prefix(n, &run.label),
+                (color(2 * i), color(2 * i + 1)),
+                l,
+                r,
+            )
+        })
+    }
+}
+
 fn two_axes(
     runs: &[Metrics],
     left: fn(&StepPoint) -> Option<f64>,
@@ -226,9 +245,7 @@ where
 {
     let (mut chart, ax) = two_axis_chart(root, runs, &LOSS_ACCURACY)?;
     let (x, left, right) = (&ax.x, &ax.left, &ax.right);
-    for (i, (run, (loss, acc))) in runs.iter().zip(&ax.series).enumerate() {
-        let p = prefix(runs.len(), &run.label);
-        let (lc, ac) = (color(2 * i), color(2 * i + 1));
+    for (p, (lc, ac), loss, acc) in ax.per_run(runs) {
         chart
             .draw_series(LineSeries::new(
                 drawn(&loss.points, x, left),
@@ -272,9 +289,7 @@ where
 {
     let (mut chart, ax) = two_axis_chart(root, runs, &THROUGHPUT)?;
     let (x, left, right) = (&ax.x, &ax.left, &ax.right);
-    for (i, (run, (sps, wait))) in runs.iter().zip(&ax.series).enumerate() {
-        let p = prefix(runs.len(), &run.label);
-        let (tc, wc) = (color(2 * i), color(2 * i + 1));
+    for (p, (tc, wc), sps, wait) in ax.per_run(runs) {
         let marks = if sps.points.len() <= MAX_MARKED { 3 } else { 0 };
         chart
             .draw_series(

@@ -117,28 +117,10 @@ impl AdamW {
     }
 }
 
-/// States `exp_avg` and `exp_avg_sq` per parameter (PyTorch's names), the step count, and the
-/// hyper-parameters `lr`, `beta1`, `beta2`, `eps`, `weight_decay`.
-impl OptimizerState for AdamW {
-    type Error = Error;
-
-    fn kind(&self) -> &str {
-        "adamw"
-    }
-
-    fn state_dict(&self) -> Result<OptimizerStateDict> {
-        let p = &self.params;
-        let mut state = OptimizerStateDict::new("adamw", self.step_t as u64);
-        state.hyper = [
-            ("lr", p.lr),
-            ("beta1", p.beta1),
-            ("beta2", p.beta2),
-            ("eps", p.eps),
-            ("weight_decay", p.weight_decay),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+impl AdamW {
+    /// States `exp_avg` and `exp_avg_sq` per parameter (PyTorch's names), the step count, and the
+    /// hyper-parameters `lr`, `beta1`, `beta2`, `eps`, `weight_decay`.
+    fn save_slots(&self, state: &mut OptimizerStateDict) -> Result<()> {
         for s in &self.slots {
             for (slot, t) in [("exp_avg", &s.m), ("exp_avg_sq", &s.v)] {
                 let data = t
@@ -149,10 +131,11 @@ impl OptimizerState for AdamW {
                 state.insert(&s.name, slot, t.dims().to_vec(), data)?;
             }
         }
-        Ok(state)
+        Ok(())
     }
 
-    fn load_state_dict(&mut self, state: &OptimizerStateDict) -> Result<()> {
+    /// Restores what [`save_slots`](Self::save_slots) wrote.
+    fn load_slots(&mut self, state: &OptimizerStateDict) -> Result<()> {
         for s in &self.slots {
             for (slot, t) in [("exp_avg", &s.m), ("exp_avg_sq", &s.v)] {
                 let key = Checkpoint::optim_key(&s.name, slot);
@@ -183,7 +166,18 @@ impl OptimizerState for AdamW {
     }
 }
 
-super::impl_optimizer!(AdamW, ParamsAdamW);
+super::impl_optimizer!(AdamW, ParamsAdamW, "adamw");
+
+/// The hyper-parameters recorded in checkpoints, under PyTorch's names.
+fn hyper(p: &ParamsAdamW) -> [(&'static str, f64); 5] {
+    [
+        ("lr", p.lr),
+        ("beta1", p.beta1),
+        ("beta2", p.beta2),
+        ("eps", p.eps),
+        ("weight_decay", p.weight_decay),
+    ]
+}
 
 impl AdamW {
     /// The operations of `candle_nn::AdamW::step`, in its order. Contiguous f32/f64 CPU

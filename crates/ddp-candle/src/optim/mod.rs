@@ -68,10 +68,31 @@ impl dyn DynOptimizer {
     }
 }
 
-/// `candle_nn::Optimizer` for one of this module's optimizers: named construction from unnamed
-/// variables, the learning rate in `params.lr`, and the step in the type's own `apply_step`.
+/// `candle_nn::Optimizer` and `OptimizerState` for one of this module's optimizers: named
+/// construction from unnamed variables, the learning rate in `params.lr`, the step in the type's
+/// own `apply_step`; the state is algorithm `$kind` with the module's `hyper(&params)` and the
+/// slots the type's `save_slots` / `load_slots` write and read.
 macro_rules! impl_optimizer {
-    ($ty:ident, $config:ty) => {
+    ($ty:ident, $config:ty, $kind:literal) => {
+        impl OptimizerState for $ty {
+            type Error = crate::Error;
+
+            fn kind(&self) -> &str {
+                $kind
+            }
+
+            fn state_dict(&self) -> crate::Result<OptimizerStateDict> {
+                let mut state = OptimizerStateDict::new($kind, self.step_count() as u64)
+                    .with_hyper(hyper(&self.params));
+                self.save_slots(&mut state)?;
+                Ok(state)
+            }
+
+            fn load_state_dict(&mut self, state: &OptimizerStateDict) -> crate::Result<()> {
+                self.load_slots(state)
+            }
+        }
+
         impl candle_nn::Optimizer for $ty {
             type Config = $config;
 

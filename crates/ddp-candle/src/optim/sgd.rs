@@ -178,29 +178,10 @@ impl Sgd {
     }
 }
 
-/// State `momentum_buffer` per parameter (PyTorch's name), the step count, and the
-/// hyper-parameters `lr`, `momentum`, `dampening`, `weight_decay`, `nesterov`, `maximize` (0/1).
-impl OptimizerState for Sgd {
-    type Error = Error;
-
-    fn kind(&self) -> &str {
-        "sgd"
-    }
-
-    fn state_dict(&self) -> Result<OptimizerStateDict> {
-        let p = &self.params;
-        let mut state = OptimizerStateDict::new("sgd", self.steps);
-        state.hyper = [
-            ("lr", p.lr),
-            ("momentum", p.momentum),
-            ("dampening", p.dampening),
-            ("weight_decay", p.weight_decay),
-            ("nesterov", p.nesterov as u8 as f64),
-            ("maximize", p.maximize as u8 as f64),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v))
-        .collect();
+impl Sgd {
+    /// State `momentum_buffer` per parameter (PyTorch's name), the step count, and the
+    /// hyper-parameters `lr`, `momentum`, `dampening`, `weight_decay`, `nesterov`, `maximize` (0/1).
+    fn save_slots(&self, state: &mut OptimizerStateDict) -> Result<()> {
         for s in &self.slots {
             let data = match &s.buf {
                 Buffer::None => continue,
@@ -211,10 +192,11 @@ impl OptimizerState for Sgd {
             let dims = s.target.like().dims().to_vec();
             state.insert(&s.name, "momentum_buffer", dims, data)?;
         }
-        Ok(state)
+        Ok(())
     }
 
-    fn load_state_dict(&mut self, state: &OptimizerStateDict) -> Result<()> {
+    /// Restores what [`save_slots`](Self::save_slots) wrote.
+    fn load_slots(&mut self, state: &OptimizerStateDict) -> Result<()> {
         for s in &mut self.slots {
             let Some(t) = state.get(&s.name, "momentum_buffer") else {
                 s.buf = Buffer::None;
@@ -234,7 +216,19 @@ impl OptimizerState for Sgd {
     }
 }
 
-super::impl_optimizer!(Sgd, ParamsSgd);
+super::impl_optimizer!(Sgd, ParamsSgd, "sgd");
+
+/// The hyper-parameters recorded in checkpoints, under PyTorch's names (flags as 0/1).
+fn hyper(p: &ParamsSgd) -> [(&'static str, f64); 6] {
+    [
+        ("lr", p.lr),
+        ("momentum", p.momentum),
+        ("dampening", p.dampening),
+        ("weight_decay", p.weight_decay),
+        ("nesterov", p.nesterov as u8 as f64),
+        ("maximize", p.maximize as u8 as f64),
+    ]
+}
 
 impl Sgd {
     fn apply_step(&mut self, grads: &GradStore) -> candle_core::Result<()> {

@@ -39,6 +39,25 @@ pub use mpi::MpiBackend;
 pub use shm::ShmBackend;
 pub use tcp::TcpBackend;
 
+/// A backend over one host transport `T` with the all-reduce algorithm the group asked for:
+/// [`TcpBackend`] over the TCP mesh, [`ShmBackend`] over a shared-memory segment. Each
+/// transport's module implements [`CollectiveBackend`] for it.
+pub struct OverTransport<T> {
+    transport: T,
+    algorithm: AllReduceAlgorithm,
+}
+
+impl<T> OverTransport<T> {
+    /// Run collectives over `transport`; all-reduce with `algorithm` (`Auto`: by size, and
+    /// through the segment directly on shared memory).
+    pub fn new(transport: T, algorithm: AllReduceAlgorithm) -> Self {
+        OverTransport {
+            transport,
+            algorithm,
+        }
+    }
+}
+
 use crate::algorithms::{recursive_doubling, AllReduceAlgorithm};
 use crate::dtype::ReduceOp;
 use crate::host::{host_layout, HostLayout};

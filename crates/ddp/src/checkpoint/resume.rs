@@ -49,6 +49,13 @@ impl OptimizerStateDict {
         }
     }
 
+    /// The same state with hyper-parameters `pairs` recorded (name, value), PyTorch's names.
+    pub fn with_hyper<'a>(mut self, pairs: impl IntoIterator<Item = (&'a str, f64)>) -> Self {
+        self.hyper
+            .extend(pairs.into_iter().map(|(k, v)| (k.to_string(), v)));
+        self
+    }
+
     /// The key of state `slot` of parameter `param`: `<param>.<slot>`.
     pub fn key(param: &str, slot: &str) -> String {
         format!("{param}.{slot}")

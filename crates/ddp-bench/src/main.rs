@@ -60,7 +60,7 @@ enum Cmd {
     Broadcast(SweepArgs),
     /// DDP training throughput: MLP 784-HxL-10 on synthetic data, one thread per rank
     Train(TrainArgs),
-    /// Cost of one timeline span (`ddp::trace`) with tracing off and on, in ns (one rank)
+    /// Cost of one timeline span (`ddp_core::trace`) with tracing off and on, in ns (one rank)
     TraceCost(TraceCostArgs),
 }
 
@@ -123,9 +123,9 @@ pub struct TrainArgs {
     #[arg(long)]
     pub no_retain_memory: bool,
     /// Communication hook: `none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]`
-    /// (see `ddp::hooks::HookSpec`); the JSON reports the payload bytes sent per step.
+    /// (see `ddp_core::hooks::HookSpec`); the JSON reports the payload bytes sent per step.
     #[arg(long, default_value = "none")]
-    pub hook: ddp::hooks::HookSpec,
+    pub hook: ddp_core::hooks::HookSpec,
     /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms, hook, zero,
     /// optimizer, params, peak_rss_bytes, bytes_per_step.
     #[arg(long)]

@@ -4,8 +4,8 @@
 
 use crate::train::Error;
 use crate::TraceCostArgs;
-use ddp::trace;
 use ddp_comm::{init_process_group, InitOptions};
+use ddp_core::trace;
 use std::time::Instant;
 
 /// Median ns per `trace::span` guard over `args.reps` runs of `args.spans` spans.

@@ -9,11 +9,11 @@
 
 use candle_core::{DType, Device, Module, Tensor, Var};
 use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
-use ddp::sharding::ZeroStage;
-use ddp::trace;
 use ddp_candle::optim::ParamsSgd;
 use ddp_candle::{BackwardPrefetch, Ddp, DdpOptions, Fsdp, ShardOptimizer, Unit, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
+use ddp_core::sharding::ZeroStage;
+use ddp_core::trace;
 use std::time::Instant;
 
 use crate::TrainArgs;
@@ -151,7 +151,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     if stage != ZeroStage::Ddp && !dev.is_cpu() {
         return Err("--zero 1/2 keeps its shards in host memory: run it with --device cpu".into());
     }
-    if stage != ZeroStage::Ddp && args.hook != ddp::hooks::HookSpec::None {
+    if stage != ZeroStage::Ddp && args.hook != ddp_core::hooks::HookSpec::None {
         return Err(format!(
             "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
              through its own comm hook",
@@ -183,7 +183,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
-    let sent = |zero: &ZeroDdp, averager: &Option<ddp::hooks::PeriodicModelAverager>| {
+    let sent = |zero: &ZeroDdp, averager: &Option<ddp_core::hooks::PeriodicModelAverager>| {
         zero.ddp().reducer().bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent())
     };
     let mut step = || -> Result<StepCost, Error> {
@@ -191,7 +191,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         let out = if !args.blockwise {
             let loss = {
                 let _s = trace::span("forward", "train");
-                ddp::trace::debug::slow_forward();
+                ddp_core::trace::debug::slow_forward();
                 let logits = stages.iter().try_fold(x.clone(), |h, s| s.forward(&h))?;
                 candle_nn::loss::cross_entropy(&logits, &y)?
             };
@@ -268,7 +268,7 @@ fn run_fsdp(args: &TrainArgs, pg: &ddp_comm::ProcessGroup) -> Result<(), Error> 
     if args.device != ddp_candle::device::DeviceKind::Cpu {
         return Err("--zero 3 keeps its shards in host memory: run it with --device cpu".into());
     }
-    if args.hook != ddp::hooks::HookSpec::None {
+    if args.hook != ddp_core::hooks::HookSpec::None {
         return Err(format!(
             "--hook {} cannot be combined with --zero 3: ZeRO reduce-scatters the gradients itself",
             args.hook
@@ -359,12 +359,12 @@ pub(crate) fn measure(
         step()?;
     }
     // The timeline (`--trace`, `DDP_TRACE`) covers the timed steps.
-    ddp::trace::start_from_env(pg, args.trace.as_deref())?;
+    ddp_core::trace::start_from_env(pg, args.trace.as_deref())?;
     pg.barrier()?;
     let t = Instant::now();
     let (mut wait, mut bytes) = (0.0, 0u64);
     for i in 0..args.steps {
-        let _s = ddp::trace::span("step", "step").arg("step", i);
+        let _s = ddp_core::trace::span("step", "step").arg("step", i);
         let c = step()?;
         wait += c.wait_s;
         bytes += c.bytes;
@@ -372,7 +372,7 @@ pub(crate) fn measure(
     sync()?;
     let elapsed = t.elapsed().as_secs_f64();
     let peak_rss = peak_rss_bytes();
-    if let Some(path) = ddp::trace::finish(pg)? {
+    if let Some(path) = ddp_core::trace::finish(pg)? {
         println!("# timeline of every rank: {}", path.display());
     }
     let mut times = [elapsed, wait];

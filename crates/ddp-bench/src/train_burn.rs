@@ -14,10 +14,10 @@ use burn::nn::loss::CrossEntropyLossConfig;
 use burn::nn::{Linear, LinearConfig};
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::{activation, Device, Distribution, Int, Tensor, TensorData};
-use ddp::hooks::PeriodicModelAverager;
-use ddp::sharding::ZeroStage;
 use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions};
+use ddp_core::hooks::PeriodicModelAverager;
+use ddp_core::sharding::ZeroStage;
 
 #[derive(Module, Debug)]
 struct Mlp {

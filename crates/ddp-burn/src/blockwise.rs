@@ -20,7 +20,7 @@ use crate::{DistributedDataParallel, Error, Result};
 use burn::module::Module;
 use burn::optim::GradientsParams;
 use burn::tensor::Tensor;
-use ddp::reducer::StepStats;
+use ddp_core::reducer::StepStats;
 
 /// One block of a blockwise forward: from the module and the block's input, its output.
 pub type Block<'a, M, const D: usize> = &'a dyn Fn(&M, Tensor<D>) -> Tensor<D>;
@@ -88,7 +88,7 @@ impl<M: Module> DistributedDataParallel<M> {
         loss_fn: impl FnOnce(Tensor<D>) -> Tensor<L>,
     ) -> Result<(GradientsParams, Tensor<L>)> {
         self.params_mut().refresh_ids(module)?;
-        let _s = ddp::trace::span("blockwise backward", "ddp");
+        let _s = ddp_core::trace::span("blockwise backward", "ddp");
         // Forward: every block after the first starts from a detached copy of its input.
         let mut inputs = Vec::with_capacity(blocks.len());
         let mut outputs = Vec::with_capacity(blocks.len());

@@ -1,18 +1,18 @@
 //! Checkpoints of Burn training: Burn's own records (the module's `ModuleRecord` and the
-//! optimizer's `OptimizerRecord`, both burnpack bytes) stored as blobs of a `ddp::Checkpoint`,
+//! optimizer's `OptimizerRecord`, both burnpack bytes) stored as blobs of a `ddp_core::Checkpoint`,
 //! beside our metadata (step, epoch, sampler position, RNG state, world size, hyper-parameters).
 //!
 //! ```text
-//!   checkpoint.safetensors  (one file, written by rank 0 with ddp::checkpoint::save_atomic)
+//!   checkpoint.safetensors  (one file, written by rank 0 with ddp_core::checkpoint::save_atomic)
 //!   ├── "burn.model"      U8  burnpack of module.into_record()          crc32 ┐
 //!   ├── "burn.optimizer"  U8  burnpack of ModuleOptimizer::to_record()  crc32 ├ in the sealed
 //!   └── ddp_meta: step, epoch, sampler {epoch, consumed}, rng, world size ─────┘ metadata
 //! ```
 //!
-//! So a Burn run gets everything `ddp::checkpoint` gives candle runs: the atomic update (temp
+//! So a Burn run gets everything `ddp_core::checkpoint` gives candle runs: the atomic update (temp
 //! file, fsync, rename, fsync of the directory), checksums verified before anything is used (a
 //! flipped bit is an error naming `"burn.model"` or the metadata), and
-//! `ddp::checkpoint::resume_or_start` (rank 0 reads, every rank receives and checks the position
+//! `ddp_core::checkpoint::resume_or_start` (rank 0 reads, every rank receives and checks the position
 //! against its `RunPlan`). The optimizer record is keyed by Burn's `ParamId`s; loading the model
 //! record restores rank 0's ids on every rank, so the optimizer state finds its parameters.
 
@@ -21,7 +21,7 @@ use burn::module::Module;
 use burn::optim::ModuleOptimizer;
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
-use ddp::Checkpoint;
+use ddp_core::Checkpoint;
 
 /// Blob name of the module record.
 pub const MODEL_BLOB: &str = "burn.model";

@@ -1,4 +1,4 @@
-//! [`ShardedDataset`]: `ddp::DistributedSampler` (PyTorch's `DistributedSampler`: the same
+//! [`ShardedDataset`]: `ddp_core::DistributedSampler` (PyTorch's `DistributedSampler`: the same
 //! indices, padding, `drop_last` and `set_epoch` shuffle) applied to any Burn
 //! [`Dataset`], so that Burn's `DataLoaderBuilder` loads this rank's shard unchanged.
 //!
@@ -13,8 +13,8 @@
 
 use crate::{Error, Result};
 use burn::data::dataset::Dataset;
-use ddp::DistributedSampler;
 use ddp_comm::ProcessGroup;
+use ddp_core::DistributedSampler;
 use std::sync::{Arc, RwLock};
 
 /// This rank's shard of a dataset: item `i` is item `indices[i]` of the wrapped dataset, where

@@ -1,4 +1,4 @@
-//! [`DistributedDataParallel`]: the Burn-facing wrapper around `ddp::reducer::Reducer`.
+//! [`DistributedDataParallel`]: the Burn-facing wrapper around `ddp_core::reducer::Reducer`.
 
 use crate::checkpoint::MODEL_BLOB;
 use crate::params::BurnParams;
@@ -8,13 +8,13 @@ use burn::optim::{GradientsParams, ModuleOptimizer};
 use burn::store::ModuleRecord;
 use burn::tensor::Bytes;
 use burn::tensor::Tensor;
-use ddp::adapter::{self, DdpCore, DdpWrapper, ParamAccess};
-use ddp::checkpoint::{Checkpoint, CheckpointMeta};
-use ddp::hooks::PeriodicModelAverager;
-use ddp::join::{Join, JoinStep};
-use ddp::reducer::{HostBuffer, Reducer, ReducerOptions, StepStats};
-use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
+use ddp_core::adapter::{self, DdpCore, DdpWrapper, ParamAccess};
+use ddp_core::checkpoint::{Checkpoint, CheckpointMeta};
+use ddp_core::hooks::PeriodicModelAverager;
+use ddp_core::join::{Join, JoinStep};
+use ddp_core::reducer::{HostBuffer, Reducer, ReducerOptions, StepStats};
+use ddp_core::verify::ReplicaReport;
 use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 
@@ -30,7 +30,7 @@ pub struct DdpOptions {
     pub first_bucket_cap_mb: f64,
     /// Copy rank 0's parameter values to every rank at construction (default true).
     pub init_sync: bool,
-    /// Fail a step whose averaged gradients are NaN or infinite with `ddp::Error::NonFinite`,
+    /// Fail a step whose averaged gradients are NaN or infinite with `ddp_core::Error::NonFinite`,
     /// naming the step, the rank and the parameter (default false). Same on every rank.
     pub check_finite: bool,
 }
@@ -52,7 +52,7 @@ impl Default for DdpOptions {
 /// value); see the crate documentation.
 ///
 /// The framework-agnostic half (process group, reducer, `register_comm_hook`, statistics,
-/// parameter names, ...) is `ddp`'s [`DdpCore`], reached through `Deref`: `ddp.rank()`,
+/// parameter names, ...) is `ddp-core`'s [`DdpCore`], reached through `Deref`: `ddp.rank()`,
 /// `ddp.reducer_mut()` and the like are its methods.
 pub struct DistributedDataParallel<M: Module> {
     pub(crate) core: DdpCore<BurnParams>,
@@ -315,7 +315,7 @@ impl<M: Module> DistributedDataParallel<M> {
     /// Holds new values of parameter `index` for [`apply_pending`](Self::apply_pending).
     pub(crate) fn set_pending_param(&self, index: usize, values: &[f32]) -> Result<()> {
         self.params()
-            .write_param(index, ddp::reducer::HostSlice::of(values))
+            .write_param(index, ddp_core::reducer::HostSlice::of(values))
     }
 
     /// Makes the parameters windows of `buffers` (see `BurnParams::apply_windows`).
@@ -382,12 +382,18 @@ impl<M: Module> DistributedDataParallel<M> {
             })
             .collect();
         if let Some(slices) = f32s {
-            return Ok(ddp::verify::verify_replicas(self.process_group(), &slices)?);
+            return Ok(ddp_core::verify::verify_replicas(
+                self.process_group(),
+                &slices,
+            )?);
         }
         drop(pending);
         let values = self.param_values_f64()?;
         let slices: Vec<&[f64]> = values.iter().map(Vec::as_slice).collect();
-        Ok(ddp::verify::verify_replicas(self.process_group(), &slices)?)
+        Ok(ddp_core::verify::verify_replicas(
+            self.process_group(),
+            &slices,
+        )?)
     }
 
     /// Largest absolute difference of any parameter element between any two ranks (a
@@ -407,7 +413,7 @@ impl<M: Module> DistributedDataParallel<M> {
 /// One-call checkpoints: what a training program calls on every rank to save its run.
 impl<M: Module> DistributedDataParallel<M> {
     /// Saves the module and `optim`'s state in one call, on every rank (a collective): rank 0
-    /// writes `<dir>/checkpoint.safetensors` atomically (`ddp::checkpoint::save_atomic`), the
+    /// writes `<dir>/checkpoint.safetensors` atomically (`ddp_core::checkpoint::save_atomic`), the
     /// other ranks write nothing. Returns the file on rank 0, `None` elsewhere; a failure to write
     /// on rank 0 is an error on every rank.
     ///
@@ -415,7 +421,7 @@ impl<M: Module> DistributedDataParallel<M> {
     /// [`crate::checkpoint::save_records`] does, with every rank's comm hook state. The metadata:
     /// the reducer's count of synchronized steps ([`Reducer::step`]), the process group's world
     /// size, and the start of epoch `epoch` as position (pass the epochs completed). It resumes
-    /// through `ddp::checkpoint::resume_or_start` (a `RunPlan` of the same world size and
+    /// through `ddp_core::checkpoint::resume_or_start` (a `RunPlan` of the same world size and
     /// `hyper: Null`) and [`load_records`](Self::load_records); other positions:
     /// [`save_checkpoint_with`](Self::save_checkpoint_with).
     pub fn save_checkpoint(
@@ -483,12 +489,12 @@ fn model_bytes<M: Module>(module: &M) -> Result<Vec<u8>> {
 }
 
 impl Error {
-    /// This error as `ddp`'s: its own when it carries one, else a checkpoint error with its
-    /// message (for `ddp`'s collectives that agree on a result over the ranks).
-    pub(crate) fn into_ddp(self) -> ddp::Error {
+    /// This error as `ddp-core`'s: its own when it carries one, else a checkpoint error with its
+    /// message (for `ddp-core`'s collectives that agree on a result over the ranks).
+    pub(crate) fn into_ddp(self) -> ddp_core::Error {
         match self {
             Error::Ddp(e) => e,
-            other => ddp::Error::Checkpoint(other.to_string()),
+            other => ddp_core::Error::Checkpoint(other.to_string()),
         }
     }
 }

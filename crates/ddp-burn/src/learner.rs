@@ -23,14 +23,14 @@
 //! first step (and after a checkpoint was loaded), every rank applies bit-identical averaged
 //! gradients, and at the end of `fit` the replicas are checked bit for bit
 //! ([`DdpLearningStrategy::last_fit`]). Uneven loaders (a rank with fewer batches) do not hang:
-//! the rank that ran out shadows the others' all-reduces ([`ddp::Join`]) and still steps its
+//! the rank that ran out shadows the others' all-reduces ([`ddp_core::Join`]) and still steps its
 //! optimizer. A communication failure (a dead peer, a timeout) stops the training on this rank
 //! through Burn's `Interrupter` with the error as its reason; [`DdpLearningStrategy::take_error`]
 //! returns it after `launch`.
 //!
 //! Checkpoints: Burn's `FileCheckpointer` writes bare burnpack files (no checksum: a flipped bit
 //! loads as another model). [`ChecksummedCheckpointer`] stores each record in a checksummed,
-//! atomically written `ddp::Checkpoint` instead; give it to
+//! atomically written `ddp_core::Checkpoint` instead; give it to
 //! `SupervisedTraining::with_custom_checkpointers`, and check the epoch to resume with
 //! [`ChecksummedCheckpointer::verify`] before `.checkpoint(epoch)` (Burn panics on a record it
 //! cannot restore).
@@ -62,8 +62,8 @@ use burn_train::{
     SupervisedLearningStrategy, SupervisedTraining, SupervisedTrainingEventProcessor, TrainLoader,
     TrainStep, TrainingComponents, TrainingItem, TrainingStrategy, ValidLoader,
 };
-use ddp::join::{Join, JoinStart, JoinStep};
 use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_core::join::{Join, JoinStart, JoinStep};
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 
@@ -183,9 +183,9 @@ impl DdpLearningStrategy {
             0 => base.to_path_buf(),
             r => base.join(format!("rank{r}")),
         };
-        let mine = (|| -> ddp::Result<()> {
+        let mine = (|| -> ddp_core::Result<()> {
             let why = |what: &str, p: &Path, e| {
-                ddp::Error::io(format!("Burn's learner directory: cannot {what}"), p, e)
+                ddp_core::Error::io(format!("Burn's learner directory: cannot {what}"), p, e)
             };
             std::fs::create_dir_all(&dir).map_err(|e| why("create", &dir, e))?;
             let probe = dir.join(format!(".write-probe.{}.{rank}", std::process::id()));
@@ -193,7 +193,7 @@ impl DdpLearningStrategy {
             std::fs::remove_file(&probe).map_err(|e| why("remove a file in", &dir, e))?;
             Ok(())
         })();
-        ddp::sharding::agree(&self.pg, "preparing the learner directories", mine)?;
+        ddp_core::sharding::agree(&self.pg, "preparing the learner directories", mine)?;
         Ok(dir)
     }
 
@@ -543,10 +543,10 @@ pub const RECORD_BLOB: &str = "burn.record";
 /// of every ddp-rs checkpoint. Burn's `FileCheckpointer` writes bare burnpack files in place: a
 /// torn write or one flipped bit loads silently as another model. This one stores each record
 /// (Burn's burnpack bytes, as Burn's `Checkpoint::checkpoint_into_bytes` makes them) as blob
-/// [`RECORD_BLOB`] of a `ddp::Checkpoint`, one per epoch:
+/// [`RECORD_BLOB`] of a `ddp_core::Checkpoint`, one per epoch:
 ///
 /// ```text
-///   <directory>/<name>-<epoch>/checkpoint.safetensors   (ddp::checkpoint::save_atomic: temp
+///   <directory>/<name>-<epoch>/checkpoint.safetensors   (ddp_core::checkpoint::save_atomic: temp
 ///       └── "burn.record"  U8  Burn's record   crc32     file, fsync, rename, fsync of the
 ///       └── metadata (epoch, name)             crc32     directory)
 /// ```
@@ -564,7 +564,7 @@ pub struct ChecksummedCheckpointer {
 }
 
 /// What [`ChecksummedCheckpointer::with_meta`] records with the checkpoint of an epoch.
-type MetaFn = Arc<dyn Fn(usize) -> ddp::checkpoint::CheckpointMeta + Send + Sync>;
+type MetaFn = Arc<dyn Fn(usize) -> ddp_core::checkpoint::CheckpointMeta + Send + Sync>;
 
 impl std::fmt::Debug for ChecksummedCheckpointer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -589,14 +589,14 @@ impl ChecksummedCheckpointer {
     /// [`ChecksummedCheckpointer::read_meta`]: e.g. the optimizer steps taken and the world size.
     pub fn with_meta(
         mut self,
-        meta: impl Fn(usize) -> ddp::checkpoint::CheckpointMeta + Send + Sync + 'static,
+        meta: impl Fn(usize) -> ddp_core::checkpoint::CheckpointMeta + Send + Sync + 'static,
     ) -> Self {
         self.meta = Some(Arc::new(meta));
         self
     }
 
     /// The metadata of the checkpoint of `epoch`, checksums verified.
-    pub fn read_meta(&self, epoch: usize) -> Result<ddp::checkpoint::CheckpointMeta> {
+    pub fn read_meta(&self, epoch: usize) -> Result<ddp_core::checkpoint::CheckpointMeta> {
         Ok(self.load(epoch)?.meta)
     }
 
@@ -607,7 +607,7 @@ impl ChecksummedCheckpointer {
 
     /// The file of the checkpoint of `epoch`.
     pub fn path_for_epoch(&self, epoch: usize) -> PathBuf {
-        ddp::checkpoint::checkpoint_path(&self.dir_for_epoch(epoch))
+        ddp_core::checkpoint::checkpoint_path(&self.dir_for_epoch(epoch))
     }
 
     /// The epochs that have a checkpoint of this name (complete: the file exists), ascending.
@@ -631,7 +631,7 @@ impl ChecksummedCheckpointer {
     pub fn read(&self, epoch: usize) -> Result<Vec<u8>> {
         let ckpt = self.load(epoch)?;
         let blob = ckpt.require_blob(RECORD_BLOB).map_err(|e| {
-            Error::Ddp(ddp::Error::Checkpoint(format!(
+            Error::Ddp(ddp_core::Error::Checkpoint(format!(
                 "{}: {e}",
                 self.path_for_epoch(epoch).display()
             )))
@@ -639,10 +639,10 @@ impl ChecksummedCheckpointer {
         Ok(blob.to_vec())
     }
 
-    fn load(&self, epoch: usize) -> Result<ddp::Checkpoint> {
+    fn load(&self, epoch: usize) -> Result<ddp_core::Checkpoint> {
         let dir = self.dir_for_epoch(epoch);
-        ddp::checkpoint::load(&dir)?.ok_or_else(|| {
-            Error::Ddp(ddp::Error::Checkpoint(format!(
+        ddp_core::checkpoint::load(&dir)?.ok_or_else(|| {
+            Error::Ddp(ddp_core::Error::Checkpoint(format!(
                 "Burn checkpoint {} is missing",
                 self.path_for_epoch(epoch).display()
             )))
@@ -662,17 +662,17 @@ impl<R: BurnCheckpoint> Checkpointer<R> for ChecksummedCheckpointer {
             .map_err(CheckpointerError::Record)?;
         let meta = match &self.meta {
             Some(f) => f(epoch),
-            None => ddp::checkpoint::CheckpointMeta {
+            None => ddp_core::checkpoint::CheckpointMeta {
                 extra: serde_json::json!({ "burn_checkpoint": self.name }),
                 ..Default::default()
             },
         };
-        let mut ckpt = ddp::Checkpoint::new(ddp::checkpoint::CheckpointMeta {
+        let mut ckpt = ddp_core::Checkpoint::new(ddp_core::checkpoint::CheckpointMeta {
             epoch: epoch as u64,
             ..meta
         });
         ckpt.insert_blob(RECORD_BLOB, bytes.to_vec());
-        ddp::checkpoint::save_atomic(&self.dir_for_epoch(epoch), &ckpt)
+        ddp_core::checkpoint::save_atomic(&self.dir_for_epoch(epoch), &ckpt)
             .map_err(|e| CheckpointerError::Unknown(e.to_string()))?;
         Ok(())
     }

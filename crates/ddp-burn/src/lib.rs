@@ -57,27 +57,27 @@
 //! - **Parameter order** (module [`params`]): Burn's `ParamId`s are random per process, so the
 //!   wrapper walks the module's structure (`ModuleVisitor` with paths: `fc1.weight`,
 //!   `layers.0.bias`) to name and order the trainable parameters identically on every rank. At
-//!   construction `ddp::Reducer::new` checks names, shapes and dtypes across ranks (a mismatch is
+//!   construction `ddp_core::Reducer::new` checks names, shapes and dtypes across ranks (a mismatch is
 //!   an error on every rank naming the parameter) and rank 0's values are broadcast.
 //! - **Backward** ([`DistributedDataParallel::backward`]): `loss.backward()` →
 //!   `GradientsParams::from_grads` → every gradient handed to the reducer last parameter first
-//!   (buckets of 25 MiB, the first 1 MiB) through `ddp::adapter` (the same driver code as
+//!   (buckets of 25 MiB, the first 1 MiB) through `ddp_core::adapter` (the same driver code as
 //!   `ddp-candle`) → averaged `GradientsParams` for `SgdConfig`/`AdamConfig`/`AdamWConfig`
 //!   `.init()` optimizers. [`DistributedDataParallel::no_sync`] accumulates locally;
-//!   [`DistributedDataParallel::backward_join`] handles uneven inputs with `ddp::Join`.
-//! - **Data** (module [`data`]): [`ShardedDataset`] applies `ddp::DistributedSampler` to any
+//!   [`DistributedDataParallel::backward_join`] handles uneven inputs with `ddp_core::Join`.
+//! - **Data** (module [`data`]): [`ShardedDataset`] applies `ddp_core::DistributedSampler` to any
 //!   Burn `Dataset`, so `DataLoaderBuilder` works unchanged; one call:
 //!   `ShardedDataset::new(Arc::new(data), &pg)?.seed(7).shared()`.
 //! - **One-call save**: [`DistributedDataParallel::save_checkpoint`] on every rank (rank 0
 //!   writes); `use ddp_burn::prelude::*;` brings the common imports.
 //! - **Checkpoints** (module [`checkpoint`]): Burn's module and optimizer records (burnpack) as
-//!   checksummed blobs of a `ddp::Checkpoint` beside our metadata, written atomically by rank 0;
-//!   `ddp::checkpoint::resume_or_start` resumes exactly.
+//!   checksummed blobs of a `ddp_core::Checkpoint` beside our metadata, written atomically by rank 0;
+//!   `ddp_core::checkpoint::resume_or_start` resumes exactly.
 //!
 //! - **Blockwise backward** (module `blockwise`): `forward_backward_blockwise` runs the backward
 //!   one block at a time, each block's buckets reduced while earlier blocks compute.
 //! - **ZeRO** (module [`zero`]): [`ZeroDdp`] shards the optimizer state (stage 1) and the
-//!   gradients (stage 2) over the ranks on `ddp::sharding`, stepping each owned chunk with Burn's
+//!   gradients (stage 2) over the ranks on `ddp_core::sharding`, stepping each owned chunk with Burn's
 //!   own optimizer; its sharded checkpoints resume at any world size.
 //!
 //! ## Burn's `Learner`
@@ -148,7 +148,7 @@
 //! # let dir = std::path::Path::new("/tmp/learner");
 //! # let valid_loader = DataLoaderBuilder::new(Rows).batch_size(8).build(InMemDataset::new((0..16).collect::<Vec<usize>>()));
 //! let pg = ddp_comm::init_process_group(Default::default())?;
-//! let sampler = ddp::DistributedSampler::new(train_set.len(), pg.size(), pg.rank())?;
+//! let sampler = ddp_core::DistributedSampler::new(train_set.len(), pg.size(), pg.rank())?;
 //! let shard = Arc::new(ShardedDataset::new(Arc::new(train_set), sampler)?); // this rank's part
 //! let strategy = Arc::new(DdpLearningStrategy::new(&pg, device.clone())
 //!     .on_epoch({ let s = shard.clone(); move |e| s.set_epoch(e as u64 - 1) })); // from 1
@@ -199,12 +199,12 @@ pub type Ddp<M> = DistributedDataParallel<M>;
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Errors of the Burn adapter: the framework-agnostic `ddp` ones (which carry communication
+/// Errors of the Burn adapter: the framework-agnostic `ddp-core` ones (which carry communication
 /// failures naming the peer rank), Burn record errors, and models it cannot handle.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
-    Ddp(#[from] ddp::Error),
+    Ddp(#[from] ddp_core::Error),
     /// A Burn record could not be written or read (the message names the blob).
     #[error("{0}")]
     Record(String),
@@ -219,7 +219,7 @@ pub enum Error {
 
 impl From<ddp_comm::Error> for Error {
     fn from(e: ddp_comm::Error) -> Self {
-        Error::Ddp(ddp::Error::Comm(e))
+        Error::Ddp(ddp_core::Error::Comm(e))
     }
 }
 

@@ -1,4 +1,4 @@
-//! [`BurnParams`]: Burn's side of the adapter contract of `ddp` ([`ddp::adapter::ParamAccess`]).
+//! [`BurnParams`]: Burn's side of the adapter contract of `ddp-core` ([`ddp_core::adapter::ParamAccess`]).
 //!
 //! Burn gives every parameter a random [`ParamId`] per process, so ids cannot name a parameter
 //! across ranks. The order and the names here come from the module's *structure* instead: a
@@ -18,8 +18,8 @@ use crate::{Error, Result};
 use burn::module::{Module, ModuleMapper, ModuleVisitor, Param, ParamId};
 use burn::optim::GradientsParams;
 use burn::tensor::{Bytes, DType, Device, Tensor, TensorData};
-use ddp::adapter::ParamAccess;
-use ddp::reducer::{HostBuffer, HostSlice, ParamSpec};
+use ddp_core::adapter::ParamAccess;
+use ddp_core::reducer::{HostBuffer, HostSlice, ParamSpec};
 use std::cell::RefCell;
 
 /// One trainable parameter: structural path, id in this process, shape, dtype, device.
@@ -297,7 +297,7 @@ impl BurnParams {
     /// copying them out (`docs/benchmarks.md`, "Candle, Burn and PyTorch on CPUs").
     pub(crate) fn grads_from_buckets(
         &self,
-        taken: impl IntoIterator<Item = ddp::reducer::TakenBucket>,
+        taken: impl IntoIterator<Item = ddp_core::reducer::TakenBucket>,
     ) -> Result<GradientsParams> {
         let mut out = GradientsParams::new();
         for (buffer, layout) in taken {

@@ -1,4 +1,4 @@
-//! [`ZeroDdp`]: ZeRO stages 1 and 2 for Burn modules, on `ddp::sharding` (the framework-agnostic
+//! [`ZeroDdp`]: ZeRO stages 1 and 2 for Burn modules, on `ddp_core::sharding` (the framework-agnostic
 //! layout, reduce-scatter hook, parameter all-gather and sharded checkpoints that
 //! `ddp_candle::ZeroDdp` runs on too).
 //!
@@ -29,10 +29,10 @@
 //! (module [`blockwise`](crate::blockwise)) and keeps them at their shard (`4Ψ + 12Ψ/N`).
 //! Measured peaks: the benchmarks chapter of the book (`docs/benchmarks.md`, ZeRO on Burn).
 //!
-//! Checkpoints are `ddp::sharding`'s: each rank writes its chunks (values and every tensor of
+//! Checkpoints are `ddp_core::sharding`'s: each rank writes its chunks (values and every tensor of
 //! the optimizer state, by Burn's `RecordState` names), rank 0 the index with the state's scalars
 //! (Adam's step count); a set resumes at any world size and stage 1 or 2, and
-//! `ddp::sharding::consolidate` makes one plain checkpoint of it.
+//! `ddp_core::sharding::consolidate` makes one plain checkpoint of it.
 //!
 //! ```no_run
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
@@ -40,7 +40,7 @@
 //! # use burn::nn::{loss::CrossEntropyLossConfig, Linear, LinearConfig};
 //! # use burn::optim::AdamWConfig;
 //! # use burn::tensor::{Int, Tensor};
-//! # use ddp::sharding::ZeroStage;
+//! # use ddp_core::sharding::ZeroStage;
 //! # use ddp_burn::ZeroDdp;
 //! # #[derive(Module, Debug)]
 //! # struct Model { fc: Linear }
@@ -53,7 +53,7 @@
 //! # let device = burn::tensor::Device::flex().autodiff();
 //! # let model = Model { fc: LinearConfig::new(4, 3).init(&device) };
 //! # let batches: Vec<(Tensor<2>, Tensor<1, Int>)> = Vec::new();
-//! # let (dir, meta) = (std::path::Path::new("ckpt"), ddp::checkpoint::CheckpointMeta::default());
+//! # let (dir, meta) = (std::path::Path::new("ckpt"), ddp_core::checkpoint::CheckpointMeta::default());
 //! let ddp = ddp_burn::Ddp::new(model, &pg, Default::default())?;
 //! let mut zero = ZeroDdp::new(ddp, ZeroStage::Two, AdamWConfig::new().build())?;
 //! for (x, y) in batches {
@@ -74,10 +74,10 @@ use burn::optim::{
 };
 use burn::tensor::{Device, Tensor, TensorData};
 use burn_pack::Scalar;
-use ddp::checkpoint::{Checkpoint, CheckpointMeta, OptimizerRecord};
-use ddp::join::{Join, JoinStep};
-use ddp::reducer::StepStats;
-use ddp::sharding::{self, ChunkState, ShardLayout, ShardState, ZeroCore, ZeroStage};
+use ddp_core::checkpoint::{Checkpoint, CheckpointMeta, OptimizerRecord};
+use ddp_core::join::{Join, JoinStep};
+use ddp_core::reducer::StepStats;
+use ddp_core::sharding::{self, ChunkState, ShardLayout, ShardState, ZeroCore, ZeroStage};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
@@ -354,7 +354,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         let keep = |e: Error| {
             let msg = e.to_string();
             first.borrow_mut().get_or_insert(e);
-            ddp::Error::InvalidArgument(msg)
+            ddp_core::Error::InvalidArgument(msg)
         };
         let tensor = |v: Vec<f32>| {
             let n = v.len();
@@ -372,7 +372,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                 let values = match &mut fill {
                     Fill::Values(v) => v[i].take().unwrap_or_default(),
                     Fill::Step { lr, shards } => {
-                        let _s = ddp::trace::span("shard step", "zero");
+                        let _s = ddp_core::trace::span("shard step", "zero");
                         let grad = shards[i].take().unwrap_or_else(|| dst.to_vec());
                         let chunk = Self::read_chunk(&ddp.borrow(), layout, i).map_err(keep)?;
                         let (new, state) = optim.step(*lr, chunk, tensor(grad), states[i].take());
@@ -381,7 +381,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                     }
                 };
                 if values.len() != dst.len() {
-                    return Err(ddp::Error::InvalidArgument(format!(
+                    return Err(ddp_core::Error::InvalidArgument(format!(
                         "chunk {i} has {} values for a block of {}",
                         values.len(),
                         dst.len()
@@ -490,7 +490,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         })
     }
 
-    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::sets`).
+    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp_core::sharding::sets`).
     /// It loads at any world size, at stage 1 or 2.
     pub fn save(&self, dir: &Path, meta: &CheckpointMeta) -> Result<PathBuf> {
         self.require_sharded("save")?;
@@ -520,7 +520,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         Ok(Some(meta))
     }
 
-    /// Takes this rank's shard of a plain checkpoint (`ddp::sharding::consolidate`'s):
+    /// Takes this rank's shard of a plain checkpoint (`ddp_core::sharding::consolidate`'s):
     /// parameters and optimizer state (a collective).
     pub fn import(&mut self, ckpt: &Checkpoint) -> Result<()> {
         self.require_sharded("import")?;
@@ -531,11 +531,11 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
 
     /// Rebuilds the chunks' values and optimizer states from `state` (checking that it is this
     /// optimizer's), without changing anything yet.
-    fn decode(&self, state: ShardState) -> ddp::Result<Decoded<O>> {
+    fn decode(&self, state: ShardState) -> ddp_core::Result<Decoded<O>> {
         let kind = Self::kind();
         let rec = &state.optimizer;
         if !rec.kind.is_empty() && rec.kind != kind {
-            return Err(ddp::Error::Mismatch(format!(
+            return Err(ddp_core::Error::Mismatch(format!(
                 "the checkpoint holds {} optimizer state but the optimizer is {kind}",
                 rec.kind
             )));
@@ -577,7 +577,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                 }
                 let st = O::State::<1>::state_unflatten("", &mut src, &self.device);
                 Some(st.ok_or_else(|| {
-                    ddp::Error::Mismatch(format!(
+                    ddp_core::Error::Mismatch(format!(
                         "the checkpoint's optimizer state of chunk {i} (tensors {names:?}, \
                          scalars {:?}) does not make a {kind} state",
                         scalars.keys().collect::<Vec<_>>()
@@ -624,9 +624,9 @@ fn slot_name(path: &str) -> String {
     path.replace('.', "/")
 }
 
-fn f32_vec(data: TensorData, what: &str) -> ddp::Result<Vec<f32>> {
+fn f32_vec(data: TensorData, what: &str) -> ddp_core::Result<Vec<f32>> {
     data.try_into_vec::<f32>()
-        .map_err(|e| ddp::Error::InvalidArgument(format!("{what} is not f32: {e:?}")))
+        .map_err(|e| ddp_core::Error::InvalidArgument(format!("{what} is not f32: {e:?}")))
 }
 
 impl<M: Module, O: Optimizer> std::ops::Deref for ZeroDdp<M, O> {

@@ -1,13 +1,13 @@
 //! `ShardedDataset` under Burn's own `DataLoaderBuilder`: each rank loads exactly
-//! `ddp::DistributedSampler`'s indices (PyTorch semantics), the shards partition the dataset
+//! `ddp_core::DistributedSampler`'s indices (PyTorch semantics), the shards partition the dataset
 //! (with PyTorch's padding), and `set_epoch` reshuffles identically on every rank.
 
 use burn::data::dataloader::batcher::Batcher;
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::{Dataset, InMemDataset};
 use burn::tensor::Device;
-use ddp::DistributedSampler;
 use ddp_burn::ShardedDataset;
+use ddp_core::DistributedSampler;
 use std::sync::Arc;
 
 /// Batches item ids as they are (the loader's output is what it read).

@@ -3,10 +3,10 @@
 //! references are plain Burn (module `common`, no ddp-rs code). Every collective is bounded by the
 //! group timeout, so a bug shows up as an error, not a hang.
 
-use ddp::hooks::{
+use ddp_burn::{Ddp, DdpOptions};
+use ddp_core::hooks::{
     CompressHook, PeriodicModelAverager, PostLocalSgdHook, PowerSgdHook, PowerSgdState,
 };
-use ddp_burn::{Ddp, DdpOptions};
 
 mod common;
 
@@ -304,7 +304,7 @@ fn join_with_uneven_shards_ends_identical_and_matches_the_schedule() {
     let got = run_ranks(2, |rank, pg| {
         let mut ddp = Ddp::new(model(9, HID), &pg, tiny_buckets()).unwrap();
         let mut opt = optimizer(Opt::Adam);
-        let mut join = ddp::Join::new(&pg);
+        let mut join = ddp_core::Join::new(&pg);
         let mut rounds = 0;
         let mut i = 0;
         loop {

@@ -6,8 +6,8 @@
 use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::{Dataset, InMemDataset};
 use burn_train::{Learner, SupervisedTraining};
-use ddp::DistributedSampler;
 use ddp_burn::{DdpLearningStrategy, ShardedDataset};
+use ddp_core::DistributedSampler;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
@@ -120,7 +120,7 @@ fn learner_strategy_equals_burns_single_device_learner_on_the_combined_batch() {
 }
 
 /// Ranks with different numbers of batches (no `ShardedDataset`): the rank that runs out
-/// shadows the others' all-reduces (`ddp::Join`), so nobody hangs, every rank takes the same
+/// shadows the others' all-reduces (`ddp_core::Join`), so nobody hangs, every rank takes the same
 /// number of optimizer steps and the replicas end bit-identical.
 #[test]
 fn uneven_loaders_end_together_with_identical_replicas() {
@@ -231,7 +231,7 @@ fn checksummed_checkpointer_restores_exactly_and_refuses_a_flipped_bit() {
 
     let dir = tmp("ddp-learner-crc");
     let c = ChecksummedCheckpointer::new(dir.path(), "model").with_meta(|epoch| {
-        ddp::checkpoint::CheckpointMeta {
+        ddp_core::checkpoint::CheckpointMeta {
             step: 10 * epoch as u64,
             world_size: 3,
             ..Default::default()

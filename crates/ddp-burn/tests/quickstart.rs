@@ -24,7 +24,7 @@ fn files(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|d| d.map(|e| e.unwrap().path()).collect())
         .unwrap_or_default();
-    v.retain(|p| !p.ends_with(ddp::checkpoint::LOCK_FILE));
+    v.retain(|p| !p.ends_with(ddp_core::checkpoint::LOCK_FILE));
     v.sort();
     v
 }
@@ -58,10 +58,10 @@ fn one_call_save_writes_one_file_on_rank_0_and_resumes_bit_for_bit() {
         let steps = EPOCHS * STEPS as u64;
         let saved = ddp.save_checkpoint(dir, &opt, EPOCHS).unwrap();
         if rank == 0 {
-            let file = dir.join(ddp::checkpoint::CHECKPOINT_FILE);
+            let file = dir.join(ddp_core::checkpoint::CHECKPOINT_FILE);
             assert_eq!(saved.as_deref(), Some(file.as_path()));
             assert_eq!(files(dir), vec![file]);
-            let meta = ddp::checkpoint::load(dir).unwrap().unwrap().meta;
+            let meta = ddp_core::checkpoint::load(dir).unwrap().unwrap().meta;
             assert_eq!((meta.world_size, meta.step, meta.epoch), (2, steps, EPOCHS));
         } else {
             assert_eq!(saved, None);
@@ -118,7 +118,7 @@ fn one_call_save_writes_one_file_on_rank_0_and_resumes_bit_for_bit() {
         let saved = ddp.save_model(&mdir, 0).unwrap();
         assert_eq!(saved.is_some(), rank == 0);
         if rank == 0 {
-            let c = ddp::checkpoint::load(&mdir).unwrap().unwrap();
+            let c = ddp_core::checkpoint::load(&mdir).unwrap().unwrap();
             assert!(c
                 .require_blob(ddp_burn::checkpoint::OPTIMIZER_BLOB)
                 .is_err());
@@ -137,12 +137,12 @@ fn ddp_single() -> ProcessGroup {
 fn sharded_dataset_in_one_call_with_sampler_options() {
     let data: Vec<usize> = (0..10).collect();
     let got = ddp_comm::testing::run_ranks(2, |pg| {
-        let want = |s: ddp::DistributedSampler| -> Vec<usize> {
+        let want = |s: ddp_core::DistributedSampler| -> Vec<usize> {
             let mut s = s;
             s.indices()
         };
         let plain = ShardedDataset::new(Arc::new(InMemDataset::new(data.clone())), &pg).unwrap();
-        let mut d = ddp::DistributedSampler::new(10, 2, pg.rank()).unwrap();
+        let mut d = ddp_core::DistributedSampler::new(10, 2, pg.rank()).unwrap();
         assert_eq!(*plain.indices(), d.indices());
         let opt = ShardedDataset::from_dataset(InMemDataset::new(data.clone()), &pg)
             .unwrap()
@@ -150,7 +150,7 @@ fn sharded_dataset_in_one_call_with_sampler_options() {
             .shuffle(false)
             .drop_last(true)
             .shared();
-        let s = ddp::DistributedSampler::new(10, 2, pg.rank())
+        let s = ddp_core::DistributedSampler::new(10, 2, pg.rank())
             .unwrap()
             .seed(7)
             .shuffle(false)
@@ -160,7 +160,7 @@ fn sharded_dataset_in_one_call_with_sampler_options() {
         // The old constructor still works.
         let old = ShardedDataset::new(
             Arc::new(InMemDataset::new(data.clone())),
-            ddp::DistributedSampler::new(10, 2, pg.rank())
+            ddp_core::DistributedSampler::new(10, 2, pg.rank())
                 .unwrap()
                 .seed(3),
         )

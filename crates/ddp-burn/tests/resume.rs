@@ -1,12 +1,12 @@
-//! Checkpoints of Burn training through `ddp::checkpoint` (real files, real collectives): an
+//! Checkpoints of Burn training through `ddp_core::checkpoint` (real files, real collectives): an
 //! interrupted-and-resumed run equals the uninterrupted one bit for bit (model and Adam state
 //! from Burn's records, position from our metadata), and damaged or foreign records are errors
 //! naming the blob.
 
-use ddp::checkpoint::{self, RunPlan, TrainingState};
-use ddp::Checkpoint;
 use ddp_burn::checkpoint::{MODEL_BLOB, OPTIMIZER_BLOB};
 use ddp_burn::{Ddp, DdpOptions};
+use ddp_core::checkpoint::{self, RunPlan, TrainingState};
+use ddp_core::Checkpoint;
 
 mod common;
 

@@ -6,9 +6,9 @@
 use burn::optim::momentum::MomentumConfig;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::Tensor;
-use ddp::checkpoint::CheckpointMeta;
-use ddp::sharding::{self, ZeroStage};
 use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
+use ddp_core::checkpoint::CheckpointMeta;
+use ddp_core::sharding::{self, ZeroStage};
 use std::path::Path;
 
 mod common;
@@ -224,7 +224,7 @@ fn join_with_uneven_inputs_under_zero_equals_ddp() {
     let run = |stage| {
         on_ranks(2, stage, &adamw(), tiny(), HID, |rank, z| {
             let pg = z.process_group().clone();
-            let mut join = ddp::Join::new(&pg);
+            let mut join = ddp_core::Join::new(&pg);
             let mut i = 0;
             while let Some(step) = join.begin_step(i < counts[rank]).unwrap() {
                 let loss = step.has_data.then(|| {

@@ -1,7 +1,7 @@
 //! Device buckets for candle parameters: the reducer's flat gradient buffers allocated where the
 //! parameters live ([`DdpOptions::device_buckets`](crate::DdpOptions::device_buckets)).
 //!
-//! - CPU: [`ddp::reducer::CpuBucket`] (the device path on host memory, what the tests run).
+//! - CPU: [`ddp_core::reducer::CpuBucket`] (the device path on host memory, what the tests run).
 //! - CUDA (feature `cuda`): `crate::cuda::CudaBucket`, reduced by a
 //!   `ddp_comm::cuda::CudaGroup` of the same ranks (NCCL when every rank has its own GPU,
 //!   relayed through host memory when ranks share one).
@@ -10,8 +10,8 @@
 
 use crate::{Error, Result};
 use candle_core::Device;
-use ddp::reducer::{CpuBucket, ParamSpec, Reducer, ReducerOptions};
 use ddp_comm::ProcessGroup;
+use ddp_core::reducer::{CpuBucket, ParamSpec, Reducer, ReducerOptions};
 
 /// A reducer whose buckets live on `device` (a collective: every rank calls it).
 pub fn device_reducer(

@@ -1,13 +1,13 @@
-//! candle parameters to and from `ddp::Checkpoint` (rank-0, atomic, safetensors checkpoints of
-//! the `ddp` crate), and sharing a checkpoint that only rank 0 can read with every rank.
+//! candle parameters to and from `ddp_core::Checkpoint` (rank-0, atomic, safetensors checkpoints of
+//! the `ddp-core` crate), and sharing a checkpoint that only rank 0 can read with every rank.
 //!
-//! Tensors are stored as `f32` (`ddp::checkpoint` stores `f32` only): exact for `f32`, `f16` and
+//! Tensors are stored as `f32` (`ddp_core::checkpoint` stores `f32` only): exact for `f32`, `f16` and
 //! `bf16` parameters, rounded for `f64`.
 
 use crate::{Error, Result};
 use candle_core::{DType, Tensor, Var};
-use ddp::checkpoint::{Checkpoint, TensorData};
 use ddp_comm::ProcessGroup;
+use ddp_core::checkpoint::{Checkpoint, TensorData};
 
 /// Adds every variable to `ckpt` under its name.
 pub fn save_vars(ckpt: &mut Checkpoint, vars: &[(String, Var)]) -> Result<()> {
@@ -46,7 +46,7 @@ pub fn load_like(ckpt: &Checkpoint, key: &str, like: &Tensor) -> Result<Tensor> 
 /// error when the shapes differ).
 pub fn tensor_like(t: &TensorData, key: &str, like: &Tensor) -> Result<Tensor> {
     if t.shape != like.dims() {
-        return Err(Error::Ddp(ddp::Error::Mismatch(format!(
+        return Err(Error::Ddp(ddp_core::Error::Mismatch(format!(
             "checkpoint tensor `{key}` has shape {:?} but the model's tensor has {:?}",
             t.shape,
             like.dims()
@@ -58,20 +58,20 @@ pub fn tensor_like(t: &TensorData, key: &str, like: &Tensor) -> Result<Tensor> {
 /// Sends `root`'s checkpoint (or its absence) to every rank: what `root` passes is what every rank
 /// gets back (`ckpt` is ignored on the other ranks). Lets a resumed run read the file on rank 0
 /// only, e.g. when the checkpoint directory is not shared between nodes. A collective; the same as
-/// `ddp::checkpoint::broadcast` (`ddp::checkpoint::resume_or_start` does all of a resume).
+/// `ddp_core::checkpoint::broadcast` (`ddp_core::checkpoint::resume_or_start` does all of a resume).
 pub fn broadcast_checkpoint(
     pg: &ProcessGroup,
     ckpt: Option<&Checkpoint>,
     root: usize,
 ) -> Result<Option<Checkpoint>> {
-    Ok(ddp::checkpoint::broadcast(pg, ckpt, root)?)
+    Ok(ddp_core::checkpoint::broadcast(pg, ckpt, root)?)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::Device;
-    use ddp::checkpoint::CheckpointMeta;
+    use ddp_core::checkpoint::CheckpointMeta;
 
     #[test]
     fn vars_round_trip_through_a_checkpoint_file() {
@@ -89,12 +89,12 @@ mod tests {
             ..Default::default()
         });
         save_vars(&mut ckpt, &vars).unwrap();
-        ddp::checkpoint::save_atomic(dir.path(), &ckpt).unwrap();
+        ddp_core::checkpoint::save_atomic(dir.path(), &ckpt).unwrap();
 
         let a2 = Var::zeros((3, 4), DType::F32, &Device::Cpu).unwrap();
         let b2 = Var::zeros(5, DType::BF16, &Device::Cpu).unwrap();
         let vars2 = vec![("a".to_string(), a2.clone()), ("b".to_string(), b2.clone())];
-        let loaded = ddp::checkpoint::load(dir.path()).unwrap().unwrap();
+        let loaded = ddp_core::checkpoint::load(dir.path()).unwrap().unwrap();
         assert_eq!(loaded.meta.step, 7);
         load_vars(&loaded, &vars2).unwrap();
         let flat = |v: &Var| {

@@ -1,4 +1,4 @@
-//! [`DistributedDataParallel`]: the candle-facing wrapper around `ddp::reducer::Reducer`.
+//! [`DistributedDataParallel`]: the candle-facing wrapper around `ddp_core::reducer::Reducer`.
 
 use crate::blockwise::blockwise_backward;
 use crate::params::CandleParams;
@@ -7,12 +7,12 @@ use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
-use ddp::adapter::{self, DdpCore, DdpWrapper};
-use ddp::checkpoint::{CheckpointMeta, OptimizerState};
-use ddp::join::{Join, JoinStep};
-use ddp::reducer::{Reducer, ReducerOptions, StepStats};
-use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
+use ddp_core::adapter::{self, DdpCore, DdpWrapper};
+use ddp_core::checkpoint::{CheckpointMeta, OptimizerState};
+use ddp_core::join::{Join, JoinStep};
+use ddp_core::reducer::{Reducer, ReducerOptions, StepStats};
+use ddp_core::verify::ReplicaReport;
 use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
 
@@ -25,14 +25,14 @@ pub struct DdpOptions {
     pub first_bucket_cap_mb: f64,
     /// Copy rank 0's parameter values to every rank at construction (default true).
     pub init_sync: bool,
-    /// Fail a step whose averaged gradients are NaN or infinite with `ddp::Error::NonFinite`,
+    /// Fail a step whose averaged gradients are NaN or infinite with `ddp_core::Error::NonFinite`,
     /// naming the step, the rank and the parameter (default false; see
     /// `Reducer::set_check_finite`). Must be the same on every rank.
     pub check_finite: bool,
     /// Where the gradient buckets live: `None` (default) puts them in device memory when the
     /// parameters are on a GPU (flatten, all-reduce and unflatten on the device; feature `cuda`)
     /// and in host memory otherwise; `Some(true)` forces device buckets (on the CPU:
-    /// `ddp::reducer::CpuBucket`, the device path run on host memory), `Some(false)` host buckets
+    /// `ddp_core::reducer::CpuBucket`, the device path run on host memory), `Some(false)` host buckets
     /// (GPU gradients then go through host copies).
     pub device_buckets: Option<bool>,
     /// The averaged gradients `backward` returns are views of the gradient buckets, not copies
@@ -73,7 +73,7 @@ pub struct BlockwiseOutput {
 /// group, replicas kept identical. See the crate documentation.
 ///
 /// The framework-agnostic half (process group, reducer, `register_comm_hook`, statistics,
-/// parameter names, ...) is `ddp`'s [`DdpCore`], reached through `Deref`: `ddp.rank()`,
+/// parameter names, ...) is `ddp-core`'s [`DdpCore`], reached through `Deref`: `ddp.rank()`,
 /// `ddp.reducer_mut()` and the like are its methods.
 pub struct DistributedDataParallel {
     /// The parameters sorted by name: the registration order, the same on every rank.
@@ -215,7 +215,7 @@ impl DistributedDataParallel {
     /// # let mut ddp = Ddp::new(&varmap, &pg, Default::default())?;
     /// # let mut opt = Sgd::new_named(ddp.named_vars().to_vec(), ParamsSgd { lr: 0.1, ..Default::default() })?;
     /// # let my_batches: Vec<(Tensor, Tensor)> = Vec::new();
-    /// let mut join = ddp::Join::new(&pg);
+    /// let mut join = ddp_core::Join::new(&pg);
     /// let mut batches = my_batches.into_iter(); // any number, different on every rank
     /// loop {
     ///     let batch = batches.next();
@@ -405,7 +405,7 @@ impl DistributedDataParallel {
 /// One-call checkpoints: what a training program calls on every rank to save its run.
 impl DistributedDataParallel {
     /// Saves the model and `opt`'s state in one call, on every rank (a collective): rank 0 writes
-    /// `<dir>/checkpoint.safetensors` atomically (`ddp::checkpoint::save_atomic`: temp file,
+    /// `<dir>/checkpoint.safetensors` atomically (`ddp_core::checkpoint::save_atomic`: temp file,
     /// fsync, rename), the other ranks write nothing. Returns the file on rank 0, `None`
     /// elsewhere; a failure to write on rank 0 is an error on every rank.
     ///
@@ -414,10 +414,10 @@ impl DistributedDataParallel {
     /// run), the world size is the process group's, and the position is the start of epoch
     /// `epoch` (sampler epoch `epoch`, nothing consumed) — pass the number of epochs completed
     /// when saving after an epoch or at the end of training. Besides the parameters (under
-    /// their names) and `opt`'s state ([`ddp::checkpoint::OptimizerState`]), the comm hook's
+    /// their names) and `opt`'s state ([`ddp_core::checkpoint::OptimizerState`]), the comm hook's
     /// state is saved, every rank's (PowerSGD's residuals differ between ranks).
     ///
-    /// It resumes through `ddp::checkpoint::resume_or_start` with a `RunPlan` of the same world
+    /// It resumes through `ddp_core::checkpoint::resume_or_start` with a `RunPlan` of the same world
     /// size and no hyper-parameters (`hyper: Null`), then
     /// `ddp_candle::checkpoint::load_vars(&r.checkpoint, ddp.named_vars())` and
     /// `r.checkpoint.load_optimizer(&mut opt)`. A mid-epoch position, hyper-parameters or an
@@ -454,7 +454,7 @@ impl DistributedDataParallel {
     }
 
     /// [`save_checkpoint`](Self::save_checkpoint) at the position `meta` gives (e.g.
-    /// `plan.meta(&pos)` of a `ddp::checkpoint::RunPlan`: a mid-epoch sampler position,
+    /// `plan.meta(&pos)` of a `ddp_core::checkpoint::RunPlan`: a mid-epoch sampler position,
     /// hyper-parameters, RNG state), with `opt`'s state when given. `meta.world_size` is set
     /// to the process group's size whatever it was (`CheckpointMeta::default()` says 1); the
     /// rest is written as given. A collective, like `save_checkpoint`.
@@ -468,7 +468,7 @@ impl DistributedDataParallel {
         O: OptimizerState + ?Sized,
         Error: From<O::Error>,
     {
-        let fill = |ckpt: &mut ddp::Checkpoint| -> Result<()> {
+        let fill = |ckpt: &mut ddp_core::Checkpoint| -> Result<()> {
             crate::checkpoint::save_vars(ckpt, self.named_vars())?;
             if let Some(opt) = opt {
                 ckpt.save_optimizer(opt)?;
@@ -480,12 +480,12 @@ impl DistributedDataParallel {
 }
 
 impl Error {
-    /// This error as `ddp`'s: its own when it carries one, else a checkpoint error with its
-    /// message (for `ddp`'s collectives that agree on a result over the ranks).
-    pub(crate) fn into_ddp(self) -> ddp::Error {
+    /// This error as `ddp-core`'s: its own when it carries one, else a checkpoint error with its
+    /// message (for `ddp-core`'s collectives that agree on a result over the ranks).
+    pub(crate) fn into_ddp(self) -> ddp_core::Error {
         match self {
             Error::Ddp(e) => e,
-            other => ddp::Error::Checkpoint(other.to_string()),
+            other => ddp_core::Error::Checkpoint(other.to_string()),
         }
     }
 }

@@ -1,5 +1,5 @@
 //! [`Fsdp`]: ZeRO stage 3 (FSDP-style parameter sharding) for candle models, on
-//! `ddp::sharding::units`.
+//! `ddp_core::sharding::units`.
 //!
 //! The model is a sequence of [`Unit`]s (its layers or stages): each owns the parameters whose
 //! names start with its prefixes and maps an input to an output, given its parameters through a
@@ -24,7 +24,7 @@
 //!
 //! Memory per rank: the shards (16Ψ/N with AdamW), at most two gathered units (one at the
 //! backward's peak with [`BackwardPrefetch::BackwardPost`] or without backward prefetch, at the
-//! cost of overlap) and one unit's gradient (plus at most `ddp::sharding::units::MAX_SCATTERS_IN_FLIGHT` gradients waiting to
+//! cost of overlap) and one unit's gradient (plus at most `ddp_core::sharding::units::MAX_SCATTERS_IN_FLIGHT` gradients waiting to
 //! be reduce-scattered), the units' inputs (activations) and one unit's graph. Communication: the
 //! all-gathers (every unit in forward, all but the last again in backward) and the gradient
 //! reduce-scatters, at most 1.5× DDP's all-reduce ([`Fsdp::bytes_per_step`]).
@@ -40,7 +40,7 @@
 //! # candle_nn::linear(64, 128, vb.pp("l1"))?;
 //! # candle_nn::linear(128, 10, vb.pp("l2"))?;
 //! # let batches: Vec<(Tensor, Tensor)> = Vec::new();
-//! # let (dir, meta) = (std::path::Path::new("/tmp/ckpt"), ddp::CheckpointMeta::default());
+//! # let (dir, meta) = (std::path::Path::new("/tmp/ckpt"), ddp_core::CheckpointMeta::default());
 //! let units = vec![
 //!     Unit::new(["l1"], |vb, x| candle_nn::linear(64, 128, vb.pp("l1"))?.forward(x)?.relu()),
 //!     Unit::new(["l2"], |vb, x| candle_nn::linear(128, 10, vb.pp("l2"))?.forward(x)),
@@ -71,13 +71,13 @@ use crate::{nn, tensors, Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_nn::VarBuilder;
-use ddp::adapter::{self, ParamAccess};
-use ddp::checkpoint::{Checkpoint, CheckpointMeta};
-use ddp::join::{Join, JoinStep};
-use ddp::reducer::{verify_param_specs, ParamSpec, StepStats, TotalStats};
-use ddp::sharding::{self, ShardGrads, ShardLayout, ShardState, UnitComm};
-use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
+use ddp_core::adapter::{self, ParamAccess};
+use ddp_core::checkpoint::{Checkpoint, CheckpointMeta};
+use ddp_core::join::{Join, JoinStep};
+use ddp_core::reducer::{verify_param_specs, ParamSpec, StepStats, TotalStats};
+use ddp_core::sharding::{self, ShardGrads, ShardLayout, ShardState, UnitComm};
+use ddp_core::verify::ReplicaReport;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
@@ -263,7 +263,7 @@ impl Fsdp {
             ));
         }
         let specs = adapter::param_specs(&params)?;
-        ddp::reducer::require_trainable(&specs)?;
+        ddp_core::reducer::require_trainable(&specs)?;
         verify_param_specs(pg, &specs)?;
         let names: Vec<String> = params.vars().iter().map(|(n, _)| n.clone()).collect();
         let lists: Vec<Vec<usize>> = units
@@ -705,7 +705,7 @@ impl Fsdp {
             self.shard.values()?,
             |p, v| {
                 let t = Tensor::from_slice(v, self.specs[p].shape.as_slice(), &Device::Cpu)
-                    .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))?;
+                    .map_err(|e| ddp_core::Error::InvalidArgument(e.to_string()))?;
                 out[p] = Some(t);
                 Ok(())
             },
@@ -722,7 +722,7 @@ impl Fsdp {
     }
 
     /// Checks across ranks that the parameters every rank gathers are bit-identical (a
-    /// collective; see `ddp::verify`).
+    /// collective; see `ddp_core::verify`).
     pub fn verify_replicas(&self) -> Result<ReplicaReport> {
         let vars: Vec<Var> = self
             .full_params()?
@@ -800,7 +800,7 @@ impl Fsdp {
         Ok(Some(meta))
     }
 
-    /// Takes this rank's shard of a plain checkpoint (DDP's, or `ddp::sharding::consolidate`'s):
+    /// Takes this rank's shard of a plain checkpoint (DDP's, or `ddp_core::sharding::consolidate`'s):
     /// parameters and optimizer state (a collective).
     pub fn import(&mut self, ckpt: &Checkpoint) -> Result<()> {
         let state = self.shard.import(&self.pg, &self.specs, ckpt)?;

@@ -43,8 +43,8 @@
 //!
 //! `no_sync` ([`DistributedDataParallel::no_sync`]) accumulates gradients locally for k
 //! micro-batches; the next synchronized backward reduces the accumulated sum. Uneven inputs across
-//! ranks: [`DistributedDataParallel::backward_join`] with `ddp::Join`. Module [`checkpoint`]
-//! converts parameters to and from `ddp::Checkpoint`; module [`optim`] has PyTorch's SGD (momentum,
+//! ranks: [`DistributedDataParallel::backward_join`] with `ddp_core::Join`. Module [`checkpoint`]
+//! converts parameters to and from `ddp_core::Checkpoint`; module [`optim`] has PyTorch's SGD (momentum,
 //! in-place fused update) and candle's AdamW, both with checkpointable state.
 //! [`alloc::retain_freed_memory`] stops glibc from returning candle's per-step buffers to the
 //! kernel (page faults were a large share of a CPU step; the figures are in the book's
@@ -58,9 +58,9 @@
 //! hooks, ZeRO/FSDP and GPUs in their own chapters.
 //!
 //! ## Why a separate crate
-//! The reducer, sampler, checkpoints and Join live in the framework-agnostic `ddp` crate, which
+//! The reducer, sampler, checkpoints and Join live in the framework-agnostic `ddp-core` crate, which
 //! works on flat buffers and depends on nothing but `ddp-comm`. Everything that knows about
-//! candle (tensors, `Var`s, `GradStore`, the blockwise backward) is here, so that `ddp` builds in
+//! candle (tensors, `Var`s, `GradStore`, the blockwise backward) is here, so that `ddp-core` builds in
 //! seconds without candle's large dependency tree (gemm, safetensors mmap, ...), can serve other
 //! frameworks (`ddp-burn` is the sibling crate for Burn), and candle version bumps touch only
 //! this crate.
@@ -96,14 +96,14 @@ pub type Ddp = DistributedDataParallel;
 /// Result alias of this crate.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Errors of the candle adapter: candle's own, or the framework-agnostic `ddp` ones (which carry
+/// Errors of the candle adapter: candle's own, or the framework-agnostic `ddp-core` ones (which carry
 /// communication failures naming the peer rank).
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),
     #[error(transparent)]
-    Ddp(#[from] ddp::Error),
+    Ddp(#[from] ddp_core::Error),
     /// A model or tensor that this adapter cannot handle (the message says why).
     #[error("{0}")]
     Unsupported(String),
@@ -111,7 +111,7 @@ pub enum Error {
 
 impl From<ddp_comm::Error> for Error {
     fn from(e: ddp_comm::Error) -> Self {
-        Error::Ddp(ddp::Error::Comm(e))
+        Error::Ddp(ddp_core::Error::Comm(e))
     }
 }
 
@@ -132,7 +132,7 @@ impl From<Error> for candle_core::Error {
 #[doc = include_str!("../../../README.md")]
 pub struct ReadmeDoctests;
 
-/// The book's chapters (`docs/`) whose Rust blocks need candle or only `ddp`/`ddp-comm`, one
+/// The book's chapters (`docs/`) whose Rust blocks need candle or only `ddp-core`/`ddp-comm`, one
 /// item per chapter, compiled as doctests. The Burn chapter is hosted by `ddp-burn`, the
 /// launcher's by `ddprun`.
 #[cfg(doctest)]

@@ -1,6 +1,6 @@
-//! [`CandleParams`]: candle's side of the adapter contract of `ddp`
-//! ([`ddp::adapter::ParamAccess`]) — named `Var`s in registration order, gradients in a
-//! `GradStore`. The framework-agnostic driver (`ddp::adapter::{mark_grads, averaged_grads,
+//! [`CandleParams`]: candle's side of the adapter contract of `ddp-core`
+//! ([`ddp_core::adapter::ParamAccess`]) — named `Var`s in registration order, gradients in a
+//! `GradStore`. The framework-agnostic driver (`ddp_core::adapter::{mark_grads, averaged_grads,
 //! broadcast_params}`) does the rest, the same code a `ddp-burn` adapter would use.
 
 use crate::tensors::{comm_dtype, tensor_from_host, with_host_slice};
@@ -9,8 +9,8 @@ use candle_core::backprop::GradStore;
 use candle_core::Var;
 use candle_core::{CpuStorage, DType, Device, InplaceOp1, Layout, Tensor};
 use candle_nn::VarMap;
-use ddp::adapter::ParamAccess;
-use ddp::reducer::{DeviceSlice, HostBuffer, HostSlice, ParamSpec};
+use ddp_core::adapter::ParamAccess;
+use ddp_core::reducer::{DeviceSlice, HostBuffer, HostSlice, ParamSpec};
 
 /// Named candle variables sorted by name: the registration order, the same on every rank.
 #[derive(Debug, Clone)]
@@ -80,7 +80,7 @@ impl CandleParams {
         index: usize,
         offset: usize,
         len: usize,
-        f: &mut dyn FnMut(&mut [f32]) -> ddp::Result<()>,
+        f: &mut dyn FnMut(&mut [f32]) -> ddp_core::Result<()>,
     ) -> Result<()> {
         let (name, var) = &self.vars[index];
         if offset + len > var.elem_count() || !var.device().is_cpu() || !var.is_contiguous() {
@@ -128,7 +128,7 @@ impl CandleParams {
 
 /// Runs `f` on `t` as device memory: borrowed from a contiguous tensor (made contiguous on its
 /// device first otherwise). CPU tensors give [`DeviceSlice::Cpu`], CUDA tensors
-/// [`DeviceSlice::Cuda`](ddp::reducer::DeviceSlice) (feature `cuda`).
+/// [`DeviceSlice::Cuda`](ddp_core::reducer::DeviceSlice) (feature `cuda`).
 pub fn with_device_slice<R>(t: &Tensor, f: impl FnOnce(DeviceSlice<'_>) -> R) -> Result<R> {
     if !t.is_contiguous() {
         return with_device_slice(&t.contiguous()?, f);
@@ -243,7 +243,7 @@ impl ParamAccess for CandleParams {
 
 /// Copies host values over a contiguous CPU tensor of the same dtype and size, in place.
 /// What [`CandleParams::lend_param_range`] runs on the lent elements.
-type LentFn<'a> = &'a mut dyn FnMut(&mut [f32]) -> ddp::Result<()>;
+type LentFn<'a> = &'a mut dyn FnMut(&mut [f32]) -> ddp_core::Result<()>;
 
 /// [`CandleParams::lend_param_range`]'s in-place op: `f` on the range of an f32 storage.
 struct LendRange<'a> {
@@ -251,7 +251,7 @@ struct LendRange<'a> {
     len: usize,
     f: std::sync::Mutex<LentFn<'a>>,
     /// `f`'s error, returned as it is rather than through candle's.
-    failed: std::sync::Mutex<Option<ddp::Error>>,
+    failed: std::sync::Mutex<Option<ddp_core::Error>>,
 }
 
 impl InplaceOp1 for LendRange<'_> {

@@ -1,6 +1,6 @@
 //! What every sharded stage (1, 2 and 3) holds on a rank: the values of its chunks of a
 //! `ShardLayout` as 1-D `Var`s (named `bucket<b>` for the optimizer), stepped by an ordinary
-//! element-wise optimizer, and converted to and from `ddp::sharding`'s checkpoints. Shared by
+//! element-wise optimizer, and converted to and from `ddp_core::sharding`'s checkpoints. Shared by
 //! [`ZeroDdp`](crate::ZeroDdp) (chunks of the reducer's buckets) and [`Fsdp`](crate::Fsdp)
 //! (chunks of the units).
 
@@ -8,12 +8,12 @@ use crate::optim::{DynOptimizer, EchoGrads, Piece};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor, TensorId, Var};
-use ddp::checkpoint::{
+use ddp_comm::ProcessGroup;
+use ddp_core::checkpoint::{
     Checkpoint, CheckpointMeta, OptimizerRecord, OptimizerStateDict, TensorData,
 };
-use ddp::reducer::{HostSlice, ParamSpec};
-use ddp::sharding::{self, ChunkState, ShardGrads, ShardLayout, ShardState};
-use ddp_comm::ProcessGroup;
+use ddp_core::reducer::{HostSlice, ParamSpec};
+use ddp_core::sharding::{self, ChunkState, ShardGrads, ShardLayout, ShardState};
 use std::path::{Path, PathBuf};
 
 pub(crate) fn chunk_name(bucket: usize) -> String {
@@ -127,11 +127,11 @@ impl Shard {
     }
 
     /// Copies the values of chunk `i` into `dst` (its length; nothing for an empty chunk).
-    pub fn copy_chunk(&self, i: usize, dst: &mut [f32]) -> ddp::Result<()> {
+    pub fn copy_chunk(&self, i: usize, dst: &mut [f32]) -> ddp_core::Result<()> {
         if let Some((_, pieces)) = self.through(i) {
             return self
                 .copy_pieces(pieces, dst)
-                .map_err(|e| ddp::Error::InvalidArgument(e.to_string()));
+                .map_err(|e| ddp_core::Error::InvalidArgument(e.to_string()));
         }
         let Some(var) = &self.vars[i] else {
             return Ok(());
@@ -141,14 +141,14 @@ impl Shard {
                 dst.copy_from_slice(s);
                 Ok(())
             } else {
-                Err(ddp::Error::InvalidArgument(format!(
+                Err(ddp_core::Error::InvalidArgument(format!(
                     "shard chunk {i} holds {} values, its block {}",
                     s.len(),
                     dst.len()
                 )))
             }
         })
-        .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))?
+        .map_err(|e| ddp_core::Error::InvalidArgument(e.to_string()))?
     }
 
     fn copy_pieces(&self, pieces: &[Piece], dst: &mut [f32]) -> Result<()> {
@@ -243,7 +243,7 @@ impl Shard {
     /// Sets the chunks and the optimizer state from `state` (this rank's cut of a checkpoint).
     pub fn apply(&self, opt: &mut dyn DynOptimizer, state: ShardState) -> Result<()> {
         if !state.optimizer.kind.is_empty() && state.optimizer.kind != opt.kind() {
-            return Err(Error::Ddp(ddp::Error::Mismatch(format!(
+            return Err(Error::Ddp(ddp_core::Error::Mismatch(format!(
                 "checkpoint holds {} optimizer state but the optimizer is {}",
                 state.optimizer.kind,
                 opt.kind()
@@ -278,7 +278,7 @@ impl Shard {
         Ok(())
     }
 
-    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::sets`).
+    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp_core::sharding::sets`).
     pub fn save(
         &self,
         pg: &ProcessGroup,

@@ -1,4 +1,4 @@
-//! Conversions between candle tensors and the flat buffers of `ddp`/`ddp-comm`: a tensor as a flat
+//! Conversions between candle tensors and the flat buffers of `ddp-core`/`ddp-comm`: a tensor as a flat
 //! host slice without an extra copy ([`with_host_slice`]), a tensor from flat values
 //! ([`tensor_from_host`]), and whole-model statistics (cross-rank replica difference, sum, L2
 //! norm). The adapter contract built on them is in module [`params`](crate::params).
@@ -10,9 +10,9 @@ use crate::{Error, Result};
 use candle_core::{
     CpuStorage, DType, Device, InplaceOp1, Layout, Shape, Storage, Tensor, Var, WithDType,
 };
-use ddp::reducer::{HostBuffer, HostSlice};
-use ddp::verify::ReplicaReport;
 use ddp_comm::ProcessGroup;
+use ddp_core::reducer::{HostBuffer, HostSlice};
+use ddp_core::verify::ReplicaReport;
 use half::{bf16, f16};
 use std::cell::RefCell;
 
@@ -129,7 +129,7 @@ pub fn flatten_f64(vars: &[&Var]) -> Result<Vec<f64>> {
 
 /// Checks that every rank holds bit-identical values of `vars` (a collective: every rank must
 /// call it with the same parameters; every rank gets the same report), with
-/// `ddp::verify_replicas`: one small message of hashes when the replicas agree, an element-wise
+/// `ddp_core::verify_replicas`: one small message of hashes when the replicas agree, an element-wise
 /// comparison of the differing parameters otherwise. When every parameter has the same dtype
 /// the values are compared in it, borrowed from contiguous CPU tensors (no copy: checking a
 /// model does not double its memory); mixed dtypes are widened to `f64` (exact, and
@@ -155,13 +155,13 @@ pub fn verify_replicas(pg: &ProcessGroup, vars: &[&Var]) -> Result<ReplicaReport
         })
         .collect::<candle_core::Result<_>>()?;
     let slices: Vec<&[f64]> = values.iter().map(|v| v.as_slice()).collect();
-    Ok(ddp::verify::verify_replicas(pg, &slices)?)
+    Ok(ddp_core::verify::verify_replicas(pg, &slices)?)
 }
 
 /// [`verify_replicas`] for parameters all of dtype `T`.
 fn verify_as<T>(pg: &ProcessGroup, vars: &[&Var]) -> Result<ReplicaReport>
 where
-    T: WithDType + ddp::verify::ReplicaValue,
+    T: WithDType + ddp_core::verify::ReplicaValue,
 {
     // Read guards of every storage, held for the check; tensors that are not contiguous on the
     // CPU (a GPU parameter) are copied to the host instead.
@@ -187,7 +187,7 @@ where
             (None, _, _) => unreachable!("checked borrowable above"),
         });
     }
-    Ok(ddp::verify::verify_replicas(pg, &slices)?)
+    Ok(ddp_core::verify::verify_replicas(pg, &slices)?)
 }
 
 /// `(sum, l2 norm)` over every element of `vars`, accumulated in `f64`, one parameter at a time

@@ -1,7 +1,7 @@
-//! [`ZeroDdp`]: ZeRO stages 1 and 2 for candle models, on `ddp::sharding` (stage 3, which
+//! [`ZeroDdp`]: ZeRO stages 1 and 2 for candle models, on `ddp_core::sharding` (stage 3, which
 //! shards the parameters too, is [`Fsdp`](crate::Fsdp)).
 //!
-//! A [`Ddp`](crate::Ddp) whose buckets are reduce-scattered (`ddp::sharding::ReduceScatterHook`,
+//! A [`Ddp`](crate::Ddp) whose buckets are reduce-scattered (`ddp_core::sharding::ReduceScatterHook`,
 //! in place) instead of all-reduced; each rank keeps the optimizer state of the chunks it owns
 //! (one chunk per bucket, named `bucket<b>`), steps them with an ordinary optimizer of
 //! [`optim`](crate::optim) (`Sgd`, `AdamW`: element-wise, so stepping a chunk is exactly
@@ -20,7 +20,7 @@
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! # use candle_core::{DType, Device, Tensor};
 //! # use ddp_candle::{ShardOptimizer, ZeroDdp};
-//! # use ddp::sharding::ZeroStage;
+//! # use ddp_core::sharding::ZeroStage;
 //! # let pg = ddp_comm::init_process_group(Default::default())?;
 //! # let varmap = candle_nn::VarMap::new();
 //! # let vb = candle_nn::VarBuilder::from_varmap(&varmap, DType::F32, &Device::Cpu);
@@ -29,7 +29,7 @@
 //! # let batches: Vec<(Tensor, Tensor)> = Vec::new();
 //! # let loss = |o: &Tensor, y: &Tensor| candle_nn::loss::cross_entropy(o, y);
 //! # let params = candle_nn::ParamsAdamW::default();
-//! # let (dir, meta) = (std::path::Path::new("ckpt"), ddp::checkpoint::CheckpointMeta::default());
+//! # let (dir, meta) = (std::path::Path::new("ckpt"), ddp_core::checkpoint::CheckpointMeta::default());
 //! let ddp = ddp_candle::Ddp::new(&varmap, &pg, Default::default())?;
 //! let mut zero = ZeroDdp::with_optimizer(ddp, ZeroStage::Two, ShardOptimizer::AdamW(params))?;
 //! for (x, y) in batches {
@@ -48,11 +48,11 @@ use crate::{DistributedDataParallel, Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, Var};
 use candle_nn::ParamsAdamW;
-use ddp::adapter::ParamAccess;
-use ddp::checkpoint::{Checkpoint, CheckpointMeta};
-use ddp::join::{Join, JoinStep};
-use ddp::reducer::{HostSlice, StepStats};
-use ddp::sharding::{self, ShardLayout, ShardState, ZeroCore, ZeroStage};
+use ddp_core::adapter::ParamAccess;
+use ddp_core::checkpoint::{Checkpoint, CheckpointMeta};
+use ddp_core::join::{Join, JoinStep};
+use ddp_core::reducer::{HostSlice, StepStats};
+use ddp_core::sharding::{self, ShardLayout, ShardState, ZeroCore, ZeroStage};
 use std::path::{Path, PathBuf};
 
 /// Options of [`ZeroDdp::with_options`].
@@ -387,10 +387,10 @@ impl ZeroDdp {
         let opt = match &mut self.opt {
             ZeroOpt::Dyn(o) => {
                 {
-                    let _s = ddp::trace::span("shard step", "zero");
+                    let _s = ddp_core::trace::span("shard step", "zero");
                     self.shard.step(&mut **o, grads)?;
                 }
-                let _s = ddp::trace::span("gather params", "zero");
+                let _s = ddp_core::trace::span("gather params", "zero");
                 return self.gather_from_shard();
             }
             opt => opt,
@@ -406,7 +406,7 @@ impl ZeroDdp {
         // a buffer for its all-gather; the gather runs it first and lets its buffer carry
         // later buckets (`sharding::Gather::lead`).
         let parts = {
-            let _s = ddp::trace::span("shard step", "zero");
+            let _s = ddp_core::trace::span("shard step", "zero");
             self.shard.step_through(grads, |g| match opt {
                 ZeroOpt::Sgd(o) => o.step_through(g),
                 ZeroOpt::AdamW(o) => o.step_through(g),
@@ -429,7 +429,7 @@ impl ZeroDdp {
                 chunks.push(Some(v));
             }
         }
-        let _s = ddp::trace::span("gather params", "zero");
+        let _s = ddp_core::trace::span("gather params", "zero");
         // Kept whole between steps: these buckets' buffers go back to their own bucket.
         let kept_from = n - self.keep_whole.unwrap_or(n).min(n);
         let bufs = self.gather(bufs, |i, dst| {
@@ -447,7 +447,7 @@ impl ZeroDdp {
         let mut own = Vec::with_capacity(n);
         let mut spares = Vec::new();
         for (i, (v, whole)) in bufs.into_iter().zip(whole).enumerate() {
-            let v = (!v.is_empty()).then_some(ddp::reducer::HostBuffer::F32(v));
+            let v = (!v.is_empty()).then_some(ddp_core::reducer::HostBuffer::F32(v));
             if whole && i >= kept_from {
                 own.push(v);
             } else {
@@ -471,7 +471,7 @@ impl ZeroDdp {
     fn gather(
         &self,
         bufs: Vec<Vec<f32>>,
-        fill: impl FnMut(usize, &mut [f32]) -> ddp::Result<()>,
+        fill: impl FnMut(usize, &mut [f32]) -> ddp_core::Result<()>,
     ) -> Result<Vec<Vec<f32>>> {
         let how = sharding::Gather {
             window: self.core.gather_window(),
@@ -485,17 +485,18 @@ impl ZeroDdp {
         let params = self.ddp.params();
         // The parameters lent to the all-gather, which reads the owners' chunks straight into
         // them where it can (shared memory: one copy instead of three).
-        let mut lend = |p: usize,
-                        offset: usize,
-                        len: usize,
-                        f: &mut dyn FnMut(&mut [f32]) -> ddp::Result<()>| {
-            params
-                .lend_param_range(p, offset, len, f)
-                .map_err(|e| match e {
-                    Error::Ddp(e) => e,
-                    e => ddp::Error::InvalidArgument(e.to_string()),
-                })
-        };
+        let mut lend =
+            |p: usize,
+             offset: usize,
+             len: usize,
+             f: &mut dyn FnMut(&mut [f32]) -> ddp_core::Result<()>| {
+                params
+                    .lend_param_range(p, offset, len, f)
+                    .map_err(|e| match e {
+                        Error::Ddp(e) => e,
+                        e => ddp_core::Error::InvalidArgument(e.to_string()),
+                    })
+            };
         Ok(sharding::gather_params_into(
             self.ddp.process_group(),
             &self.shard.layout,
@@ -505,7 +506,7 @@ impl ZeroDdp {
             |p, offset, v| {
                 params
                     .write_param_range(p, offset, HostSlice::of(v))
-                    .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))
+                    .map_err(|e| ddp_core::Error::InvalidArgument(e.to_string()))
             },
             Some(&mut lend),
         )?)
@@ -517,11 +518,11 @@ impl ZeroDdp {
     }
 
     fn require_sharded(&self, what: &str) -> Result<()> {
-        let how = "use ddp::checkpoint (save_vars, save_optimizer)";
+        let how = "use ddp_core::checkpoint (save_vars, save_optimizer)";
         Ok(self.core.require_sharded(what, how)?)
     }
 
-    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp::sharding::sets`).
+    /// Saves a sharded checkpoint set in `dir` (a collective; see `ddp_core::sharding::sets`).
     /// It loads at any world size and stage (1, 2 or 3).
     pub fn save(&self, dir: &Path, meta: &CheckpointMeta) -> Result<PathBuf> {
         self.require_sharded("save")?;
@@ -543,7 +544,7 @@ impl ZeroDdp {
         Ok(Some(meta))
     }
 
-    /// Takes this rank's shard of a plain checkpoint (DDP's, or `ddp::sharding::consolidate`'s):
+    /// Takes this rank's shard of a plain checkpoint (DDP's, or `ddp_core::sharding::consolidate`'s):
     /// parameters and optimizer state (a collective).
     pub fn import(&mut self, ckpt: &Checkpoint) -> Result<()> {
         self.require_sharded("import")?;
@@ -575,12 +576,12 @@ impl std::ops::Deref for ZeroDdp {
     }
 }
 
-fn read_f32(ddp: &DistributedDataParallel, p: usize) -> ddp::Result<Vec<f32>> {
+fn read_f32(ddp: &DistributedDataParallel, p: usize) -> ddp_core::Result<Vec<f32>> {
     let b = ddp
         .params()
         .read_param(p)
-        .map_err(|e| ddp::Error::InvalidArgument(e.to_string()))?;
+        .map_err(|e| ddp_core::Error::InvalidArgument(e.to_string()))?;
     b.as_slice::<f32>()
         .map(<[f32]>::to_vec)
-        .ok_or_else(|| ddp::Error::InvalidArgument(format!("parameter {p} is not f32")))
+        .ok_or_else(|| ddp_core::Error::InvalidArgument(format!("parameter {p} is not f32")))
 }

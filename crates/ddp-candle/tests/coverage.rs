@@ -355,14 +355,14 @@ fn staged_backward_launches_buckets_before_earlier_stages_compute() {
         assert!(n_buckets >= 2, "{n_buckets} bucket: nothing to overlap");
         let log = Arc::new(Mutex::new(Vec::new()));
         let hook_log = Arc::clone(&log);
-        let mut inner = ddp::reducer::AllReduceHook;
+        let mut inner = ddp_core::reducer::AllReduceHook;
         ddp.register_comm_hook(
-            move |pg: &ddp_comm::ProcessGroup, b: ddp::reducer::GradBucket| {
+            move |pg: &ddp_comm::ProcessGroup, b: ddp_core::reducer::GradBucket| {
                 hook_log
                     .lock()
                     .unwrap()
                     .push(Event::BucketLaunched(b.index()));
-                ddp::reducer::CommHook::run(&mut inner, pg, b)
+                ddp_core::reducer::CommHook::run(&mut inner, pg, b)
             },
         )
         .unwrap();

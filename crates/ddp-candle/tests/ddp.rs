@@ -319,7 +319,7 @@ fn join_with_uneven_shards_ends_identical_and_matches_a_single_process() {
         let (vm, m) = model(21 + rank as u64, HID);
         let mut ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
         let mut opt = SGD::new(ddp.all_vars(), 0.1).unwrap();
-        let mut join = ddp::Join::new(&pg);
+        let mut join = ddp_core::Join::new(&pg);
         let mut batches = shard(rank).into_iter();
         let mut steps = 0;
         loop {
@@ -338,7 +338,7 @@ fn join_with_uneven_shards_ends_identical_and_matches_a_single_process() {
         }
         assert_eq!(steps, 7);
         // has_data must match the loss passed.
-        if let Some(step) = ddp::Join::new(&pg).begin_step(true).unwrap() {
+        if let Some(step) = ddp_core::Join::new(&pg).begin_step(true).unwrap() {
             assert!(ddp.backward_join(None, &join, &step).is_err());
         }
         params(&ddp)
@@ -421,7 +421,7 @@ fn check_finite_names_the_step_rank_and_parameter_on_every_rank() {
                 loss = (loss + nan).unwrap();
             }
             out.push(ddp.backward(&loss).err().map(|e| match e {
-                ddp_candle::Error::Ddp(ddp::Error::NonFinite {
+                ddp_candle::Error::Ddp(ddp_core::Error::NonFinite {
                     step,
                     rank,
                     parameter,

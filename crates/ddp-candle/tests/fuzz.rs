@@ -7,9 +7,9 @@
 //! `FUZZ_CASES=1000000 cargo test -p ddp-candle --test fuzz`.
 
 use candle_core::{DType, Device, Var};
-use ddp::{Checkpoint, CheckpointMeta};
 use ddp_candle::checkpoint::load_vars;
 use ddp_comm::fuzzing::cases;
+use ddp_core::{Checkpoint, CheckpointMeta};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};

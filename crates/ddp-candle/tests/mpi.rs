@@ -92,7 +92,7 @@ fn mpi_rank() {
     let (vm, m) = model(21 + rank as u64, HID);
     let mut ddp = Ddp::new(&vm, &pg, tiny_buckets()).unwrap();
     let mut opt = SGD::new(ddp.all_vars(), 0.1).unwrap();
-    let mut join = ddp::Join::new(&pg);
+    let mut join = ddp_core::Join::new(&pg);
     let mut batches = shard.into_iter();
     let mut steps = 0;
     loop {

@@ -1,7 +1,7 @@
 //! The book's candle program (`docs/candle.md`, "A training loop"; its block is also compiled as
 //! a doctest of `ddp-candle`), run on 2 ranks (threads with real TCP process groups), ending with
 //! the one-call save `DistributedDataParallel::save_checkpoint`; then the checkpoint it wrote is
-//! resumed through `ddp::checkpoint::resume_or_start` and compared bit for bit.
+//! resumed through `ddp_core::checkpoint::resume_or_start` and compared bit for bit.
 
 use candle_core::{DType, Device, Tensor};
 use candle_nn::{Module, VarBuilder, VarMap};
@@ -52,7 +52,7 @@ fn files(dir: &Path) -> Vec<PathBuf> {
     let mut v: Vec<PathBuf> = std::fs::read_dir(dir)
         .map(|d| d.map(|e| e.unwrap().path()).collect())
         .unwrap_or_default();
-    v.retain(|p| !p.ends_with(ddp::checkpoint::LOCK_FILE));
+    v.retain(|p| !p.ends_with(ddp_core::checkpoint::LOCK_FILE));
     v.sort();
     v
 }
@@ -81,7 +81,7 @@ fn readme_program(pg: &ProcessGroup, dir: &Path) -> Result<Trained, Box<dyn std:
     // param1, ... in the VarMap's hash order: momentum buffers would not find their parameters
     // on resume).
     let mut opt = ddp_candle::optim::Sgd::new_named(ddp.named_vars().to_vec(), params)?;
-    let mut sampler = ddp::DistributedSampler::new(N, pg.size(), pg.rank())?;
+    let mut sampler = ddp_core::DistributedSampler::new(N, pg.size(), pg.rank())?;
     for epoch in 0..epochs {
         sampler.set_epoch(epoch);
         for batch in sampler.indices().chunks(batch_size) {
@@ -110,10 +110,10 @@ fn one_call_save_writes_one_file_on_rank_0_and_resumes_bit_for_bit() {
         assert_eq!(ddp.reducer().step(), steps);
         // Exactly one file, on rank 0; nothing anywhere else.
         if rank == 0 {
-            let file = dir.join(ddp::checkpoint::CHECKPOINT_FILE);
+            let file = dir.join(ddp_core::checkpoint::CHECKPOINT_FILE);
             assert_eq!(saved.as_deref(), Some(file.as_path()));
             assert_eq!(files(dir), vec![file]);
-            let ckpt = ddp::checkpoint::load(dir).unwrap().unwrap();
+            let ckpt = ddp_core::checkpoint::load(dir).unwrap().unwrap();
             assert_eq!(ckpt.meta.world_size, 2, "world size of the process group");
             assert_eq!(ckpt.meta.step, steps, "the reducer's step count");
             assert_eq!(ckpt.meta.epoch, EPOCHS);
@@ -185,7 +185,7 @@ fn model_only_save_and_explicit_meta_fill_the_world_size() {
         };
         ddp.save_checkpoint_with::<Sgd>(&dir2, None, meta).unwrap();
         if rank == 0 {
-            let ckpt = ddp::checkpoint::load(&dir).unwrap().unwrap();
+            let ckpt = ddp_core::checkpoint::load(&dir).unwrap().unwrap();
             assert!(ckpt.optimizer.is_none(), "a model-only checkpoint");
             assert!(ckpt.tensors.keys().all(|k| !k.starts_with("optim.")));
             assert_eq!(ckpt.meta.world_size, 2);
@@ -214,7 +214,7 @@ fn model_only_save_and_explicit_meta_fill_the_world_size() {
                 })
                 .collect();
             assert_eq!(loaded, values(&ddp));
-            let meta = ddp::checkpoint::load(&dir2).unwrap().unwrap().meta;
+            let meta = ddp_core::checkpoint::load(&dir2).unwrap().unwrap().meta;
             assert_eq!(meta.world_size, 2, "CheckpointMeta::default()'s 1 replaced");
         } else {
             assert!(files(&dir).is_empty() && files(&dir2).is_empty());

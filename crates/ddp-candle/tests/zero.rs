@@ -7,10 +7,10 @@ use candle_core::Module;
 use candle_core::Tensor;
 use common::zero::*;
 use common::*;
-use ddp::checkpoint::CheckpointMeta;
-use ddp::reducer::StepStats;
-use ddp::sharding::{self, ZeroStage};
 use ddp_candle::{Ddp, DdpOptions, Fsdp, Unit, ZeroDdp};
+use ddp_core::checkpoint::CheckpointMeta;
+use ddp_core::reducer::StepStats;
+use ddp_core::sharding::{self, ZeroStage};
 use std::path::Path;
 
 /// A rank's trainer at any stage: `ZeroDdp` (stages 0-2, over the full model) or `Fsdp` (stage
@@ -101,8 +101,8 @@ impl Trainer {
         k: Option<usize>,
         rank: usize,
         world: usize,
-        join: &ddp::Join,
-        step: &ddp::JoinStep,
+        join: &ddp_core::Join,
+        step: &ddp_core::JoinStep,
     ) {
         match self {
             Trainer::Zero(z, m) => {
@@ -154,7 +154,7 @@ impl Trainer {
         }
     }
 
-    fn import(&mut self, ckpt: &ddp::Checkpoint) {
+    fn import(&mut self, ckpt: &ddp_core::Checkpoint) {
         match self {
             Trainer::Zero(z, _) => z.import(ckpt).unwrap(),
             Trainer::Fsdp(f) => f.import(ckpt).unwrap(),
@@ -448,7 +448,7 @@ fn no_sync_accumulation_under_zero_equals_ddp() {
 fn join_with_uneven_inputs_under_zero_equals_ddp() {
     zero_matches_ddp("join", Opt::SgdMomentum, |z, rank, pg| {
         let world = pg.size();
-        let mut join = ddp::Join::new(pg);
+        let mut join = ddp_core::Join::new(pg);
         let mut k = 0;
         while let Some(step) = join.begin_step(k < 2 + 2 * rank).unwrap() {
             z.backward_join(step.has_data.then_some(k), rank, world, &join, &step);
@@ -871,7 +871,7 @@ fn stage_3_refuses_join_under_no_sync_by_name() {
         let (vm, _) = model(7, HID);
         let units = mlp_units(HID, Sizes::Tiny);
         let mut f = Fsdp::from_varmap(&vm, units, &pg, make_opt(Opt::AdamW)).unwrap();
-        let mut join = ddp::Join::new(&pg);
+        let mut join = ddp_core::Join::new(&pg);
         let step = join.begin_step(true).unwrap().unwrap();
         f.set_require_backward_grad_sync(false);
         let (xs, ys) = batch_at(0, rank, 2);

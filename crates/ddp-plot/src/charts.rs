@@ -309,7 +309,7 @@ where
 }
 
 /// The job's share of communication hidden under backward as every ddp-rs output prints it
-/// (`ddp::trace::BottleneckReport::hidden_comm_line`, which defines it: hidden communication
+/// (`ddp_core::trace::BottleneckReport::hidden_comm_line`, which defines it: hidden communication
 /// time ÷ total communication time, mean over ranks).
 pub fn hidden_comm_line(share: f64) -> String {
     format!(

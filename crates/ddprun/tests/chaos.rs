@@ -16,7 +16,7 @@
 //! held-out accuracy of at least 0.9, or (2) every launcher exited non-zero with a message naming
 //! the cause. After every trial: no process of the trial left (an environment marker, searched in
 //! `/proc`), no shared-memory segment left in either host's `/dev/shm`, and the checkpoint left
-//! in the directory loads (`ddp::checkpoint::load`, checksums and metadata checked).
+//! in the directory loads (`ddp_core::checkpoint::load`, checksums and metadata checked).
 //!
 //! `CHAOS_SEED` (default 1717) and `CHAOS_TRIALS` (default 7: each fault kind once, plus one)
 //! choose the trials; `CHAOS_ONLY=K` runs trial K of the seed alone. Trial K is a function of

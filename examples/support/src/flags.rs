@@ -4,7 +4,7 @@
 //! refuse NaN and ±inf, and clap names the flag and the value in the error (exit status 2).
 
 use clap::ValueEnum;
-use ddp::checkpoint::RunPlan;
+use ddp_core::checkpoint::RunPlan;
 use ddprun::validate::{finite, int_in, positive, MAX_SECS};
 use std::path::PathBuf;
 
@@ -71,7 +71,7 @@ pub struct CommonArgs {
     /// step 1000), `localsgd[:PERIOD[:WARMUP]]` (post-local SGD, parameters averaged every PERIOD
     /// steps after WARMUP; default 4 and 100). Hook state is saved in checkpoints.
     #[arg(long, default_value = "none")]
-    pub hook: ddp::hooks::HookSpec,
+    pub hook: ddp_core::hooks::HookSpec,
     /// Stop once rank 0's held-out accuracy, evaluated after every epoch, reaches this
     /// (reports `time_to_target_s`, training time excluding evaluations).
     /// A fraction, 0 to 1.

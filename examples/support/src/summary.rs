@@ -3,8 +3,8 @@
 //! are documented (`examples/train-digits/README.md`) and parsed by the tests and the
 //! benchmark scripts.
 
-use ddp::reducer::TotalStats;
 use ddp_comm::{ProcessGroup, ReduceOp};
+use ddp_core::reducer::TotalStats;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::time::Duration;
 
@@ -110,7 +110,7 @@ pub struct Details {
     /// Said after the synchronization figures (train-digits: the communication hidden under
     /// backward, from the bottleneck report).
     pub overlap: Option<String>,
-    /// The replica check, described (`ddp::verify`'s description).
+    /// The replica check, described (`ddp_core::verify`'s description).
     pub replicas: String,
 }
 

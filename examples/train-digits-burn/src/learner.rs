@@ -19,10 +19,10 @@ use burn_train::checkpoint::KeepLastNCheckpoints;
 use burn_train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
-use ddp::checkpoint::CheckpointMeta;
 use ddp_burn::learner::ChecksummedCheckpointer;
 use ddp_burn::{Ddp, DdpLearningStrategy, DdpOptions, QuietRenderer};
 use ddp_comm::ProcessGroup;
+use ddp_core::checkpoint::CheckpointMeta;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -76,7 +76,9 @@ fn last_checkpoint(dir: &Path) -> Option<usize> {
 /// save set, or Burn checkpoints without checksums (`model-<epoch>.bpk`, an older
 /// train-digits-burn's).
 fn other_checkpoints(dir: &Path) -> BoxResult<Option<String>> {
-    if ddp::checkpoint::checkpoint_path(dir).exists() || ddp::sharding::set_meta(dir)?.is_some() {
+    if ddp_core::checkpoint::checkpoint_path(dir).exists()
+        || ddp_core::sharding::set_meta(dir)?.is_some()
+    {
         return Ok(Some(
             "a checkpoint of the plain loop (resume it without --learner)".into(),
         ));
@@ -104,12 +106,12 @@ pub fn has_learner_checkpoints(dir: &Path) -> bool {
 /// locked by rank 0 (one job per directory). A collective: any rank's failure, with the real
 /// reason (a read-only file system, a path through a file), fails every rank before training.
 fn prepare_dirs(pg: &ProcessGroup, dir: &Path, checkpoint_dir: Option<&Path>) -> BoxResult<()> {
-    let mine = (|| -> ddp::Result<()> {
+    let mine = (|| -> ddp_core::Result<()> {
         if let (Some(d), 0) = (checkpoint_dir, pg.rank()) {
-            ddp::checkpoint::ensure_writable(d)?;
+            ddp_core::checkpoint::ensure_writable(d)?;
         }
         let why = |what: &str, p: &Path, e| {
-            ddp::Error::io(format!("Burn's learner directory: cannot {what}"), p, e)
+            ddp_core::Error::io(format!("Burn's learner directory: cannot {what}"), p, e)
         };
         std::fs::create_dir_all(dir).map_err(|e| why("create", dir, e))?;
         let probe = dir.join(format!(".write-probe.{}", std::process::id()));
@@ -121,7 +123,7 @@ fn prepare_dirs(pg: &ProcessGroup, dir: &Path, checkpoint_dir: Option<&Path>) ->
         }
         Ok(())
     })();
-    ddp::sharding::agree(pg, "preparing the learner directories", mine)?;
+    ddp_core::sharding::agree(pg, "preparing the learner directories", mine)?;
     Ok(())
 }
 
@@ -133,14 +135,14 @@ fn verify_checkpoint(pg: &ProcessGroup, dir: &Path, epoch: usize) -> BoxResult<(
         .try_for_each(|c| c.verify(epoch))
         .map_err(|e| match e {
             ddp_burn::Error::Ddp(e) => e,
-            other => ddp::Error::Checkpoint(other.to_string()),
+            other => ddp_core::Error::Checkpoint(other.to_string()),
         });
-    ddp::sharding::agree(pg, "checking Burn's checkpoint", mine)?;
+    ddp_core::sharding::agree(pg, "checking Burn's checkpoint", mine)?;
     Ok(())
 }
 
 pub fn run(args: &Args) -> BoxResult<()> {
-    if args.common.hook != ddp::hooks::HookSpec::None
+    if args.common.hook != ddp_core::hooks::HookSpec::None
         || args.common.max_steps.is_some()
         || args.common.target_accuracy.is_some()
         || args.zero != 0

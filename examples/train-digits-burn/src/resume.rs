@@ -5,10 +5,10 @@
 //!   plain checkpoint (stage 0: Burn's records as blobs)  ──load_records──► stage 0
 //!        └─ burn_to_flat ─► flat checkpoint ──ZeroDdp::import──────────► stages 1-2
 //!   save set (stages 1-2: one shard per rank)           ──ZeroDdp::load──► stages 1-2
-//!        └─ ddp::sharding::consolidate ─► flat checkpoint ─ flat_to_burn ─► stage 0
+//!        └─ ddp_core::sharding::consolidate ─► flat checkpoint ─ flat_to_burn ─► stage 0
 //! ```
 //!
-//! The *flat* form is what `ddp::sharding::consolidate` makes of a set and what
+//! The *flat* form is what `ddp_core::sharding::consolidate` makes of a set and what
 //! `ZeroDdp::import` cuts: every parameter under its structural path (`fc1.weight`), each
 //! optimizer state tensor as `optim.<param>.<slot>` (Burn's state path with `/` for `.`:
 //! `momentum/velocity`), the state's scalars (Adam's step count) in the optimizer record's hyper
@@ -22,8 +22,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
 use burn_pack::Scalar;
-use ddp::checkpoint::{Checkpoint, OptimizerStateDict};
 use ddp_burn::Ddp;
+use ddp_core::checkpoint::{Checkpoint, OptimizerStateDict};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -251,9 +251,9 @@ pub fn flat_to_burn(
         .map_err(|e| format!("cannot load the optimizer record: {e}"))?)
 }
 
-/// The flat form of `dir`'s current save set (`ddp::sharding::consolidate`), and its name.
+/// The flat form of `dir`'s current save set (`ddp_core::sharding::consolidate`), and its name.
 pub fn consolidated(dir: &Path) -> BoxResult<(Checkpoint, String)> {
-    let ckpt = ddp::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
-    let set = ddp::sharding::latest_set(dir)?.unwrap_or_else(|| dir.into());
+    let ckpt = ddp_core::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
+    let set = ddp_core::sharding::latest_set(dir)?.unwrap_or_else(|| dir.into());
     Ok((ckpt, format!("the sharded set {}", set.display())))
 }

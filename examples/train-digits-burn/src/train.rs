@@ -2,7 +2,7 @@
 //! `DataLoaderBuilder` over a `ddp_burn::ShardedDataset`, trains with `ddp_burn::Ddp` and Burn's
 //! optimizers (or `ddp_burn::ZeroDdp` with `--zero 1|2`), checkpoints every epoch (plain DDP:
 //! rank 0, atomically, Burn's records + our position; ZeRO: a sharded set), resumes from either
-//! at any stage and world size (module `resume`, `ddp::checkpoint::resume_or_start_global`), and
+//! at any stage and world size (module `resume`, `ddp_core::checkpoint::resume_or_start_global`), and
 //! reports as `train-digits` does.
 
 use crate::learner::has_learner_checkpoints;
@@ -14,12 +14,12 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::Tensor;
-use ddp::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
-use ddp::hooks::PeriodicModelAverager;
-use ddp::sharding::ZeroStage;
-use ddp::DistributedSampler;
 use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::ProcessGroup;
+use ddp_core::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
+use ddp_core::hooks::PeriodicModelAverager;
+use ddp_core::sharding::ZeroStage;
+use ddp_core::DistributedSampler;
 use ddp_example_support::flags::OptimizerKind;
 use ddp_example_support::resume::{resume_source, Source};
 use std::time::{Duration, Instant};
@@ -46,7 +46,7 @@ fn save(
     };
     // Comm hook state (PowerSGD's residuals differ between ranks: rank 0 saves every rank's,
     // a collective).
-    let hook_state = ddp::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
+    let hook_state = ddp_core::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
     if pg.rank() == 0 {
         let mut ckpt = Checkpoint::new(meta.clone());
         ddp.save_records(&mut ckpt, opt)?;
@@ -68,7 +68,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 .into(),
         );
     }
-    if stage != ZeroStage::Ddp && args.common.hook != ddp::hooks::HookSpec::None {
+    if stage != ZeroStage::Ddp && args.common.hook != ddp_core::hooks::HookSpec::None {
         return Err(format!(
             "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
              itself",
@@ -89,7 +89,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         _ => None,
     };
     if let (Some(dir), true) = (&args.common.checkpoint_dir, stage != ZeroStage::Ddp) {
-        ddp::sharding::prepare_dir(&s.pg, dir)?;
+        ddp_core::sharding::prepare_dir(&s.pg, dir)?;
     }
     let source = match &args.common.checkpoint_dir {
         Some(dir) if args.resume => resume_source(dir, plain)?,
@@ -129,9 +129,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
                         let opt = resume::flat_to_burn(&flat, &mut t.ddp, opt)?;
                         Ok((opt, flat.meta, what))
                     });
-                    let read = read.map_err(|e| ddp::Error::Checkpoint(e.to_string()));
+                    let read = read.map_err(|e| ddp_core::Error::Checkpoint(e.to_string()));
                     let (opt, meta, what) =
-                        ddp::sharding::agree(&s.pg, "loading the save set", read)?;
+                        ddp_core::sharding::agree(&s.pg, "loading the save set", read)?;
                     t.opt = opt;
                     Some((meta, what))
                 }
@@ -451,7 +451,7 @@ fn train_loop(
         if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
-            let reached = ddp::join::rank0_decides(pg, || -> BoxResult<bool> {
+            let reached = ddp_core::join::rank0_decides(pg, || -> BoxResult<bool> {
                 Ok(evaluate(t.ddp().module(), test, device).0 >= target)
             })?;
             eval_time += paused.elapsed();

@@ -473,7 +473,7 @@ fn checkpoints_resume_at_other_world_sizes_at_every_stage() {
 
 /// Issue 40, item 5: `--resume` with another `--zero` than the checkpoint's loads it (a plain
 /// checkpoint into ZeRO through its flat form and `ZeroDdp::import`, a save set into plain DDP
-/// through `ddp::sharding::consolidate` and Burn's records) and ends where the uninterrupted
+/// through `ddp_core::sharding::consolidate` and Burn's records) and ends where the uninterrupted
 /// stage-0 run ends (same steps, param_l2 within 1e-5).
 #[test]
 fn changing_zero_on_resume_loads_the_checkpoint() {

@@ -1,6 +1,6 @@
 //! One worker of `train-digits`: joins the process group, trains with `ddp_candle::Ddp` and
 //! `ddp_candle::optim::Sgd` (or AdamW), checkpoints every epoch (rank 0, atomically, checked
-//! before training starts and on resume by `ddp::checkpoint::resume_or_start`), resumes exactly,
+//! before training starts and on resume by `ddp_core::checkpoint::resume_or_start`), resumes exactly,
 //! and reports accuracy, loss, throughput and the cross-rank replica check.
 
 use crate::model::{evaluate, Mlp};
@@ -9,15 +9,15 @@ use crate::trainer::{self, Trainer};
 use crate::{Args, Backend, BackwardMode};
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
-use ddp::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
-use ddp::hooks::PeriodicModelAverager;
-use ddp::sharding::ZeroStage;
-use ddp::trace::{self, Phase, StepProfiler};
-use ddp::DistributedSampler;
 use ddp_candle::optim::ParamsSgd;
 use ddp_candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
 use ddp_comm::process_group::Backend as CommBackend;
 use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
+use ddp_core::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
+use ddp_core::hooks::PeriodicModelAverager;
+use ddp_core::sharding::ZeroStage;
+use ddp_core::trace::{self, Phase, StepProfiler};
+use ddp_core::DistributedSampler;
 use ddp_example_support::data::{self, CLASSES, FEATURES};
 use ddp_example_support::flags::OptimizerKind;
 use ddp_example_support::resume::{resume_source, Source};
@@ -44,7 +44,9 @@ fn init_options(args: &Args) -> InitOptions {
 /// `--scale-lr BASE`.
 fn effective_lr(args: &Args, world: usize) -> f64 {
     match args.scale_lr {
-        Some(base) => ddp::scale_lr_linear(args.common.lr(), args.common.batch_size, world, base),
+        Some(base) => {
+            ddp_core::scale_lr_linear(args.common.lr(), args.common.batch_size, world, base)
+        }
         None => args.common.lr(),
     }
 }
@@ -113,7 +115,7 @@ fn save(
     let (ddp, opt) = (zero.ddp(), zero.optimizer());
     // Comm hook state (PowerSGD's residuals and Q matrices, step counters): the residuals differ
     // between ranks, so rank 0 saves every rank's (a collective).
-    let hook_state = ddp::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
+    let hook_state = ddp_core::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
     if pg.rank() == 0 {
         let mut ckpt = Checkpoint::new(position.meta(plan));
         ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
@@ -159,11 +161,11 @@ fn load_source(
         Source::Set(dir) if stage0 => {
             // A save set into plain DDP: every parameter and optimizer slot gathered from the
             // shards (the run's hyper-parameters, hook included, were checked: a set has none).
-            let ckpt = ddp::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
+            let ckpt = ddp_core::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
             let z = ddp.zero_mut().expect("stage 0");
             ddp_candle::checkpoint::load_vars(&ckpt, z.named_vars())?;
             ckpt.load_optimizer(z.optimizer_mut())?;
-            let set = ddp::sharding::latest_set(dir)?.unwrap_or_else(|| dir.clone());
+            let set = ddp_core::sharding::latest_set(dir)?.unwrap_or_else(|| dir.clone());
             Ok((ckpt.meta, format!("the sharded set {}", set.display())))
         }
         Source::Set(dir) => {
@@ -214,7 +216,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         )
         .into());
     }
-    if stage != ZeroStage::Ddp && args.common.hook != ddp::hooks::HookSpec::None {
+    if stage != ZeroStage::Ddp && args.common.hook != ddp_core::hooks::HookSpec::None {
         return Err(format!(
             "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
              through its own comm hook",
@@ -231,7 +233,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         _ => None,
     };
     if let (Some(dir), true) = (&args.common.checkpoint_dir, stage != ZeroStage::Ddp) {
-        ddp::sharding::prepare_dir(&pg, dir)?;
+        ddp_core::sharding::prepare_dir(&pg, dir)?;
     }
     let source = match &args.common.checkpoint_dir {
         Some(dir) if args.resume => resume_source(dir, plain)?,
@@ -459,7 +461,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
-            let reached = ddp::join::rank0_decides(&pg, || -> BoxResult<bool> {
+            let reached = ddp_core::join::rank0_decides(&pg, || -> BoxResult<bool> {
                 Ok(evaluate(&model, &test.features, &test.labels)?.0 >= target)
             })?;
             eval_time += paused.elapsed();

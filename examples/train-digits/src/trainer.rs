@@ -5,10 +5,10 @@
 
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
-use ddp::checkpoint::CheckpointMeta;
-use ddp::reducer::TotalStats;
-use ddp::verify::ReplicaReport;
 use ddp_candle::{Fsdp, Unit, ZeroDdp};
+use ddp_core::checkpoint::CheckpointMeta;
+use ddp_core::reducer::TotalStats;
+use ddp_core::verify::ReplicaReport;
 use std::path::Path;
 
 pub enum Trainer {
@@ -116,7 +116,7 @@ impl Trainer {
     }
 
     /// Takes this rank's chunks of a plain checkpoint (stages 1-3; a collective).
-    pub fn import(&mut self, ckpt: &ddp::checkpoint::Checkpoint) -> ddp_candle::Result<()> {
+    pub fn import(&mut self, ckpt: &ddp_core::checkpoint::Checkpoint) -> ddp_candle::Result<()> {
         match self {
             Trainer::Zero(z) => z.import(ckpt),
             Trainer::Fsdp(f) => f.import(ckpt),

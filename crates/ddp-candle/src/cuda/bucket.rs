@@ -1,4 +1,4 @@
-//! [`CudaBucket`]: the CUDA implementation of `ddp::reducer::DeviceBucket`.
+//! [`CudaBucket`]: the CUDA implementation of `ddp_core::reducer::DeviceBucket`.
 //!
 //! A flat `CudaSlice` per bucket on candle's device. Copies (flatten: a gradient into its
 //! segment; unflatten: a segment into a new gradient tensor) are device-to-device on candle's
@@ -16,12 +16,12 @@ use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DriverError};
 use candle_core::cuda_backend::CudaDevice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, Storage, Tensor};
-use ddp::reducer::{
+use ddp_comm::cuda::{CudaGroup, CudaWork};
+use ddp_comm::{DType, ProcessGroup, ReduceOp};
+use ddp_core::reducer::{
     BucketBuffer, BucketWork, CudaView, DeviceBucket, DeviceSlice, HostBuffer, HostSlice,
     PendingBucket,
 };
-use ddp_comm::cuda::{CudaGroup, CudaWork};
-use ddp_comm::{DType, ProcessGroup, ReduceOp};
 use half::{bf16, f16};
 use std::sync::Arc;
 

@@ -1,7 +1,7 @@
 //! candle on CUDA (cargo feature `cuda`): the reducer's buckets in device memory
 //! ([`CudaBucket`]), all-reduced by a [`CudaGroup`] of the DDP process group's ranks, and the
 //! conversions between candle's CUDA tensors and the reducer's
-//! [`DeviceSlice`](ddp::reducer::DeviceSlice)s.
+//! [`DeviceSlice`](ddp_core::reducer::DeviceSlice)s.
 //!
 //! ```text
 //!  candle backward (compute stream) ── grad ──memcpy_dtod──▶ CudaBucket (flat, device)
@@ -28,9 +28,9 @@ use candle_core::cuda_backend::cudarc::driver::CudaSlice;
 use candle_core::cuda_backend::{CudaDType, CudaDevice};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaStorage, DType, Device, Shape, Storage, Tensor};
-use ddp::reducer::{CudaView, DeviceSlice, ParamSpec, Reducer, ReducerOptions};
 use ddp_comm::cuda::{CudaGroup, CudaOptions};
 use ddp_comm::ProcessGroup;
+use ddp_core::reducer::{CudaView, DeviceSlice, ParamSpec, Reducer, ReducerOptions};
 use std::sync::Arc;
 
 /// Number of CUDA devices visible to this process (a missing libcuda is an error naming it).
@@ -73,7 +73,7 @@ pub fn cuda_reducer(
         );
     }
     // Allocate every bucket first so that an allocation failure is an error, not a panic.
-    let assignment = ddp::reducer::compute_bucket_assignment(&specs, &opts);
+    let assignment = ddp_core::reducer::compute_bucket_assignment(&specs, &opts);
     let mut buffers = Vec::with_capacity(assignment.len());
     for params in &assignment {
         let numel = params.iter().map(|&p| specs[p].numel()).sum();
@@ -82,7 +82,7 @@ pub fn cuda_reducer(
     }
     let mut buffers = buffers.into_iter();
     Ok(Reducer::with_buffers(pg, specs, opts, |_| {
-        ddp::reducer::BucketBuffer::Device(Box::new(
+        ddp_core::reducer::BucketBuffer::Device(Box::new(
             buffers
                 .next()
                 .expect("one buffer per bucket of the same assignment"),

@@ -4,7 +4,7 @@
 //! and resumed exactly. [`AdamW`] here performs the *same arithmetic, operation for operation*
 //! (so it produces bit-identical parameters; a test checks this against `candle_nn::AdamW` in f32
 //! and f64), implements `candle_nn::Optimizer`, and saves/restores its state to/from a
-//! `ddp::Checkpoint` under PyTorch's state names: `optim.<param>.exp_avg`,
+//! `ddp_core::Checkpoint` under PyTorch's state names: `optim.<param>.exp_avg`,
 //! `optim.<param>.exp_avg_sq`, and the step count.
 //!
 //! For contiguous f32/f64 parameters on the CPU the update is three in-place passes (first
@@ -20,7 +20,7 @@ use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Var, WithDType};
 use candle_nn::ParamsAdamW;
-use ddp::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
+use ddp_core::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
 
 /// State key of the step count in checkpoints of format version 1, stored as two `f32` halves of
 /// 24 bits (format 2 stores it in the metadata).
@@ -140,7 +140,7 @@ impl AdamW {
             for (slot, t) in [("exp_avg", &s.m), ("exp_avg_sq", &s.v)] {
                 let key = Checkpoint::optim_key(&s.name, slot);
                 let saved = state.get(&s.name, slot).ok_or_else(|| {
-                    Error::Ddp(ddp::Error::Mismatch(format!(
+                    Error::Ddp(ddp_core::Error::Mismatch(format!(
                         "checkpoint has no optimizer state {key:?}"
                     )))
                 })?;
@@ -152,7 +152,7 @@ impl AdamW {
             Some(t) if state.kind.is_empty() => match t.data[..] {
                 [hi, lo] => ((hi as u64) << 24 | lo as u64) as usize,
                 _ => {
-                    return Err(Error::Ddp(ddp::Error::Mismatch(format!(
+                    return Err(Error::Ddp(ddp_core::Error::Mismatch(format!(
                         "checkpoint tensor `optim.{LEGACY_STEP_KEY}` has {} values, expected 2",
                         t.data.len()
                     ))))
@@ -418,7 +418,7 @@ mod tests {
     use super::*;
     use candle_core::{DType, Device, Tensor};
     use candle_nn::Optimizer;
-    use ddp::checkpoint::CheckpointMeta;
+    use ddp_core::checkpoint::CheckpointMeta;
 
     fn vars(seed: f32) -> Vec<(String, Var)> {
         vars_of(seed, DType::F32)

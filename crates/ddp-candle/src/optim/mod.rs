@@ -1,7 +1,7 @@
 //! Optimizers that work with [`Ddp`](crate::Ddp)'s averaged gradients and can be checkpointed.
 //!
 //! Both implement `candle_nn::Optimizer` (`opt.step(&grads)`) and save and restore their state to
-//! and from a `ddp::Checkpoint` under PyTorch's state names:
+//! and from a `ddp_core::Checkpoint` under PyTorch's state names:
 //! - [`Sgd`]: PyTorch's `torch.optim.SGD` (momentum, dampening, weight decay, Nesterov,
 //!   maximize), one fused pass over parameter, gradient and momentum buffer per tensor. With no
 //!   momentum and no weight decay it is bit-identical to `candle_nn::SGD`, which allocates three
@@ -10,7 +10,7 @@
 //!   with a checkpointable state
 //!   (`candle_nn::AdamW` keeps its moments private).
 //!
-//! Both implement `ddp::checkpoint::OptimizerState` (`ckpt.save_optimizer(&opt)`,
+//! Both implement `ddp_core::checkpoint::OptimizerState` (`ckpt.save_optimizer(&opt)`,
 //! `ckpt.load_optimizer(&mut opt)`), the framework-agnostic state every adapter shares, and so
 //! [`DynOptimizer`]: an optimizer chosen at run time is a `Box<dyn DynOptimizer>`.
 
@@ -23,11 +23,11 @@ pub use sgd::{ParamsSgd, Sgd};
 use candle_core::backprop::GradStore;
 use candle_core::{Tensor, TensorId, Var};
 use candle_nn::Optimizer;
-use ddp::checkpoint::OptimizerState;
+use ddp_core::checkpoint::OptimizerState;
 
 /// An optimizer behind `Box<dyn DynOptimizer>` (`candle_nn::Optimizer` is not object safe): a
 /// step, the learning rate, and a checkpointable state. Implemented for every
-/// `candle_nn::Optimizer` that implements `ddp::checkpoint::OptimizerState`. Call `step`,
+/// `candle_nn::Optimizer` that implements `ddp_core::checkpoint::OptimizerState`. Call `step`,
 /// `learning_rate` and `set_learning_rate` on the `dyn DynOptimizer` (inherent methods, so they
 /// never clash with `candle_nn::Optimizer`'s on a concrete optimizer).
 pub trait DynOptimizer: OptimizerState<Error = crate::Error> {
@@ -117,14 +117,20 @@ macro_rules! impl_optimizer {
         impl $ty {
             /// Adds the state (what its `OptimizerState` impl lists) to `ckpt`; the same as
             /// `ckpt.save_optimizer(self)`.
-            pub fn save_state(&self, ckpt: &mut ddp::checkpoint::Checkpoint) -> crate::Result<()> {
+            pub fn save_state(
+                &self,
+                ckpt: &mut ddp_core::checkpoint::Checkpoint,
+            ) -> crate::Result<()> {
                 ckpt.save_optimizer(self)
             }
 
             /// Restores the state saved by [`save_state`](Self::save_state) (errors name a
             /// missing or mis-shaped tensor; a parameter without a saved SGD momentum buffer
             /// starts fresh, as in PyTorch); the same as `ckpt.load_optimizer(self)`.
-            pub fn load_state(&mut self, ckpt: &ddp::checkpoint::Checkpoint) -> crate::Result<()> {
+            pub fn load_state(
+                &mut self,
+                ckpt: &ddp_core::checkpoint::Checkpoint,
+            ) -> crate::Result<()> {
                 ckpt.load_optimizer(self)
             }
         }

@@ -22,7 +22,7 @@ use crate::checkpoint::tensor_like;
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
 use candle_core::{CpuStorage, DType, InplaceOp2, Layout, Tensor, Var, WithDType};
-use ddp::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
+use ddp_core::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
 use std::cell::RefCell;
 
 /// Hyper-parameters of [`Sgd`], with PyTorch's names and defaults (except `lr`, which PyTorch
@@ -422,7 +422,7 @@ mod tests {
     use super::*;
     use candle_core::Device;
     use candle_nn::Optimizer;
-    use ddp::checkpoint::CheckpointMeta;
+    use ddp_core::checkpoint::CheckpointMeta;
 
     fn vars(seed: f32, dtype: DType) -> Vec<(String, Var)> {
         let mk = |n: usize, k: f32| {

@@ -263,7 +263,7 @@ pub fn leftovers(
         ));
     }
     if names.iter().any(|n| n == "checkpoint.safetensors") {
-        match ddp::checkpoint::load(ckpt) {
+        match ddp_core::checkpoint::load(ckpt) {
             Ok(Some(c)) if c.meta.step > 0 => {}
             Ok(other) => problems.push(format!(
                 "CHECKPOINT does not load as one: {:?}",

@@ -1,14 +1,14 @@
-//! The built-in comm hooks (`ddp::hooks`) on real groups (ranks as threads, each with its own
+//! The built-in comm hooks (`ddp_core::hooks`) on real groups (ranks as threads, each with its own
 //! TCP process group): each hook's result against a sequential reference, replicas identical,
 //! error feedback, local SGD against DDP, Join and no_sync, exact resume from a checkpoint, bytes.
 
-use ddp::adapter::ParamAccess;
-use ddp::hooks::{
+use ddp_comm::{DType, ProcessGroup};
+use ddp_core::adapter::ParamAccess;
+use ddp_core::hooks::{
     CompressHook, Compressed, HookSpec, PeriodicModelAverager, PowerSgdHook, PowerSgdState,
 };
-use ddp::reducer::{CommHook, HostBuffer, HostSlice, ParamSpec, Reducer, ReducerOptions};
-use ddp::{Checkpoint, CheckpointMeta, Join};
-use ddp_comm::{DType, ProcessGroup};
+use ddp_core::reducer::{CommHook, HostBuffer, HostSlice, ParamSpec, Reducer, ReducerOptions};
+use ddp_core::{Checkpoint, CheckpointMeta, Join};
 use half::{bf16, f16};
 use std::cell::RefCell;
 
@@ -107,11 +107,11 @@ impl Model {
 
 impl ParamAccess for Model {
     type Grads = Vec<Vec<f32>>;
-    type Error = ddp::Error;
+    type Error = ddp_core::Error;
     fn param_count(&self) -> usize {
         self.specs.len()
     }
-    fn spec(&self, i: usize) -> ddp::Result<ParamSpec> {
+    fn spec(&self, i: usize) -> ddp_core::Result<ParamSpec> {
         Ok(self.specs[i].clone())
     }
     fn with_grad<R>(
@@ -119,18 +119,18 @@ impl ParamAccess for Model {
         grads: &Self::Grads,
         i: usize,
         f: impl FnOnce(HostSlice<'_>) -> R,
-    ) -> ddp::Result<Option<R>> {
+    ) -> ddp_core::Result<Option<R>> {
         Ok(grads.get(i).map(|g| f(HostSlice::of(&g[..]))))
     }
-    fn put_grad(&self, out: &mut Self::Grads, i: usize, g: HostSlice<'_>) -> ddp::Result<()> {
+    fn put_grad(&self, out: &mut Self::Grads, i: usize, g: HostSlice<'_>) -> ddp_core::Result<()> {
         out.resize(self.specs.len(), Vec::new());
         out[i] = g.get::<f32>().unwrap().to_vec();
         Ok(())
     }
-    fn read_param(&self, i: usize) -> ddp::Result<HostBuffer> {
+    fn read_param(&self, i: usize) -> ddp_core::Result<HostBuffer> {
         Ok(HostBuffer::from(self.vals[i].borrow().clone()))
     }
-    fn write_param(&self, i: usize, v: HostSlice<'_>) -> ddp::Result<()> {
+    fn write_param(&self, i: usize, v: HostSlice<'_>) -> ddp_core::Result<()> {
         *self.vals[i].borrow_mut() = v.get::<f32>().unwrap().to_vec();
         Ok(())
     }
@@ -138,13 +138,13 @@ impl ParamAccess for Model {
 
 /// Hands `grads` to the reducer (backward order), finishes, returns the averaged gradients.
 fn sync(red: &mut Reducer, model: &Model, grads: &[Vec<f32>]) -> Vec<Vec<f32>> {
-    ddp::adapter::mark_grads(model, red, &mut grads.to_vec(), |_, _| Ok(())).unwrap();
+    ddp_core::adapter::mark_grads(model, red, &mut grads.to_vec(), |_, _| Ok(())).unwrap();
     red.finish().unwrap();
-    ddp::adapter::averaged_grads(model, red).unwrap()
+    ddp_core::adapter::averaged_grads(model, red).unwrap()
 }
 
 fn reducer(pg: &ProcessGroup, model: &Model) -> Reducer {
-    let specs = ddp::adapter::param_specs(model).unwrap();
+    let specs = ddp_core::adapter::param_specs(model).unwrap();
     Reducer::new(pg, specs, small_buckets()).unwrap()
 }
 
@@ -311,7 +311,7 @@ fn error_feedback_keeps_applied_plus_residual_equal_to_the_true_sum() {
         let steps = 6u64;
         let out = run(world, |pg| {
             let model = Model::new();
-            let specs = ddp::adapter::param_specs(&model).unwrap();
+            let specs = ddp_core::adapter::param_specs(&model).unwrap();
             // One bucket, so that the residual is one vector in buffer order.
             let mut red = Reducer::new(&pg, specs, ReducerOptions::default()).unwrap();
             let state = PowerSgdState {
@@ -494,7 +494,7 @@ fn train(
                 ck.insert(s.name.clone(), s.shape.clone(), v).unwrap();
             }
             // Every rank's residuals, as a rank-0-only checkpoint must hold them.
-            let all = ddp::hooks::gather_state(pg, &red.comm_hook_state()).unwrap();
+            let all = ddp_core::hooks::gather_state(pg, &red.comm_hook_state()).unwrap();
             ck.save_hook_state(&all).unwrap();
             if let Some(a) = &avg {
                 ck.save_hook_state(&a.state_dict()).unwrap();
@@ -613,16 +613,16 @@ fn hooks_under_join_and_no_sync() {
                 if step.has_data {
                     red.set_require_backward_grad_sync(false);
                     let mut g = model.grads(pg.rank(), 100 + b);
-                    ddp::adapter::mark_grads(&model, &mut red, &mut g, |_, _| Ok(())).unwrap();
+                    ddp_core::adapter::mark_grads(&model, &mut red, &mut g, |_, _| Ok(())).unwrap();
                     red.finish().unwrap();
                     red.set_require_backward_grad_sync(true);
                     red.set_divisor(step.divisor).unwrap();
                     let mut g = model.grads(pg.rank(), b);
-                    ddp::adapter::mark_grads(&model, &mut red, &mut g, |_, _| Ok(())).unwrap();
+                    ddp_core::adapter::mark_grads(&model, &mut red, &mut g, |_, _| Ok(())).unwrap();
                 }
                 red.set_divisor(step.divisor).unwrap();
                 join.sync_gradients(&mut red, &step).unwrap();
-                results.push(ddp::adapter::averaged_grads(&model, &red).unwrap());
+                results.push(ddp_core::adapter::averaged_grads(&model, &red).unwrap());
                 b += 1;
             }
             results

@@ -16,7 +16,7 @@
 //! cast back with [`BucketWork::then`]), PowerSGD or local SGD are hooks of this kind.
 //!
 //! ```
-//! use ddp::reducer::{BucketWork, GradBucket};
+//! use ddp_core::reducer::{BucketWork, GradBucket};
 //! use ddp_comm::{ProcessGroup, ReduceOp};
 //! // Sum the gradients instead of averaging them.
 //! let sum_hook = |pg: &ProcessGroup, bucket: GradBucket| -> BucketWork {

@@ -40,9 +40,9 @@
 //! [`Reducer::set_require_backward_grad_sync`] identically, as always.
 //!
 //! ```no_run
-//! # use ddp::join::Join;
-//! # use ddp::reducer::{ParamSpec, Reducer, ReducerOptions};
-//! # fn demo(pg: &ddp_comm::ProcessGroup, my_batches: Vec<Vec<f32>>) -> ddp::Result<()> {
+//! # use ddp_core::join::Join;
+//! # use ddp_core::reducer::{ParamSpec, Reducer, ReducerOptions};
+//! # fn demo(pg: &ddp_comm::ProcessGroup, my_batches: Vec<Vec<f32>>) -> ddp_core::Result<()> {
 //! struct Model { w: Vec<f32> }
 //! let mut model = Model { w: vec![0.0; 4] };
 //! let specs = vec![ParamSpec::new("w", vec![4], ddp_comm::DType::F32)];

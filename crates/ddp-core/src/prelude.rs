@@ -1,4 +1,4 @@
-//! The common imports of a training program: `use ddp::prelude::*;`.
+//! The common imports of a training program: `use ddp_core::prelude::*;`.
 
 pub use crate::adapter::ParamAccess;
 pub use crate::error::{Error, Result};

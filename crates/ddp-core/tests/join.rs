@@ -2,10 +2,10 @@
 //! per rank): a tiny linear regression trained with plain f32 SGD must finish (no hang) with
 //! bit-identical parameters, and each step's gradient must be the mean over the active ranks.
 
-use ddp::reducer::{broadcast_coalesced, ParamSpec, Reducer, ReducerOptions};
-use ddp::{verify_replicas, Join, JoinStart, JoinStep};
 use ddp_comm::testing::{run_local_group, LocalGroup};
 use ddp_comm::{DType, ProcessGroup};
+use ddp_core::reducer::{broadcast_coalesced, ParamSpec, Reducer, ReducerOptions};
+use ddp_core::{verify_replicas, Join, JoinStart, JoinStep};
 use std::time::{Duration, Instant};
 
 /// Collective timeout: a missing shadow collective fails a test within this bound.
@@ -169,7 +169,7 @@ fn train_with_driver(pg: &ProcessGroup, join: &mut Join, counts: &[usize]) -> (R
                 red.mark_ready(1, &g[1])?; // backward order: last parameter first
                 red.mark_ready(0, &g[0])
             },
-            |rep, red, step| -> ddp::Result<()> {
+            |rep, red, step| -> ddp_core::Result<()> {
                 let g = [red.grad::<f32>(0)?, red.grad::<f32>(1)?];
                 rep.log
                     .push((step.clone(), g.iter().map(|s| s.to_vec()).collect()));
@@ -441,15 +441,15 @@ fn rank0_decides_for_every_rank_and_its_failure_is_named() {
         let answers: Vec<bool> = [true, false]
             .iter()
             .map(|&a| {
-                ddp::join::rank0_decides::<ddp::Error>(&pg, || {
+                ddp_core::join::rank0_decides::<ddp_core::Error>(&pg, || {
                     assert_eq!(rank, 0, "decide runs on rank 0 only");
                     Ok(a)
                 })
                 .unwrap()
             })
             .collect();
-        let failed = ddp::join::rank0_decides::<ddp::Error>(&pg, || {
-            Err(ddp::Error::InvalidArgument("no test set".into()))
+        let failed = ddp_core::join::rank0_decides::<ddp_core::Error>(&pg, || {
+            Err(ddp_core::Error::InvalidArgument("no test set".into()))
         })
         .unwrap_err()
         .to_string();

@@ -2,10 +2,10 @@
 //! replica comparison, shard disjointness with real `DistributedSampler` shards, and the overlap
 //! meter fed by a real `Reducer`.
 
-use ddp::reducer::{ParamSpec, Reducer, ReducerOptions};
-use ddp::{verify_disjoint_shards, verify_replicas, DistributedSampler, OverlapMeter};
 use ddp_comm::testing::{run_local_group, LocalGroup};
 use ddp_comm::{DType, ProcessGroup};
+use ddp_core::reducer::{ParamSpec, Reducer, ReducerOptions};
+use ddp_core::{verify_disjoint_shards, verify_replicas, DistributedSampler, OverlapMeter};
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(20);

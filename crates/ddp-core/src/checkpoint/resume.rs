@@ -86,7 +86,7 @@ impl OptimizerStateDict {
 /// and by any other framework adapter's optimizers. Use it through
 /// [`Checkpoint::save_optimizer`] and [`Checkpoint::load_optimizer`].
 pub trait OptimizerState {
-    /// The adapter's error type (it must hold a `ddp` error).
+    /// The adapter's error type (it must hold a `ddp-core` error).
     type Error: From<Error>;
 
     /// The algorithm, e.g. `"sgd"`; a checkpoint of another algorithm is refused on load.

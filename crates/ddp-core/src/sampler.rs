@@ -42,11 +42,11 @@ pub struct SamplerState {
 /// Splits `0..dataset_len` among `num_replicas` ranks, as PyTorch's `DistributedSampler` does.
 ///
 /// ```
-/// let mut s = ddp::DistributedSampler::new(10, 3, 1).unwrap().shuffle(false);
+/// let mut s = ddp_core::DistributedSampler::new(10, 3, 1).unwrap().shuffle(false);
 /// assert_eq!(s.len(), 4);
 /// assert_eq!(s.indices(), vec![1, 4, 7, 0]); // padded by cycling: index 0 is seen twice
 ///
-/// let mut s = ddp::DistributedSampler::new(1000, 4, 0).unwrap().seed(42);
+/// let mut s = ddp_core::DistributedSampler::new(1000, 4, 0).unwrap().seed(42);
 /// for epoch in 0..3 {
 ///     s.set_epoch(epoch); // a new order every epoch, the same on all ranks
 ///     for _idx in s.iter() { /* load sample _idx */ }
@@ -225,7 +225,7 @@ impl DistributedSampler {
     ///
     /// ```
     /// // 12 items: 4 ranks took 2 each (the first 8 positions); 2 ranks share the last 4.
-    /// let mut s = ddp::DistributedSampler::new(12, 2, 1).unwrap().shuffle(false);
+    /// let mut s = ddp_core::DistributedSampler::new(12, 2, 1).unwrap().shuffle(false);
     /// assert_eq!(s.indices_from_global(8), vec![9, 11]);
     /// ```
     pub fn indices_from_global(&mut self, global_consumed: usize) -> Vec<usize> {

@@ -60,7 +60,7 @@ impl<P: ParamAccess> DdpCore<P> {
         self.pg.size()
     }
 
-    /// The wrapped parameters as `ddp`'s adapter contract sees them.
+    /// The wrapped parameters as `ddp-core`'s adapter contract sees them.
     pub fn params(&self) -> &P {
         &self.params
     }

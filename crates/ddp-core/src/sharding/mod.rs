@@ -46,7 +46,7 @@ pub mod sets;
 pub mod units;
 pub mod zero;
 
-/// The former name of [`sets`] (kept so that `ddp::sharding::checkpoint::*` paths resolve).
+/// The former name of [`sets`] (kept so that `ddp_core::sharding::checkpoint::*` paths resolve).
 #[doc(hidden)]
 pub use sets as checkpoint;
 

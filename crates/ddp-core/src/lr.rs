@@ -19,9 +19,9 @@ pub fn global_batch_size(per_rank_batch: usize, world_size: usize) -> usize {
 ///
 /// ```
 /// // Tuned at lr 0.1 for batch 32 on one process; 4 ranks × 32 samples each → global batch 128.
-/// assert_eq!(ddp::scale_lr_linear(0.1, 32, 4, 32), 0.4);
+/// assert_eq!(ddp_core::scale_lr_linear(0.1, 32, 4, 32), 0.4);
 /// // Keeping the *global* batch at 32 with 4 ranks (8 each) keeps the learning rate.
-/// assert_eq!(ddp::scale_lr_linear(0.1, 8, 4, 32), 0.1);
+/// assert_eq!(ddp_core::scale_lr_linear(0.1, 8, 4, 32), 0.1);
 /// ```
 ///
 /// # Panics

@@ -2,8 +2,8 @@
 
 use std::fs;
 
-use ddp::checkpoint::{self, checkpoint_path, CHECKPOINT_FILE};
-use ddp::{Checkpoint, CheckpointMeta, SamplerState};
+use ddp_core::checkpoint::{self, checkpoint_path, CHECKPOINT_FILE};
+use ddp_core::{Checkpoint, CheckpointMeta, SamplerState};
 
 fn sample(step: u64) -> Checkpoint {
     let mut ck = Checkpoint::new(CheckpointMeta {
@@ -251,7 +251,7 @@ fn inconsistent_tensors_are_refused_before_writing() {
     assert!(e.contains("bad") && e.contains("[2, 2]"), "{e}");
     ck.tensors.insert(
         "bad".into(),
-        ddp::TensorData {
+        ddp_core::TensorData {
             shape: vec![5],
             data: vec![0.0; 4],
         },

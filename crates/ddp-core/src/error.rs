@@ -1,14 +1,14 @@
-//! The error type of the framework-agnostic `ddp` crate.
+//! The error type of the framework-agnostic `ddp-core` crate.
 //!
 //! Communication failures keep their `ddp_comm::Error` (which names the peer rank, collective and
 //! sequence number); everything else says which file, tensor, rank or argument is at fault.
 
 use std::path::{Path, PathBuf};
 
-/// Result alias used throughout `ddp`.
+/// Result alias used throughout `ddp-core`.
 pub type Result<T, E = Error> = std::result::Result<T, E>;
 
-/// Everything that can go wrong in `ddp`.
+/// Everything that can go wrong in `ddp-core`.
 #[derive(Debug, thiserror::Error)]
 pub enum Error {
     /// A collective or the process group failed.

@@ -5,11 +5,11 @@
 //! to the file.
 //!
 //! `FUZZ_CASES` sets the inputs per target (default small, for CI); a long pass:
-//! `FUZZ_CASES=1000000 cargo test -p ddp --test fuzz`.
+//! `FUZZ_CASES=1000000 cargo test -p ddp-core --test fuzz`.
 
-use ddp::checkpoint::{RunPlan, TrainingState};
-use ddp::{Checkpoint, CheckpointMeta, SamplerState};
 use ddp_comm::fuzzing::{cases, largest_allocation_during, TrackingAlloc};
+use ddp_core::checkpoint::{RunPlan, TrainingState};
+use ddp_core::{Checkpoint, CheckpointMeta, SamplerState};
 use proptest::collection::vec;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, TestRunner};
@@ -277,7 +277,7 @@ fn a_checkpoint_of_any_world_size_is_checked_by_its_global_position() {
     runner(20_000)
         .run(&(meta(), global), |(mut m, g)| {
             if !g.is_null() {
-                m.extra[ddp::checkpoint::GLOBAL_CONSUMED_KEY] = g;
+                m.extra[ddp_core::checkpoint::GLOBAL_CONSUMED_KEY] = g;
             }
             match plan.check_global(&m, 1437) {
                 Ok(p) => {

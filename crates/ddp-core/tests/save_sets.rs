@@ -3,11 +3,11 @@
 //! but one set of its directory is refused naming the file; a save removes only its own old sets;
 //! a directory is prepared (locked, probed) before a sharded run trains.
 
-use ddp::checkpoint::{CheckpointMeta, OptimizerRecord};
-use ddp::reducer::{BucketInfo, ParamSpec};
-use ddp::sharding::{self, ChunkState, ShardLayout, ShardState};
 use ddp_comm::testing::run_local_group;
 use ddp_comm::DType;
+use ddp_core::checkpoint::{CheckpointMeta, OptimizerRecord};
+use ddp_core::reducer::{BucketInfo, ParamSpec};
+use ddp_core::sharding::{self, ChunkState, ShardLayout, ShardState};
 use std::path::Path;
 
 fn specs() -> Vec<ParamSpec> {
@@ -156,7 +156,7 @@ fn prepare_dir_locks_the_directory_and_refuses_a_path_through_a_file() {
     run_local_group(2, Default::default(), |pg| {
         sharding::prepare_dir(&pg, &d).unwrap();
     });
-    let holder = std::fs::read_to_string(d.join(ddp::checkpoint::LOCK_FILE)).unwrap();
+    let holder = std::fs::read_to_string(d.join(ddp_core::checkpoint::LOCK_FILE)).unwrap();
     assert!(
         holder.contains(&format!("pid {}", std::process::id())),
         "{holder}"

@@ -1,7 +1,7 @@
 //! Property tests of `DistributedSampler` against PyTorch's formulas, over dataset length, world
 //! size, shuffle and drop_last.
 
-use ddp::DistributedSampler;
+use ddp_core::DistributedSampler;
 use proptest::prelude::*;
 
 /// PyTorch's `num_samples`, written as in `torch/utils/data/distributed.py` with signed arithmetic

@@ -1,4 +1,4 @@
-//! `ddp`: framework-agnostic distributed data parallelism on top of `ddp-comm` — PyTorch's
+//! `ddp-core`: framework-agnostic distributed data parallelism on top of `ddp-comm` — PyTorch's
 //! `DistributedDataParallel` machinery (bucketed gradient reducer, comm hooks, sampler, Join,
 //! checkpoints, ZeRO sharding, timeline) over flat buffers, with no tensor framework.
 //!
@@ -15,8 +15,8 @@
 //!    → env (ddp_comm::env)                     which launcher, rank, world, store address
 //!    → rendezvous (ddp_comm::store)            membership, addresses, host ids
 //!    → process group (ddp_comm::ProcessGroup)  collectives on TCP / shared memory / MPI
-//!    → reducer (ddp::reducer::Reducer)         gradients into buckets, a comm hook per bucket
-//!    → optimizer (the framework's, or ddp::sharding's per-shard step)
+//!    → reducer (ddp_core::reducer::Reducer)         gradients into buckets, a comm hook per bucket
+//!    → optimizer (the framework's, or ddp_core::sharding's per-shard step)
 //! ```
 //!
 //! Per step: the adapter hands each gradient to [`Reducer::mark_ready`](reducer::Reducer::mark_ready)
@@ -46,7 +46,7 @@
 //! - [`lr`]: the linear learning-rate scaling rule for a changed world size.
 //! - [`alloc`]: keeping freed host memory between steps (glibc thresholds).
 //! - [`error`]: [`Error`], which carries `ddp_comm`'s errors (naming the peer and the collective).
-//! - [`prelude`]: the common imports, `use ddp::prelude::*;`.
+//! - [`prelude`]: the common imports, `use ddp_core::prelude::*;`.
 //!
 //! # Example
 //!
@@ -54,7 +54,7 @@
 //! start processes instead, each calling `ddp_comm::init_process_group`):
 //!
 //! ```
-//! use ddp::reducer::{ParamSpec, Reducer, ReducerOptions};
+//! use ddp_core::reducer::{ParamSpec, Reducer, ReducerOptions};
 //! use ddp_comm::DType;
 //!
 //! let averaged = ddp_comm::testing::run_ranks(2, |pg| {

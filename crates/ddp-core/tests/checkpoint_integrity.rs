@@ -7,10 +7,10 @@ use std::fs;
 use std::path::Path;
 use std::sync::{Arc, Mutex};
 
-use ddp::checkpoint::{
+use ddp_core::checkpoint::{
     self, ensure_writable, OptimizerState, OptimizerStateDict, RunPlan, TrainingState, META_KEY,
 };
-use ddp::{Checkpoint, CheckpointMeta, SamplerState};
+use ddp_core::{Checkpoint, CheckpointMeta, SamplerState};
 use serde_json::{json, Value};
 
 type Tensors = BTreeMap<String, (Vec<usize>, Vec<u8>)>;
@@ -406,7 +406,7 @@ fn unwritable_checkpoint_directory_is_found_before_training() {
         .unwrap()
         .map(|e| e.unwrap().file_name())
         .collect();
-    assert_eq!(left, [ddp::checkpoint::LOCK_FILE]);
+    assert_eq!(left, [ddp_core::checkpoint::LOCK_FILE]);
 }
 
 #[test]
@@ -434,7 +434,7 @@ fn temporary_files_of_interrupted_saves_are_removed_at_start() {
         left,
         [
             ".checkpoint.safetensors.tmpfoo",
-            ddp::checkpoint::LOCK_FILE,
+            ddp_core::checkpoint::LOCK_FILE,
             "checkpoint.safetensors",
             "notes.txt"
         ]
@@ -449,11 +449,11 @@ struct Toy {
 }
 
 impl OptimizerState for Toy {
-    type Error = ddp::Error;
+    type Error = ddp_core::Error;
     fn kind(&self) -> &str {
         self.kind
     }
-    fn state_dict(&self) -> ddp::Result<OptimizerStateDict> {
+    fn state_dict(&self) -> ddp_core::Result<OptimizerStateDict> {
         let mut s = OptimizerStateDict::new(self.kind, self.step);
         s.hyper.insert("lr".into(), 0.1);
         for (p, b) in &self.bufs {
@@ -461,7 +461,7 @@ impl OptimizerState for Toy {
         }
         Ok(s)
     }
-    fn load_state_dict(&mut self, s: &OptimizerStateDict) -> ddp::Result<()> {
+    fn load_state_dict(&mut self, s: &OptimizerStateDict) -> ddp_core::Result<()> {
         self.step = s.step;
         for (p, b) in &mut self.bufs {
             *b = s.get(p, "momentum_buffer").unwrap().data.clone();

@@ -203,6 +203,20 @@ impl<M: Module> DistributedDataParallel<M> {
         self.module = Some(optim.step(lr, m, grads));
     }
 
+    /// One training step on `loss`: [`backward`](Self::backward) (gradients averaged over the
+    /// ranks), then [`step`](Self::step) with `optim` at `lr` — candle's
+    /// `opt.backward_step(&loss)`, PyTorch's `loss.backward(); opt.step()`.
+    pub fn backward_step<const D: usize>(
+        &mut self,
+        optim: &mut ModuleOptimizer,
+        lr: impl Into<ModuleLearningRate>,
+        loss: Tensor<D>,
+    ) -> Result<()> {
+        let grads = self.backward(loss)?;
+        self.step(optim, lr, grads);
+        Ok(())
+    }
+
     /// PyTorch's `with ddp.no_sync():` — while the guard lives, backwards accumulate gradients
     /// locally without communicating and return this micro-batch's *local* gradients (do not
     /// step the optimizer on them). The first backward after the guard is dropped reduces the sum

@@ -1,11 +1,11 @@
 //! The flags `train-digits` and `train-digits-burn` share ([`CommonArgs`], flattened into each
 //! program's own `Args` with `#[command(flatten)]`), and their value parsers beyond
-//! `ddprun::validate`'s: a fraction in [0, 1] and an SGD momentum in [0, 1). Like those, they
+//! `ddprs::launcher::validate`'s: a fraction in [0, 1] and an SGD momentum in [0, 1). Like those, they
 //! refuse NaN and ±inf, and clap names the flag and the value in the error (exit status 2).
 
 use clap::ValueEnum;
-use ddp_core::checkpoint::RunPlan;
-use ddprun::validate::{finite, int_in, positive, MAX_SECS};
+use ddprs::checkpoint::RunPlan;
+use ddprs::launcher::validate::{finite, int_in, positive, MAX_SECS};
 use std::path::PathBuf;
 
 /// Widest hidden layer accepted (64 × H + H × 10 weights per replica).
@@ -28,7 +28,7 @@ pub enum OptimizerKind {
 pub struct CommonArgs {
     /// Number of local worker processes to spawn (ignored under a launcher, which sets
     /// RANK/WORLD_SIZE).
-    #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, ddprun::cli::MAX_LOCAL_WORKERS as u64))]
+    #[arg(long, default_value_t = 2, value_parser = int_in::<usize>(1, ddprs::launcher::cli::MAX_LOCAL_WORKERS as u64))]
     pub nproc: usize,
     /// Number of passes over the training set.
     #[arg(long, default_value_t = 30, value_parser = int_in::<u64>(1, u64::MAX))]
@@ -71,7 +71,7 @@ pub struct CommonArgs {
     /// step 1000), `localsgd[:PERIOD[:WARMUP]]` (post-local SGD, parameters averaged every PERIOD
     /// steps after WARMUP; default 4 and 100). Hook state is saved in checkpoints.
     #[arg(long, default_value = "none")]
-    pub hook: ddp_core::hooks::HookSpec,
+    pub hook: ddprs::hooks::HookSpec,
     /// Stop once rank 0's held-out accuracy, evaluated after every epoch, reaches this
     /// (reports `time_to_target_s`, training time excluding evaluations).
     /// A fraction, 0 to 1.

@@ -3,8 +3,8 @@
 //! are documented (`examples/train-digits/README.md`) and parsed by the tests and the
 //! benchmark scripts.
 
-use ddp_comm::{ProcessGroup, ReduceOp};
-use ddp_core::reducer::TotalStats;
+use ddprs::comm::{ProcessGroup, ReduceOp};
+use ddprs::reducer::TotalStats;
 use serde::{Deserialize, Deserializer, Serialize};
 use std::time::Duration;
 
@@ -85,7 +85,7 @@ pub fn throughput(
     pg: &ProcessGroup,
     local_samples: u64,
     train_time: Duration,
-) -> ddp_comm::Result<(f64, f64)> {
+) -> ddprs::comm::Result<(f64, f64)> {
     let mut counts = [local_samples as f64, train_time.as_secs_f64()];
     pg.all_reduce(&mut counts[..1], ReduceOp::Sum)?;
     pg.all_reduce(&mut counts[1..], ReduceOp::Max)?;
@@ -110,7 +110,7 @@ pub struct Details {
     /// Said after the synchronization figures (train-digits: the communication hidden under
     /// backward, from the bottleneck report).
     pub overlap: Option<String>,
-    /// The replica check, described (`ddp_core::verify`'s description).
+    /// The replica check, described (`ddprs::verify`'s description).
     pub replicas: String,
 }
 

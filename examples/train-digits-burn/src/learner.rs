@@ -1,8 +1,8 @@
 //! `train-digits-burn --learner`: the same training through Burn's own loop, `burn-train`'s
-//! `SupervisedTraining` + `Learner`, with `ddp_burn::DdpLearningStrategy` as its training
+//! `SupervisedTraining` + `Learner`, with `ddprs::burn::DdpLearningStrategy` as its training
 //! strategy, as a Burn user who keeps Burn's loop writes it. Burn's checkpointer (rank 0) goes
 //! to `--checkpoint-dir`, each record checksummed and written atomically
-//! (`ddp_burn::learner::ChecksummedCheckpointer`, with the step count in its metadata), and
+//! (`ddprs::burn::learner::ChecksummedCheckpointer`, with the step count in its metadata), and
 //! `--resume` continues from its last epoch after every rank verified the files. Same data, shard,
 //! optimizer, LR and summary as the plain loop (module `train`), and the same result bit for
 //! bit: the strategy runs the same reducer on the same gradients.
@@ -19,10 +19,10 @@ use burn_train::checkpoint::KeepLastNCheckpoints;
 use burn_train::{
     ClassificationOutput, InferenceStep, Learner, SupervisedTraining, TrainOutput, TrainStep,
 };
-use ddp_burn::learner::ChecksummedCheckpointer;
-use ddp_burn::{Ddp, DdpLearningStrategy, DdpOptions, QuietRenderer};
-use ddp_comm::ProcessGroup;
-use ddp_core::checkpoint::CheckpointMeta;
+use ddprs::burn::learner::ChecksummedCheckpointer;
+use ddprs::burn::{Ddp, DdpLearningStrategy, DdpOptions, QuietRenderer};
+use ddprs::checkpoint::CheckpointMeta;
+use ddprs::comm::ProcessGroup;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Instant;
@@ -76,8 +76,7 @@ fn last_checkpoint(dir: &Path) -> Option<usize> {
 /// save set, or Burn checkpoints without checksums (`model-<epoch>.bpk`, an older
 /// train-digits-burn's).
 fn other_checkpoints(dir: &Path) -> BoxResult<Option<String>> {
-    if ddp_core::checkpoint::checkpoint_path(dir).exists()
-        || ddp_core::sharding::set_meta(dir)?.is_some()
+    if ddprs::checkpoint::checkpoint_path(dir).exists() || ddprs::sharding::set_meta(dir)?.is_some()
     {
         return Ok(Some(
             "a checkpoint of the plain loop (resume it without --learner)".into(),
@@ -106,12 +105,12 @@ pub fn has_learner_checkpoints(dir: &Path) -> bool {
 /// locked by rank 0 (one job per directory). A collective: any rank's failure, with the real
 /// reason (a read-only file system, a path through a file), fails every rank before training.
 fn prepare_dirs(pg: &ProcessGroup, dir: &Path, checkpoint_dir: Option<&Path>) -> BoxResult<()> {
-    let mine = (|| -> ddp_core::Result<()> {
+    let mine = (|| -> ddprs::Result<()> {
         if let (Some(d), 0) = (checkpoint_dir, pg.rank()) {
-            ddp_core::checkpoint::ensure_writable(d)?;
+            ddprs::checkpoint::ensure_writable(d)?;
         }
         let why = |what: &str, p: &Path, e| {
-            ddp_core::Error::io(format!("Burn's learner directory: cannot {what}"), p, e)
+            ddprs::Error::io(format!("Burn's learner directory: cannot {what}"), p, e)
         };
         std::fs::create_dir_all(dir).map_err(|e| why("create", dir, e))?;
         let probe = dir.join(format!(".write-probe.{}", std::process::id()));
@@ -123,7 +122,7 @@ fn prepare_dirs(pg: &ProcessGroup, dir: &Path, checkpoint_dir: Option<&Path>) ->
         }
         Ok(())
     })();
-    ddp_core::sharding::agree(pg, "preparing the learner directories", mine)?;
+    ddprs::sharding::agree(pg, "preparing the learner directories", mine)?;
     Ok(())
 }
 
@@ -134,15 +133,15 @@ fn verify_checkpoint(pg: &ProcessGroup, dir: &Path, epoch: usize) -> BoxResult<(
         .iter()
         .try_for_each(|c| c.verify(epoch))
         .map_err(|e| match e {
-            ddp_burn::Error::Ddp(e) => e,
-            other => ddp_core::Error::Checkpoint(other.to_string()),
+            ddprs::burn::Error::Ddp(e) => e,
+            other => ddprs::Error::Checkpoint(other.to_string()),
         });
-    ddp_core::sharding::agree(pg, "checking Burn's checkpoint", mine)?;
+    ddprs::sharding::agree(pg, "checking Burn's checkpoint", mine)?;
     Ok(())
 }
 
 pub fn run(args: &Args) -> BoxResult<()> {
-    if args.common.hook != ddp_core::hooks::HookSpec::None
+    if args.common.hook != ddprs::hooks::HookSpec::None
         || args.common.max_steps.is_some()
         || args.common.target_accuracy.is_some()
         || args.zero != 0

@@ -3,9 +3,9 @@
 //! `--json` line (all three `ddp_example_support`'s), trained data-parallel with `ddp-burn` on Burn's pure-Rust CPU
 //! backend (`burn-flex`).
 //!
-//! Run directly, it spawns `--nproc` local workers of itself through `ddprun::spawn`; under
+//! Run directly, it spawns `--nproc` local workers of itself through `ddprs::launcher::spawn`; under
 //! `ddprun`, torchrun-style environments, Slurm or `mpirun` (any environment
-//! `ddp_comm::env::EnvConfig` recognises) it is one worker (module [`train`]).
+//! `ddprs::comm::env::EnvConfig` recognises) it is one worker (module [`train`]).
 
 mod learner;
 mod model;
@@ -15,9 +15,9 @@ mod train;
 
 use clap::{Parser, ValueEnum};
 use ddp_example_support::flags::CommonArgs;
-use ddprun::output::ConsoleStyle;
-use ddprun::spawn::{spawn, SpawnOptions};
-use ddprun::validate::int_in;
+use ddprs::launcher::output::ConsoleStyle;
+use ddprs::launcher::spawn::{spawn, SpawnOptions};
+use ddprs::launcher::validate::int_in;
 
 /// Communication backend (`auto` picks the best available one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -43,7 +43,7 @@ pub struct Args {
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
     /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over the ranks), 2 (+ gradients), with
-    /// `ddp_burn::ZeroDdp`; its checkpoints are sharded sets (one shard per rank).
+    /// `ddprs::burn::ZeroDdp`; its checkpoints are sharded sets (one shard per rank).
     #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 2))]
     pub zero: u8,
     /// Train through Burn's own loop (`burn-train`'s `SupervisedTraining` / `Learner`) with
@@ -55,7 +55,7 @@ pub struct Args {
 fn main() {
     let args = Args::parse();
     // A worker when a launcher (ddprun/torchrun, Slurm, mpirun) set the environment.
-    if ddp_comm::env::EnvConfig::from_env().is_err() {
+    if ddprs::comm::env::EnvConfig::from_env().is_err() {
         std::process::exit(spawn(&SpawnOptions {
             console: ConsoleStyle::Rank0Stdout,
             ..SpawnOptions::new(args.common.nproc)

@@ -5,10 +5,10 @@
 //!   plain checkpoint (stage 0: Burn's records as blobs)  ──load_records──► stage 0
 //!        └─ burn_to_flat ─► flat checkpoint ──ZeroDdp::import──────────► stages 1-2
 //!   save set (stages 1-2: one shard per rank)           ──ZeroDdp::load──► stages 1-2
-//!        └─ ddp_core::sharding::consolidate ─► flat checkpoint ─ flat_to_burn ─► stage 0
+//!        └─ ddprs::sharding::consolidate ─► flat checkpoint ─ flat_to_burn ─► stage 0
 //! ```
 //!
-//! The *flat* form is what `ddp_core::sharding::consolidate` makes of a set and what
+//! The *flat* form is what `ddprs::sharding::consolidate` makes of a set and what
 //! `ZeroDdp::import` cuts: every parameter under its structural path (`fc1.weight`), each
 //! optimizer state tensor as `optim.<param>.<slot>` (Burn's state path with `/` for `.`:
 //! `momentum/velocity`), the state's scalars (Adam's step count) in the optimizer record's hyper
@@ -22,8 +22,8 @@ use burn::module::{Module, ModuleMapper, ModuleVisitor, Param};
 use burn::optim::ModuleOptimizer;
 use burn::tensor::{Tensor, TensorData};
 use burn_pack::Scalar;
-use ddp_burn::Ddp;
-use ddp_core::checkpoint::{Checkpoint, OptimizerStateDict};
+use ddprs::burn::Ddp;
+use ddprs::checkpoint::{Checkpoint, OptimizerStateDict};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -33,7 +33,7 @@ const SCALAR: &str = "state:";
 /// Burn's per-parameter scalar holding the rank of the parameter's state.
 const RANK_KEY: &str = "__rank";
 
-/// The name `ddp_burn::ZeroDdp` gives optimizer `O`'s state in checkpoints (`burn.adamw`).
+/// The name `ddprs::burn::ZeroDdp` gives optimizer `O`'s state in checkpoints (`burn.adamw`).
 pub fn optimizer_kind<O>() -> String {
     let name = std::any::type_name::<O>();
     let short = name.split('<').next().unwrap_or(name);
@@ -251,9 +251,9 @@ pub fn flat_to_burn(
         .map_err(|e| format!("cannot load the optimizer record: {e}"))?)
 }
 
-/// The flat form of `dir`'s current save set (`ddp_core::sharding::consolidate`), and its name.
+/// The flat form of `dir`'s current save set (`ddprs::sharding::consolidate`), and its name.
 pub fn consolidated(dir: &Path) -> BoxResult<(Checkpoint, String)> {
-    let ckpt = ddp_core::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
-    let set = ddp_core::sharding::latest_set(dir)?.unwrap_or_else(|| dir.into());
+    let ckpt = ddprs::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
+    let set = ddprs::sharding::latest_set(dir)?.unwrap_or_else(|| dir.into());
     Ok((ckpt, format!("the sharded set {}", set.display())))
 }

@@ -1,8 +1,8 @@
 //! One worker of `train-digits-burn`: joins the process group, loads its shard with Burn's
-//! `DataLoaderBuilder` over a `ddp_burn::ShardedDataset`, trains with `ddp_burn::Ddp` and Burn's
-//! optimizers (or `ddp_burn::ZeroDdp` with `--zero 1|2`), checkpoints every epoch (plain DDP:
+//! `DataLoaderBuilder` over a `ddprs::burn::ShardedDataset`, trains with `ddprs::burn::Ddp` and Burn's
+//! optimizers (or `ddprs::burn::ZeroDdp` with `--zero 1|2`), checkpoints every epoch (plain DDP:
 //! rank 0, atomically, Burn's records + our position; ZeRO: a sharded set), resumes from either
-//! at any stage and world size (module `resume`, `ddp_core::checkpoint::resume_or_start_global`), and
+//! at any stage and world size (module `resume`, `ddprs::checkpoint::resume_or_start_global`), and
 //! reports as `train-digits` does.
 
 use crate::learner::has_learner_checkpoints;
@@ -14,14 +14,14 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::Tensor;
-use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
-use ddp_comm::ProcessGroup;
-use ddp_core::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
-use ddp_core::hooks::PeriodicModelAverager;
-use ddp_core::sharding::ZeroStage;
-use ddp_core::DistributedSampler;
 use ddp_example_support::flags::OptimizerKind;
 use ddp_example_support::resume::{resume_source, Source};
+use ddprs::burn::{Ddp, DdpOptions, ZeroDdp};
+use ddprs::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
+use ddprs::comm::ProcessGroup;
+use ddprs::hooks::PeriodicModelAverager;
+use ddprs::sharding::ZeroStage;
+use ddprs::DistributedSampler;
 use std::time::{Duration, Instant};
 
 /// The run as its checkpoints record it; a checkpoint of other hyper-parameters is refused on
@@ -46,7 +46,7 @@ fn save(
     };
     // Comm hook state (PowerSGD's residuals differ between ranks: rank 0 saves every rank's,
     // a collective).
-    let hook_state = ddp_core::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
+    let hook_state = ddprs::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
     if pg.rank() == 0 {
         let mut ckpt = Checkpoint::new(meta.clone());
         ddp.save_records(&mut ckpt, opt)?;
@@ -68,7 +68,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 .into(),
         );
     }
-    if stage != ZeroStage::Ddp && args.common.hook != ddp_core::hooks::HookSpec::None {
+    if stage != ZeroStage::Ddp && args.common.hook != ddprs::hooks::HookSpec::None {
         return Err(format!(
             "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
              itself",
@@ -89,7 +89,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         _ => None,
     };
     if let (Some(dir), true) = (&args.common.checkpoint_dir, stage != ZeroStage::Ddp) {
-        ddp_core::sharding::prepare_dir(&s.pg, dir)?;
+        ddprs::sharding::prepare_dir(&s.pg, dir)?;
     }
     let source = match &args.common.checkpoint_dir {
         Some(dir) if args.resume => resume_source(dir, plain)?,
@@ -129,9 +129,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
                         let opt = resume::flat_to_burn(&flat, &mut t.ddp, opt)?;
                         Ok((opt, flat.meta, what))
                     });
-                    let read = read.map_err(|e| ddp_core::Error::Checkpoint(e.to_string()));
+                    let read = read.map_err(|e| ddprs::Error::Checkpoint(e.to_string()));
                     let (opt, meta, what) =
-                        ddp_core::sharding::agree(&s.pg, "loading the save set", read)?;
+                        ddprs::sharding::agree(&s.pg, "loading the save set", read)?;
                     t.opt = opt;
                     Some((meta, what))
                 }
@@ -204,7 +204,7 @@ impl Start {
     }
 }
 
-/// `--zero 1|2`: `ddp_burn::ZeroDdp` with Burn's bare `optim`; a resumed run first loads its
+/// `--zero 1|2`: `ddprs::burn::ZeroDdp` with Burn's bare `optim`; a resumed run first loads its
 /// cut of the save set (a collective), or of a plain checkpoint (`ZeroDdp::import` of its flat
 /// form).
 fn run_zero<O: Optimizer>(
@@ -451,7 +451,7 @@ fn train_loop(
         if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
-            let reached = ddp_core::join::rank0_decides(pg, || -> BoxResult<bool> {
+            let reached = ddprs::join::rank0_decides(pg, || -> BoxResult<bool> {
                 Ok(evaluate(t.ddp().module(), test, device).0 >= target)
             })?;
             eval_time += paused.elapsed();

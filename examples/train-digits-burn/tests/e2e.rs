@@ -1,5 +1,5 @@
 //! End-to-end tests of the `train-digits-burn` binary: real worker processes spawned through
-//! `ddprun::spawn`, real collectives, real checkpoint files, a real `SIGKILL`. Every process is
+//! `ddprs::launcher::spawn`, real collectives, real checkpoint files, a real `SIGKILL`. Every process is
 //! waited on with a deadline and killed if it overruns, so a hang fails the test.
 
 use ddp_example_support::testing as common;
@@ -142,7 +142,7 @@ fn interrupted_and_resumed_equals_uninterrupted() {
     resumed_equals_uninterrupted(&["--optimizer", "adamw"], "adamw");
 }
 
-/// `--zero 1|2` (`ddp_burn::ZeroDdp`: optimizer state, and gradients, sharded) learns the digits
+/// `--zero 1|2` (`ddprs::burn::ZeroDdp`: optimizer state, and gradients, sharded) learns the digits
 /// as DDP does, with identical replicas and DDP's bytes per step; at world 2 the averaged
 /// gradients are the same sums, so the parameters match DDP's to the last bit here (1e-6 is
 /// asked).
@@ -473,7 +473,7 @@ fn checkpoints_resume_at_other_world_sizes_at_every_stage() {
 
 /// Issue 40, item 5: `--resume` with another `--zero` than the checkpoint's loads it (a plain
 /// checkpoint into ZeRO through its flat form and `ZeroDdp::import`, a save set into plain DDP
-/// through `ddp_core::sharding::consolidate` and Burn's records) and ends where the uninterrupted
+/// through `ddprs::sharding::consolidate` and Burn's records) and ends where the uninterrupted
 /// stage-0 run ends (same steps, param_l2 within 1e-5).
 #[test]
 fn changing_zero_on_resume_loads_the_checkpoint() {

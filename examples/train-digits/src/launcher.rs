@@ -1,5 +1,5 @@
 //! Local launcher: `train-digits` run directly starts `--nproc` workers of itself with
-//! [`ddprun::spawn`], torchrun-style: the same worker environment, supervision and exit status as
+//! [`ddprs::launcher::spawn`], torchrun-style: the same worker environment, supervision and exit status as
 //! `ddprun --standalone --nproc-per-node N train-digits ...` (a free `MASTER_PORT`; workers die
 //! with the launcher, SIGINT/SIGTERM forwarded, the first failure stops the others and is
 //! summarized with its rank, exit code or signal and stderr tail; exit status 1 then, 128+N
@@ -8,8 +8,8 @@
 //! Rank 0's stdout is passed through unprefixed (so `--json`'s last line stays
 //! machine-readable); everything else goes to stderr prefixed with `[rankN]: `.
 
-use ddprun::output::ConsoleStyle;
-use ddprun::spawn::{spawn, SpawnOptions};
+use ddprs::launcher::output::ConsoleStyle;
+use ddprs::launcher::spawn::{spawn, SpawnOptions};
 
 /// Start `nproc` workers running this program with this process's arguments; returns the exit
 /// status.

@@ -17,7 +17,7 @@ mod trainer;
 
 use clap::{Parser, ValueEnum};
 use ddp_example_support::flags::CommonArgs;
-use ddprun::validate::int_in;
+use ddprs::launcher::validate::int_in;
 
 /// Communication backend (`auto` picks the best available one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -61,7 +61,7 @@ pub struct Args {
     #[arg(long, value_name = "STEPS", requires = "checkpoint_dir",
           value_parser = int_in::<u64>(1, 1 << 32))]
     pub checkpoint_every: Option<u64>,
-    /// Linear learning-rate scaling (`ddp_core::scale_lr_linear`): --lr is tuned for a global batch of
+    /// Linear learning-rate scaling (`ddprs::scale_lr_linear`): --lr is tuned for a global batch of
     /// BASE samples, and a run at world size W uses lr × (batch-size × W) / BASE, so a job that
     /// resumes at another world size follows its new global batch.
     #[arg(long, value_name = "BASE", value_parser = int_in::<usize>(1, 1 << 40))]
@@ -74,10 +74,10 @@ pub struct Args {
     /// then bucketed and all-reduced on the GPU: NCCL when every rank has its own GPU, staged
     /// through host memory when ranks share one (env `DDP_DEVICE_BACKEND`: auto, nccl, staged).
     #[arg(long, default_value = "cpu")]
-    pub device: ddp_candle::device::DeviceKind,
+    pub device: ddprs::candle::device::DeviceKind,
     /// ZeRO stage: 0 (DDP), 1 (optimizer state sharded over the ranks), 2 (+ gradients), 3 (+
-    /// parameters: `ddp_candle::Fsdp`, units fc1 and fc2); with --checkpoint-dir, stages 1-3
-    /// write sharded checkpoints (`ddp_core::sharding`), loadable at any world size and any --zero.
+    /// parameters: `ddprs::candle::Fsdp`, units fc1 and fc2); with --checkpoint-dir, stages 1-3
+    /// write sharded checkpoints (`ddprs::sharding`), loadable at any world size and any --zero.
     #[arg(long, default_value_t = 0, value_parser = int_in::<u8>(0, 3))]
     pub zero: u8,
     /// Record every rank's timeline (forward, backward, buckets, collectives, optimizer, data,
@@ -107,7 +107,7 @@ fn main() {
         eprintln!("train-digits: error: {e}");
         std::process::exit(2);
     }
-    if !ddprun::spawn::is_worker() && args.backend != Some(Backend::Mpi) {
+    if !ddprs::launcher::spawn::is_worker() && args.backend != Some(Backend::Mpi) {
         std::process::exit(launcher::launch(args.common.nproc));
     }
     let rank = std::env::var("RANK")

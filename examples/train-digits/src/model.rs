@@ -1,4 +1,4 @@
-//! The classifier: an MLP `64 → hidden → 10` (ReLU; `ddp_candle::nn::Linear` layers, PyTorch's
+//! The classifier: an MLP `64 → hidden → 10` (ReLU; `ddprs::candle::nn::Linear` layers, PyTorch's
 //! layout with a cheaper CPU backward), its parameters in a candle `VarMap`, built
 //! as two blocks (`fc1 + relu`, `fc2`) so the blockwise backward can overlap communication.
 //! Initialization is PyTorch's `nn.Linear` default (uniform in `±1/sqrt(fan_in)`) drawn from a
@@ -6,7 +6,7 @@
 
 use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_nn::VarMap;
-use ddp_candle::nn::Linear;
+use ddprs::candle::nn::Linear;
 use rand::{Rng, SeedableRng};
 
 pub struct Mlp {

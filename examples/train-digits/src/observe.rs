@@ -199,10 +199,7 @@ impl MetricsLog {
     }
 
     /// Appends the bottleneck report (`kind: report`), for the per-rank bar of `ddp-plot`.
-    pub fn write_report(
-        &mut self,
-        report: &ddp_core::trace::BottleneckReport,
-    ) -> std::io::Result<()> {
+    pub fn write_report(&mut self, report: &ddprs::trace::BottleneckReport) -> std::io::Result<()> {
         let mut v = report.to_json();
         v["kind"] = "report".into();
         writeln!(self.file, "{v}")?;

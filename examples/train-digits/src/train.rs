@@ -1,6 +1,6 @@
-//! One worker of `train-digits`: joins the process group, trains with `ddp_candle::Ddp` and
-//! `ddp_candle::optim::Sgd` (or AdamW), checkpoints every epoch (rank 0, atomically, checked
-//! before training starts and on resume by `ddp_core::checkpoint::resume_or_start`), resumes exactly,
+//! One worker of `train-digits`: joins the process group, trains with `ddprs::candle::Ddp` and
+//! `ddprs::candle::optim::Sgd` (or AdamW), checkpoints every epoch (rank 0, atomically, checked
+//! before training starts and on resume by `ddprs::checkpoint::resume_or_start`), resumes exactly,
 //! and reports accuracy, loss, throughput and the cross-rank replica check.
 
 use crate::model::{evaluate, Mlp};
@@ -9,19 +9,19 @@ use crate::trainer::{self, Trainer};
 use crate::{Args, Backend, BackwardMode};
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
-use ddp_candle::optim::ParamsSgd;
-use ddp_candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
-use ddp_comm::process_group::Backend as CommBackend;
-use ddp_comm::{init_process_group, InitOptions, ProcessGroup};
-use ddp_core::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
-use ddp_core::hooks::PeriodicModelAverager;
-use ddp_core::sharding::ZeroStage;
-use ddp_core::trace::{self, Phase, StepProfiler};
-use ddp_core::DistributedSampler;
 use ddp_example_support::data::{self, CLASSES, FEATURES};
 use ddp_example_support::flags::OptimizerKind;
 use ddp_example_support::resume::{resume_source, Source};
 use ddp_example_support::summary::{self, Details, RunSummary};
+use ddprs::candle::optim::ParamsSgd;
+use ddprs::candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
+use ddprs::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
+use ddprs::comm::process_group::Backend as CommBackend;
+use ddprs::comm::{init_process_group, InitOptions, ProcessGroup};
+use ddprs::hooks::PeriodicModelAverager;
+use ddprs::sharding::ZeroStage;
+use ddprs::trace::{self, Phase, StepProfiler};
+use ddprs::DistributedSampler;
 use std::error::Error;
 use std::time::{Duration, Instant};
 
@@ -44,9 +44,7 @@ fn init_options(args: &Args) -> InitOptions {
 /// `--scale-lr BASE`.
 fn effective_lr(args: &Args, world: usize) -> f64 {
     match args.scale_lr {
-        Some(base) => {
-            ddp_core::scale_lr_linear(args.common.lr(), args.common.batch_size, world, base)
-        }
+        Some(base) => ddprs::scale_lr_linear(args.common.lr(), args.common.batch_size, world, base),
         None => args.common.lr(),
     }
 }
@@ -115,10 +113,10 @@ fn save(
     let (ddp, opt) = (zero.ddp(), zero.optimizer());
     // Comm hook state (PowerSGD's residuals and Q matrices, step counters): the residuals differ
     // between ranks, so rank 0 saves every rank's (a collective).
-    let hook_state = ddp_core::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
+    let hook_state = ddprs::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
     if pg.rank() == 0 {
         let mut ckpt = Checkpoint::new(position.meta(plan));
-        ddp_candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
+        ddprs::candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
         ckpt.save_optimizer(opt)?;
         ckpt.save_hook_state(&hook_state)?;
         if let Some(a) = averager {
@@ -141,7 +139,7 @@ fn load_source(
     match source {
         Source::Plain(r) if stage0 => {
             let z = ddp.zero_mut().expect("stage 0");
-            ddp_candle::checkpoint::load_vars(&r.checkpoint, z.named_vars())?;
+            ddprs::candle::checkpoint::load_vars(&r.checkpoint, z.named_vars())?;
             r.checkpoint.load_optimizer(z.optimizer_mut())?;
             let kind = z.reducer().comm_hook_state().kind;
             let hook_state = r.checkpoint.hook_state(&kind)?.for_rank(rank);
@@ -161,11 +159,11 @@ fn load_source(
         Source::Set(dir) if stage0 => {
             // A save set into plain DDP: every parameter and optimizer slot gathered from the
             // shards (the run's hyper-parameters, hook included, were checked: a set has none).
-            let ckpt = ddp_core::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
+            let ckpt = ddprs::sharding::consolidate(dir)?.ok_or("the save set disappeared")?;
             let z = ddp.zero_mut().expect("stage 0");
-            ddp_candle::checkpoint::load_vars(&ckpt, z.named_vars())?;
+            ddprs::candle::checkpoint::load_vars(&ckpt, z.named_vars())?;
             ckpt.load_optimizer(z.optimizer_mut())?;
-            let set = ddp_core::sharding::latest_set(dir)?.unwrap_or_else(|| dir.clone());
+            let set = ddprs::sharding::latest_set(dir)?.unwrap_or_else(|| dir.clone());
             Ok((ckpt.meta, format!("the sharded set {}", set.display())))
         }
         Source::Set(dir) => {
@@ -185,7 +183,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let all = data::load()?;
     let (train, test) = data::train_test_split(&all);
 
-    let device = ddp_candle::device::worker_device(args.device)?;
+    let device = ddprs::candle::device::worker_device(args.device)?;
     let varmap = VarMap::new();
     let model = Mlp::new(
         &varmap,
@@ -216,7 +214,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         )
         .into());
     }
-    if stage != ZeroStage::Ddp && args.common.hook != ddp_core::hooks::HookSpec::None {
+    if stage != ZeroStage::Ddp && args.common.hook != ddprs::hooks::HookSpec::None {
         return Err(format!(
             "--hook {} cannot be combined with --zero {}: ZeRO reduce-scatters the gradients \
              through its own comm hook",
@@ -233,7 +231,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         _ => None,
     };
     if let (Some(dir), true) = (&args.common.checkpoint_dir, stage != ZeroStage::Ddp) {
-        ddp_core::sharding::prepare_dir(&pg, dir)?;
+        ddprs::sharding::prepare_dir(&pg, dir)?;
     }
     let source = match &args.common.checkpoint_dir {
         Some(dir) if args.resume => resume_source(dir, plain)?,
@@ -461,7 +459,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
-            let reached = ddp_core::join::rank0_decides(&pg, || -> BoxResult<bool> {
+            let reached = ddprs::join::rank0_decides(&pg, || -> BoxResult<bool> {
                 Ok(evaluate(&model, &test.features, &test.labels)?.0 >= target)
             })?;
             eval_time += paused.elapsed();
@@ -532,13 +530,13 @@ pub fn run(args: &Args) -> BoxResult<()> {
     if rank == 0 {
         let (test_accuracy, test_loss) = evaluate(&model, &test.features, &test.labels)?;
         let (_, final_loss) = evaluate(&model, &train.features, &train.labels)?;
-        let vars: Vec<Var> = ddp_candle::CandleParams::from_varmap(&varmap)?
+        let vars: Vec<Var> = ddprs::candle::CandleParams::from_varmap(&varmap)?
             .vars()
             .iter()
             .map(|(_, v)| v.clone())
             .collect();
         let (param_sum, param_l2) =
-            ddp_candle::tensors::param_sum_l2(&vars.iter().collect::<Vec<_>>())?;
+            ddprs::candle::tensors::param_sum_l2(&vars.iter().collect::<Vec<_>>())?;
         let run = RunSummary {
             world_size: world,
             steps: pos.step,

@@ -1,14 +1,14 @@
-//! The run's data-parallel wrapper at any ZeRO stage: `ddp_candle::ZeroDdp` (stages 0-2, a full
-//! replica per rank) or `ddp_candle::Fsdp` (stage 3: the parameters sharded too, one unit per
+//! The run's data-parallel wrapper at any ZeRO stage: `ddprs::candle::ZeroDdp` (stages 0-2, a full
+//! replica per rank) or `ddprs::candle::Fsdp` (stage 3: the parameters sharded too, one unit per
 //! layer). At stage 3 the model of `model.rs` is only an evaluation copy: it is refreshed from
 //! the shards ([`Trainer::refresh`], a collective) before it is evaluated, never trained.
 
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
-use ddp_candle::{Fsdp, Unit, ZeroDdp};
-use ddp_core::checkpoint::CheckpointMeta;
-use ddp_core::reducer::TotalStats;
-use ddp_core::verify::ReplicaReport;
+use ddprs::candle::{Fsdp, Unit, ZeroDdp};
+use ddprs::checkpoint::CheckpointMeta;
+use ddprs::reducer::TotalStats;
+use ddprs::verify::ReplicaReport;
 use std::path::Path;
 
 pub enum Trainer {
@@ -20,12 +20,12 @@ pub enum Trainer {
 pub fn units(inputs: usize, hidden: usize, classes: usize) -> Vec<Unit> {
     vec![
         Unit::new(["fc1"], move |vb, x: &Tensor| {
-            ddp_candle::nn::linear(inputs, hidden, vb.pp("fc1"))?
+            ddprs::candle::nn::linear(inputs, hidden, vb.pp("fc1"))?
                 .forward(x)?
                 .relu()
         }),
         Unit::new(["fc2"], move |vb, x: &Tensor| {
-            ddp_candle::nn::linear(hidden, classes, vb.pp("fc2"))?.forward(x)
+            ddprs::candle::nn::linear(hidden, classes, vb.pp("fc2"))?.forward(x)
         }),
     ]
 }
@@ -92,7 +92,7 @@ impl Trainer {
         }
     }
 
-    pub fn verify_replicas(&self) -> ddp_candle::Result<ReplicaReport> {
+    pub fn verify_replicas(&self) -> ddprs::candle::Result<ReplicaReport> {
         match self {
             Trainer::Zero(z) => z.verify_replicas(),
             Trainer::Fsdp(f) => f.verify_replicas(),
@@ -100,7 +100,7 @@ impl Trainer {
     }
 
     /// Saves a sharded set (stages 1-3).
-    pub fn save_sharded(&self, dir: &Path, meta: &CheckpointMeta) -> ddp_candle::Result<()> {
+    pub fn save_sharded(&self, dir: &Path, meta: &CheckpointMeta) -> ddprs::candle::Result<()> {
         match self {
             Trainer::Zero(z) => z.save(dir, meta).map(drop),
             Trainer::Fsdp(f) => f.save(dir, meta).map(drop),
@@ -108,7 +108,7 @@ impl Trainer {
     }
 
     /// Loads the current sharded set of `dir` (stages 1-3, any world size).
-    pub fn load_sharded(&mut self, dir: &Path) -> ddp_candle::Result<Option<CheckpointMeta>> {
+    pub fn load_sharded(&mut self, dir: &Path) -> ddprs::candle::Result<Option<CheckpointMeta>> {
         match self {
             Trainer::Zero(z) => z.load(dir),
             Trainer::Fsdp(f) => f.load(dir),
@@ -116,7 +116,7 @@ impl Trainer {
     }
 
     /// Takes this rank's chunks of a plain checkpoint (stages 1-3; a collective).
-    pub fn import(&mut self, ckpt: &ddp_core::checkpoint::Checkpoint) -> ddp_candle::Result<()> {
+    pub fn import(&mut self, ckpt: &ddprs::checkpoint::Checkpoint) -> ddprs::candle::Result<()> {
         match self {
             Trainer::Zero(z) => z.import(ckpt),
             Trainer::Fsdp(f) => f.import(ckpt),
@@ -125,7 +125,7 @@ impl Trainer {
 
     /// Stage 3: copies the gathered parameters into the evaluation copy `varmap` (a collective:
     /// every rank must call it); a no-op otherwise (the model is the replica).
-    pub fn refresh(&self, varmap: &VarMap) -> ddp_candle::Result<()> {
+    pub fn refresh(&self, varmap: &VarMap) -> ddprs::candle::Result<()> {
         let Trainer::Fsdp(f) = self else {
             return Ok(());
         };
@@ -133,7 +133,7 @@ impl Trainer {
         let data = varmap.data().lock().expect("VarMap lock");
         for (name, t) in full {
             let var: &Var = data.get(&name).ok_or_else(|| {
-                ddp_candle::Error::Unsupported(format!("`{name}` is not in the model"))
+                ddprs::candle::Error::Unsupported(format!("`{name}` is not in the model"))
             })?;
             var.set(&t)?;
         }

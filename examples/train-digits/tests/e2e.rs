@@ -307,7 +307,7 @@ fn non_finite_gradients_stop_the_run_naming_step_rank_and_parameter() {
     assert!(v["final_loss"].is_null(), "{v}");
 }
 
-/// `--zero 3` (parameters sharded, `ddp_candle::Fsdp`, units fc1 and fc2) trains like DDP with
+/// `--zero 3` (parameters sharded, `ddprs::candle::Fsdp`, units fc1 and fc2) trains like DDP with
 /// identical replicas, sends at most 1.5x its bytes, and an interrupted run resumed from its
 /// sharded set ends exactly like an uninterrupted one.
 #[test]

@@ -1,4 +1,4 @@
-//! The launcher of `train-digits` (`ddprun::spawn`) with real processes: signals to the launcher
+//! The launcher of `train-digits` (`ddprs::launcher::spawn`) with real processes: signals to the launcher
 //! alone reach every worker, a SIGKILLed launcher takes its workers along, and the first failure
 //! stops the rest with `ddprun`'s summary and exit status. Workers are found in /proc (children
 //! of the launcher with `RANK` in their environment); every wait is bounded and leftovers are

@@ -1,5 +1,5 @@
 //! One overlap figure per run: the share of communication hidden behind backward
-//! (`ddp_core::trace::BottleneckReport::hidden_share`, mean over ranks) is what every output of a
+//! (`ddprs::trace::BottleneckReport::hidden_share`, mean over ranks) is what every output of a
 //! `train-digits` run prints or writes — the report's last line, the `gradient sync` summary
 //! line, `--report`'s JSON and `--metrics`' last line. The summary used to print another figure
 //! (`54% overlapped`, from the reducer's wait ÷ backward time) beside the report's `hidden 6%`.

@@ -223,13 +223,6 @@ impl From<ddp_comm::Error> for Error {
     }
 }
 
-/// The README's Rust blocks, compiled as doctests (`cargo test --workspace` runs them). The
-/// README is hosted here and in `ddp-candle`; each host compiles its own framework's block, the
-/// other's being behind a `cfg(feature = ..)` line hidden from readers.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-pub struct ReadmeDoctests;
-
 /// The book's Burn chapter (`docs/burn.md`), compiled as doctests.
 #[cfg(doctest)]
 pub mod book_doctests {

@@ -125,13 +125,6 @@ impl From<Error> for candle_core::Error {
     }
 }
 
-/// The README's Rust blocks, compiled as doctests (`cargo test --workspace` runs them). The
-/// README is hosted here and in `ddp-burn`; each host compiles its own framework's block, the
-/// other's being behind a `cfg(feature = ..)` line hidden from readers.
-#[cfg(doctest)]
-#[doc = include_str!("../../../README.md")]
-pub struct ReadmeDoctests;
-
 /// The book's chapters (`docs/`) whose Rust blocks need candle or only `ddp-core`/`ddp-comm`, one
 /// item per chapter, compiled as doctests. The Burn chapter is hosted by `ddp-burn`, the
 /// launcher's by `ddprun`.

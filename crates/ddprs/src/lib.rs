@@ -81,3 +81,9 @@ pub mod launcher {
     #[doc(inline)]
     pub use ddprun::*;
 }
+
+/// The README's Rust blocks (the two quick starts, as in `examples/`), compiled as doctests
+/// when both frameworks are on (as under `cargo test --workspace`).
+#[cfg(all(doctest, feature = "candle", feature = "burn"))]
+#[doc = include_str!("../../../README.md")]
+pub struct ReadmeDoctests;

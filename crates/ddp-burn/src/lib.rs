@@ -202,6 +202,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Errors of the Burn adapter: the framework-agnostic `ddp-core` ones (which carry communication
 /// failures naming the peer rank), Burn record errors, and models it cannot handle.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     #[error(transparent)]
     Ddp(#[from] ddp_core::Error),

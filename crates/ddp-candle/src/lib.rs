@@ -99,6 +99,7 @@ pub type Result<T, E = Error> = std::result::Result<T, E>;
 /// Errors of the candle adapter: candle's own, or the framework-agnostic `ddp-core` ones (which carry
 /// communication failures naming the peer rank).
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum Error {
     #[error(transparent)]
     Candle(#[from] candle_core::Error),

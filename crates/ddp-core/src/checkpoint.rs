@@ -348,6 +348,21 @@ impl Checkpoint {
             .as_ref()
             .and_then(|m| m.get(META_KEY))
             .ok_or_else(|| corrupt(format!("no {META_KEY:?} entry in the safetensors metadata")))?;
+        // The version first, on its own: a later format may change everything else, and must
+        // be named as such, not as corruption.
+        #[derive(Deserialize)]
+        struct Version {
+            format_version: u32,
+        }
+        if let Ok(Version { format_version: v }) = serde_json::from_str(meta_json) {
+            if v > FORMAT_VERSION {
+                return Err(Error::Checkpoint(format!(
+                    "{origin}: checkpoint format version {v} was written by a newer ddp-rs; this \
+                     release reads versions {LEGACY_VERSION} to {FORMAT_VERSION} (see the \
+                     versioning chapter of the book)"
+                )));
+            }
+        }
         let sealed = verify_seal(meta_json).map_err(corrupt)?;
         let stored: StoredMetaIn = serde_json::from_str(meta_json)
             .map_err(|e| corrupt(format!("invalid {META_KEY:?} metadata ({e})")))?;

@@ -383,6 +383,32 @@ fn format_1_checkpoint_without_checksums_loads_with_a_warning() {
     assert!(load_err(dir.path()).contains("later version"));
 }
 
+/// A checkpoint of a later format version, whose metadata this release cannot parse, is refused
+/// naming its version and the ones this release reads, not called corrupted.
+#[test]
+fn a_newer_format_version_is_refused_naming_both_versions() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = checkpoint::checkpoint_path(dir.path());
+    let f = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+    let tensors: Tensors = [("w".to_string(), (vec![1], f(&[1.0])))].into();
+    write_file(
+        &path,
+        json!({"format_version": 3, "position": {"new": "layout"}}),
+        &tensors,
+        false,
+    );
+    let e = load_err(dir.path());
+    assert!(e.contains("format version 3") && e.contains("newer"), "{e}");
+    assert!(
+        e.contains(&format!("to {}", checkpoint::FORMAT_VERSION)),
+        "{e}"
+    );
+    assert!(
+        e.contains(&path.display().to_string()) && !e.contains("corrupted"),
+        "{e}"
+    );
+}
+
 #[test]
 fn unwritable_checkpoint_directory_is_found_before_training() {
     let dir = tempfile::tempdir().unwrap();

@@ -162,3 +162,29 @@ fn prepare_dir_locks_the_directory_and_refuses_a_path_through_a_file() {
         "{holder}"
     );
 }
+
+/// A set written by a later format (its index otherwise unreadable to this release) is refused
+/// with both formats named, not called corrupted; the set stays as it was.
+#[test]
+fn a_set_of_another_format_is_refused_naming_both_formats() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let set = run_local_group(2, Default::default(), |pg| {
+        let l = layout(2, pg.rank());
+        sharding::prepare_dir(&pg, d).unwrap();
+        sharding::save_sharded(&pg, d, &l, &specs(), &state(&l, 1.0), &meta(5)).unwrap()
+    });
+    let index = set[0].join("index.json");
+    std::fs::write(
+        &index,
+        br#"{"format": "ddp-zero-9", "everything": ["else", "changed"]}"#,
+    )
+    .unwrap();
+    let e = sharding::consolidate(d).unwrap_err().to_string();
+    assert!(
+        e.contains("\"ddp-zero-9\"") && e.contains("\"ddp-zero-1\""),
+        "{e}"
+    );
+    assert!(e.contains(&index.display().to_string()), "{e}");
+    assert!(!e.contains("not a sharded checkpoint"), "{e}");
+}

@@ -548,6 +548,20 @@ fn read_index(set: &Path) -> Result<Index> {
     let index_path = set.join(INDEX_FILE);
     let bytes =
         fs::read(&index_path).map_err(|e| Error::io("cannot read the index", &index_path, e))?;
+    // The format first, on its own: another format's index may differ in everything else.
+    #[derive(Deserialize)]
+    struct Format {
+        format: String,
+    }
+    if let Ok(Format { format }) = serde_json::from_slice(&bytes) {
+        if format != FORMAT {
+            return Err(Error::Checkpoint(format!(
+                "{}: format {format:?}, this release reads {FORMAT:?} (a set written by another \
+                 ddp-rs version?)",
+                index_path.display()
+            )));
+        }
+    }
     let index: Index = serde_json::from_slice(&bytes).map_err(|e| {
         Error::Checkpoint(format!(
             "{} is not a sharded checkpoint index: {e}",

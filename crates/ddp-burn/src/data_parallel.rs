@@ -203,6 +203,14 @@ impl<M: Module> DistributedDataParallel<M> {
         self.module = Some(optim.step(lr, m, grads));
     }
 
+    /// PyTorch's `clip_grad_norm_` over the whole model: scales every gradient in `grads` by
+    /// `max_norm / (norm + 1e-6)` when that is below 1, `norm` being the global L2 norm of all of
+    /// them (returned). The averaged gradients are the same on every rank, so is the norm (no
+    /// communication). Burn's own `grad_clipping` clips each parameter's gradient on its own.
+    pub fn clip_grad_norm(&self, grads: &mut GradientsParams, max_norm: f64) -> Result<f64> {
+        self.params().clip_grad_norm(grads, max_norm)
+    }
+
     /// One training step on `loss`: [`backward`](Self::backward) (gradients averaged over the
     /// ranks), then [`step`](Self::step) with `optim` at `lr` — candle's
     /// `opt.backward_step(&loss)`, PyTorch's `loss.backward(); opt.step()`.

@@ -31,6 +31,9 @@ struct Slot {
     target: Target,
     m: Var,
     v: Var,
+    /// Whether `weight_decay` applies to this parameter (PyTorch's parameter groups: nanoGPT
+    /// decays 2-D weights only).
+    decay: bool,
 }
 
 /// AdamW with the arithmetic of `candle_nn::AdamW` and a checkpointable state.
@@ -47,17 +50,31 @@ impl AdamW {
         vars: impl IntoIterator<Item = (String, Var)>,
         params: ParamsAdamW,
     ) -> Result<Self> {
+        Self::new_named_with_decay(vars, params, |_, _| true)
+    }
+
+    /// [`new_named`](Self::new_named) with `params.weight_decay` applied only to the variables
+    /// for which `decays(name, var)` holds, the others updated with no decay: PyTorch's two
+    /// parameter groups (e.g. nanoGPT's `var.rank() >= 2`: weights and embeddings decay,
+    /// biases and LayerNorm weights do not).
+    pub fn new_named_with_decay(
+        vars: impl IntoIterator<Item = (String, Var)>,
+        params: ParamsAdamW,
+        decays: impl Fn(&str, &Var) -> bool,
+    ) -> Result<Self> {
         let slots = vars
             .into_iter()
             .filter(|(_, v)| v.dtype().is_float())
             .map(|(name, var)| {
                 let m = Var::zeros(var.shape(), var.dtype(), var.device())?;
                 let v = Var::zeros(var.shape(), var.dtype(), var.device())?;
+                let decay = decays(&name, &var);
                 Ok(Slot {
                     name,
                     target: Target::Var(var),
                     m,
                     v,
+                    decay,
                 })
             })
             .collect::<candle_core::Result<Vec<_>>>()?;
@@ -92,18 +109,19 @@ impl AdamW {
     /// updated values (see [`EchoGrads`]).
     pub(crate) fn step_through(&mut self, grads: &mut EchoGrads<'_>) -> Result<()> {
         self.step_t += 1;
-        let k = Coefs::new(&self.params, self.step_t);
+        let coefs = Coefs::pair(&self.params, self.step_t);
         for s in &self.slots {
             let Some((pieces, g)) = echo_slot(&s.target, grads)? else {
                 continue;
             };
-            with_flat_mut(s.m.as_tensor(), |m| Fused::Moment1(&k).moment(m, g))?;
-            with_flat_mut(s.v.as_tensor(), |v| Fused::Moment2(&k).moment(v, g))?;
+            let k = &coefs[usize::from(s.decay)];
+            with_flat_mut(s.m.as_tensor(), |m| Fused::Moment1(k).moment(m, g))?;
+            with_flat_mut(s.v.as_tensor(), |v| Fused::Moment2(k).moment(v, g))?;
             with_flat::<f32, _>(s.m.as_tensor(), |m| {
                 with_flat::<f32, _>(s.v.as_tensor(), |v| {
                     echo_pieces(pieces, g, |at, x, _| {
                         let end = at + x.len();
-                        Fused::update(&k, x, &m[at..end], &v[at..end])
+                        Fused::update(k, x, &m[at..end], &v[at..end])
                     })
                 })?
             })??;
@@ -185,11 +203,12 @@ impl AdamW {
     /// tensor operations.
     fn apply_step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         self.step_t += 1;
-        let k = Coefs::new(&self.params, self.step_t);
+        let coefs = Coefs::pair(&self.params, self.step_t);
         for s in &self.slots {
             let Some(g) = s.target.grad(grads) else {
                 continue;
             };
+            let k = &coefs[usize::from(s.decay)];
             let theta = match &s.target {
                 Target::Var(var) => var,
                 Target::Pieces { like, pieces, .. } => {
@@ -199,8 +218,8 @@ impl AdamW {
                         continue;
                     }
                     let g = g.contiguous()?;
-                    s.m.as_tensor().inplace_op2(&g, &Fused::Moment1(&k))?;
-                    s.v.as_tensor().inplace_op2(&g, &Fused::Moment2(&k))?;
+                    s.m.as_tensor().inplace_op2(&g, &Fused::Moment1(k))?;
+                    s.v.as_tensor().inplace_op2(&g, &Fused::Moment2(k))?;
                     for p in pieces {
                         let n = p.view.elem_count();
                         if n == 0 {
@@ -209,7 +228,7 @@ impl AdamW {
                         p.view.inplace_op3(
                             &s.m.as_tensor().narrow(0, p.offset, n)?,
                             &s.v.as_tensor().narrow(0, p.offset, n)?,
-                            &Fused::Update(&k),
+                            &Fused::Update(k),
                         )?;
                     }
                     continue;
@@ -223,12 +242,12 @@ impl AdamW {
                     continue; // candle refuses in-place ops on zero-size tensors
                 }
                 let g = g.contiguous()?;
-                s.m.as_tensor().inplace_op2(&g, &Fused::Moment1(&k))?;
-                s.v.as_tensor().inplace_op2(&g, &Fused::Moment2(&k))?;
+                s.m.as_tensor().inplace_op2(&g, &Fused::Moment1(k))?;
+                s.v.as_tensor().inplace_op2(&g, &Fused::Moment2(k))?;
                 theta.as_tensor().inplace_op3(
                     s.m.as_tensor(),
                     s.v.as_tensor(),
-                    &Fused::Update(&k),
+                    &Fused::Update(k),
                 )?;
             } else {
                 let next_m = ((s.m.as_tensor() * k.beta1)? + (g * (1.0 - k.beta1))?)?;
@@ -259,6 +278,15 @@ struct Coefs {
 }
 
 impl Coefs {
+    /// The coefficients without weight decay, then with.
+    fn pair(p: &ParamsAdamW, step_t: usize) -> [Coefs; 2] {
+        let no_decay = ParamsAdamW {
+            weight_decay: 0.0,
+            ..p.clone()
+        };
+        [Coefs::new(&no_decay, step_t), Coefs::new(p, step_t)]
+    }
+
     fn new(p: &ParamsAdamW, step_t: usize) -> Coefs {
         Coefs {
             lr: p.lr,
@@ -474,6 +502,33 @@ mod tests {
                 assert_eq!(a, b, "{dtype:?}, weight decay {weight_decay}, step {k}");
             }
         }
+    }
+
+    /// Decay only where the filter says: with the same gradients, the decayed variable moves
+    /// as candle's AdamW with decay moves it, the other as candle's AdamW without decay.
+    #[test]
+    fn the_decay_filter_decays_only_the_variables_it_selects() {
+        let mk = |wd: f64| ParamsAdamW {
+            lr: 0.1,
+            weight_decay: wd,
+            ..Default::default()
+        };
+        // The loss is a sum of one term per variable: each one's updates depend on it alone.
+        let (ours, with, without) = (vars(0.5), vars(0.5), vars(0.5));
+        let mut opt =
+            AdamW::new_named_with_decay(ours.clone(), mk(0.5), |name, _| name == "a").unwrap();
+        let all = |vs: &[(String, Var)]| vs.iter().map(|(_, v)| v.clone()).collect::<Vec<_>>();
+        let mut decayed = candle_nn::AdamW::new(all(&with), mk(0.5)).unwrap();
+        let mut plain = candle_nn::AdamW::new(all(&without), mk(0.0)).unwrap();
+        for k in 0..3 {
+            opt.backward_step(&loss(&ours, k)).unwrap();
+            decayed.backward_step(&loss(&with, k)).unwrap();
+            plain.backward_step(&loss(&without, k)).unwrap();
+        }
+        let (got, a, b) = (values(&ours), values(&with), values(&without));
+        assert_eq!(got[0], a[0], "the selected variable decays");
+        assert_eq!(got[1], b[1], "the other does not");
+        assert_ne!(a[0], b[0], "decay changes the result (the test can tell)");
     }
 
     #[test]

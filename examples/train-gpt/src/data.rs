@@ -1,0 +1,138 @@
+//! The text: Shakespeare's plays as characters (`data/shakespeare.txt.gz`, built by
+//! `data/prepare.py`; see `data/README.md`), the vocabulary (the characters present, sorted),
+//! the 90/10 train/validation split (nanoGPT's: the first 90% of characters train), and the
+//! windows each rank trains on.
+//!
+//! A training example is the window of `block_size + 1` characters starting at a position of
+//! the training text (inputs, and the targets shifted by one). Which windows a step uses is a
+//! [`DistributedSampler`] over every start position (PyTorch's sampler: shuffled by seed and
+//! epoch, rank `r` takes positions `r, r + world, ...` of the permutation), batch `k` of a rank
+//! being its sampler indices `k*b .. (k+1)*b`. The ranks' windows in a step are disjoint, and
+//! together they are exactly the windows world 1 with batch `world * b` takes in that step; the
+//! position (epoch, windows consumed) goes into checkpoints.
+
+use ddprs::DistributedSampler;
+use std::io::Read;
+
+/// The text, compressed, in the binary (nothing is read or downloaded at run time).
+const TEXT_GZ: &[u8] = include_bytes!("../data/shakespeare.txt.gz");
+
+/// The characters of the text and their ids.
+#[derive(Debug, Clone)]
+pub struct Corpus {
+    pub vocab: Vec<char>,
+    pub train: Vec<u32>,
+    pub val: Vec<u32>,
+}
+
+impl Corpus {
+    /// Decompresses and encodes the text; splits at `int(0.9 * n)`.
+    pub fn load() -> Corpus {
+        let mut text = String::new();
+        flate2::read::GzDecoder::new(TEXT_GZ)
+            .read_to_string(&mut text)
+            .expect("the embedded text is valid gzip and UTF-8");
+        Corpus::from_text(&text)
+    }
+
+    pub fn from_text(text: &str) -> Corpus {
+        let mut vocab: Vec<char> = text.chars().collect();
+        vocab.sort_unstable();
+        vocab.dedup();
+        let ids: Vec<u32> = text
+            .chars()
+            .map(|c| vocab.binary_search(&c).unwrap() as u32)
+            .collect();
+        let split = (ids.len() as f64 * 0.9) as usize;
+        Corpus {
+            vocab,
+            train: ids[..split].to_vec(),
+            val: ids[split..].to_vec(),
+        }
+    }
+
+    pub fn vocab_size(&self) -> usize {
+        self.vocab.len()
+    }
+
+    pub fn decode(&self, ids: &[u32]) -> String {
+        ids.iter().map(|&i| self.vocab[i as usize]).collect()
+    }
+
+    pub fn encode(&self, text: &str) -> Vec<u32> {
+        text.chars()
+            .filter_map(|c| self.vocab.binary_search(&c).ok().map(|i| i as u32))
+            .collect()
+    }
+}
+
+/// Number of training windows (start positions) for a context of `block_size`.
+pub fn windows(data: &[u32], block_size: usize) -> usize {
+    data.len().saturating_sub(block_size + 1) + 1
+}
+
+/// Inputs and targets of the windows starting at `starts`, row-major `[starts.len(), block]`.
+pub fn batch(data: &[u32], starts: &[usize], block_size: usize) -> (Vec<u32>, Vec<u32>) {
+    let mut x = Vec::with_capacity(starts.len() * block_size);
+    let mut y = Vec::with_capacity(starts.len() * block_size);
+    for &s in starts {
+        x.extend_from_slice(&data[s..s + block_size]);
+        y.extend_from_slice(&data[s + 1..s + block_size + 1]);
+    }
+    (x, y)
+}
+
+/// A rank's stream of training windows: its sampler shard, epoch after epoch.
+pub struct Windows {
+    sampler: DistributedSampler,
+    indices: Vec<usize>,
+    consumed: usize,
+}
+
+impl Windows {
+    pub fn new(count: usize, world: usize, rank: usize, seed: u64) -> ddprs::Result<Windows> {
+        let mut sampler = DistributedSampler::new(count, world, rank)?
+            .seed(seed)
+            .drop_last(true);
+        sampler.set_epoch(0);
+        let indices = sampler.indices();
+        Ok(Windows {
+            sampler,
+            indices,
+            consumed: 0,
+        })
+    }
+
+    /// Continues at `epoch` with `consumed` of this rank's windows already taken.
+    pub fn resume(&mut self, epoch: u64, consumed: usize) -> ddprs::Result<()> {
+        self.sampler.set_epoch(epoch);
+        self.indices = self.sampler.indices_from(0)?;
+        self.consumed = consumed.min(self.indices.len());
+        Ok(())
+    }
+
+    /// The next `b` window starts of this rank (a new epoch when this one runs out).
+    pub fn next_batch(&mut self, b: usize) -> Vec<usize> {
+        if self.consumed + b > self.indices.len() {
+            let next = self.sampler.epoch() + 1;
+            self.sampler.set_epoch(next);
+            self.indices = self.sampler.indices();
+            self.consumed = 0;
+        }
+        let out = self.indices[self.consumed..self.consumed + b].to_vec();
+        self.consumed += b;
+        out
+    }
+
+    /// `(epoch, windows of this rank consumed in it)`.
+    pub fn position(&self) -> (u64, usize) {
+        (self.sampler.epoch(), self.consumed)
+    }
+}
+
+/// The validation windows rank 0 evaluates on: `count` evenly spaced starts (fixed, the same
+/// for every run and framework).
+pub fn val_starts(data: &[u32], block_size: usize, count: usize) -> Vec<usize> {
+    let n = windows(data, block_size);
+    (0..count).map(|i| i * n / count.max(1)).collect()
+}

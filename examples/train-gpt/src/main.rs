@@ -1,0 +1,52 @@
+//! `train-gpt`: nanoGPT's character-level GPT on Shakespeare's plays (`data/`), data-parallel
+//! with ddp-rs, on candle (`--framework candle`, through `ddprs::candle`) or Burn
+//! (`--framework burn`, through `ddprs::burn`): the same data, split, flags and final JSON line.
+//! The defaults are nanoGPT's `shakespeare_char` recipe in its small CPU configuration (4
+//! layers, 4 heads, 128-dim embeddings, context 64, batch 12 per rank, 2000 steps, dropout 0).
+//!
+//! Run directly, it spawns `--nproc` local workers of itself (`ddprs::launcher::spawn`); under
+//! `ddprun`, torchrun-style environments, Slurm or `mpirun` it is one worker.
+
+#![forbid(unsafe_code)]
+
+mod config;
+mod data;
+mod gpt_burn;
+mod gpt_candle;
+mod report;
+mod train_burn;
+mod train_candle;
+
+use clap::Parser;
+use config::{Args, Framework};
+use ddprs::launcher::output::ConsoleStyle;
+use ddprs::launcher::spawn::{spawn, SpawnOptions};
+
+fn main() {
+    let args = Args::parse();
+    if let Err(e) = args.check() {
+        eprintln!("train-gpt: error: {e}");
+        std::process::exit(2);
+    }
+    if ddprs::comm::env::EnvConfig::from_env().is_err() {
+        std::process::exit(spawn(&SpawnOptions {
+            console: ConsoleStyle::Rank0Stdout,
+            ..SpawnOptions::new(args.nproc)
+        }));
+    }
+    if let Err(e) = worker(&args) {
+        let rank = std::env::var("RANK").unwrap_or_default();
+        eprintln!("train-gpt rank {rank}: error: {e}");
+        std::process::exit(1);
+    }
+}
+
+fn worker(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
+    let pg = ddprs::init_process_group(Default::default())?;
+    let report = match args.framework {
+        Framework::Candle => train_candle::run(args, &pg)?,
+        Framework::Burn => train_burn::run(args, &pg)?,
+    };
+    report.print();
+    Ok(())
+}

@@ -1,0 +1,194 @@
+//! One worker of `train-gpt --framework candle`: the model of [`crate::gpt_candle`] wrapped in
+//! `ddprs::candle::Ddp`, AdamW with decay on 2-D weights only, nanoGPT's schedule and global-norm
+//! clipping, checkpoints and exact resume.
+
+use crate::config::Args;
+use crate::data::{self, Corpus, Windows};
+use crate::gpt_candle::{decays, Dropout, Gpt};
+use crate::report::{Eval, Report};
+use candle_core::backprop::GradStore;
+use candle_core::{Device, Tensor};
+use candle_nn::{Optimizer, ParamsAdamW, VarMap};
+use ddprs::candle::checkpoint::load_vars;
+use ddprs::candle::optim::AdamW;
+use ddprs::candle::Ddp;
+use ddprs::checkpoint::CheckpointMeta;
+use ddprs::{ProcessGroup, SamplerState};
+use std::time::Instant;
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+/// The dropout stream of step `it` on `rank`: a function of the seed, rank and step only, so a
+/// resumed run draws what the uninterrupted one drew.
+pub(crate) fn dropout_seed(seed: u64, rank: usize, it: u64) -> u64 {
+    seed ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
+        ^ it.wrapping_mul(0xbf58_476d_1ce4_e5b9)
+}
+
+/// Scales every gradient so that their global L2 norm is at most `max_norm` (PyTorch's
+/// `clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, applied when below 1). The
+/// gradients are the averaged ones, identical on every rank, so the norm is too. Returns the
+/// norm before clipping.
+fn clip_grad_norm(
+    grads: &mut GradStore,
+    vars: &[(String, candle_core::Var)],
+    max_norm: f64,
+) -> Result<f64> {
+    let mut sq = 0f64;
+    for (_, v) in vars {
+        if let Some(g) = grads.get(v) {
+            sq += g
+                .sqr()?
+                .sum_all()?
+                .to_dtype(candle_core::DType::F64)?
+                .to_scalar::<f64>()?;
+        }
+    }
+    let norm = sq.sqrt();
+    let coef = max_norm / (norm + 1e-6);
+    if max_norm > 0.0 && coef < 1.0 {
+        for (_, v) in vars {
+            if let Some(g) = grads.remove(v) {
+                grads.insert(v, (g * coef)?);
+            }
+        }
+    }
+    Ok(norm)
+}
+
+fn tensors(x: Vec<u32>, y: Vec<u32>, rows: usize, cols: usize) -> Result<(Tensor, Tensor)> {
+    let dev = &Device::Cpu;
+    Ok((
+        Tensor::from_vec(x, (rows, cols), dev)?,
+        Tensor::from_vec(y, (rows, cols), dev)?,
+    ))
+}
+
+/// Mean loss over the fixed validation windows (no dropout).
+fn evaluate(model: &Gpt, corpus: &Corpus, args: &Args) -> Result<f64> {
+    let starts = data::val_starts(
+        &corpus.val,
+        args.block_size,
+        args.eval_iters * args.batch_size,
+    );
+    let mut total = 0.0;
+    let mut drop = Dropout::new(0.0, 0);
+    for chunk in starts.chunks(args.batch_size) {
+        let (x, y) = data::batch(&corpus.val, chunk, args.block_size);
+        let (x, y) = tensors(x, y, chunk.len(), args.block_size)?;
+        total += model.loss(&x, &y, &mut drop, false)?.to_scalar::<f32>()? as f64;
+    }
+    Ok(total / starts.chunks(args.batch_size).len() as f64)
+}
+
+pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
+    let (rank, world) = (pg.rank(), pg.size());
+    let corpus = Corpus::load();
+    let cfg = args.model(corpus.vocab_size());
+    let varmap = VarMap::new();
+    let model = Gpt::new(&cfg, &varmap, &Device::Cpu, args.seed)?;
+    let mut ddp = Ddp::new(&varmap, pg, Default::default())?;
+    if let Some(hook) = args.hook.hook()? {
+        ddp.register_comm_hook(hook)?;
+    }
+    let params = ParamsAdamW {
+        lr: args.lr,
+        beta1: 0.9,
+        beta2: args.beta2,
+        eps: 1e-8,
+        weight_decay: args.weight_decay,
+    };
+    let mut opt = AdamW::new_named_with_decay(ddp.named_vars().to_vec(), params, decays)?;
+    let count = data::windows(&corpus.train, args.block_size);
+    let mut windows = Windows::new(count, world, rank, args.seed)?;
+    let mut start = 0u64;
+    if args.resume {
+        let dir = args.checkpoint_dir.as_ref().unwrap();
+        if let Some(ck) = ddprs::checkpoint::load(dir)? {
+            ck.meta.check_world_size(world)?;
+            load_vars(&ck, ddp.named_vars())?;
+            ck.load_optimizer(&mut opt)?;
+            let kind = ddp.reducer().comm_hook_state().kind;
+            if !kind.is_empty() {
+                let state = ck.hook_state(&kind)?.for_rank(rank);
+                ddp.reducer_mut().load_comm_hook_state(&state)?;
+            }
+            start = ck.meta.step;
+            ddp.reducer_mut().set_step(start);
+            windows.resume(ck.meta.sampler.epoch, ck.meta.sampler.consumed)?;
+            if rank == 0 {
+                eprintln!("resumed at step {start} from {}", dir.display());
+            }
+        }
+    }
+    let end = args
+        .stop_after
+        .map_or(args.max_iters, |s| s.min(args.max_iters));
+    let mut report = Report::new(args, world, model.tied());
+    let t0 = Instant::now();
+    let mut train_time = 0.0;
+    let mut steps = 0u64;
+    for it in start..end {
+        let step_start = Instant::now();
+        opt.set_learning_rate(args.lr_at(it));
+        let (x, y) = data::batch(
+            &corpus.train,
+            &windows.next_batch(args.batch_size),
+            args.block_size,
+        );
+        let (x, y) = tensors(x, y, args.batch_size, args.block_size)?;
+        let mut drop = Dropout::new(args.dropout, dropout_seed(args.seed, rank, it));
+        let loss = model.loss(&x, &y, &mut drop, true)?;
+        let mut grads = ddp.backward(&loss)?;
+        if args.grad_clip > 0.0 {
+            clip_grad_norm(&mut grads, ddp.named_vars(), args.grad_clip)?;
+        }
+        opt.step(&grads)?;
+        train_time += step_start.elapsed().as_secs_f64();
+        steps += 1;
+        if args.check_replicas && !ddp.verify_replicas()?.identical {
+            return Err(format!("replicas differ after step {}", it + 1).into());
+        }
+        let done = it + 1;
+        let train_loss = loss.to_scalar::<f32>()? as f64;
+        if done % args.eval_interval.max(1) == 0 || done == end {
+            let val = if rank == 0 {
+                Some(evaluate(&model, &corpus, args)?)
+            } else {
+                None
+            };
+            report.eval(Eval {
+                step: done,
+                train_loss,
+                val_loss: val,
+                elapsed_s: t0.elapsed().as_secs_f64(),
+                tokens_per_s: (steps * (args.batch_size * args.block_size * world) as u64) as f64
+                    / train_time,
+            });
+        }
+        let save_now = args.checkpoint_every > 0 && done % args.checkpoint_every == 0;
+        if let Some(dir) = &args.checkpoint_dir {
+            if save_now || done == end {
+                let (epoch, consumed) = windows.position();
+                let meta = CheckpointMeta {
+                    step: done,
+                    epoch,
+                    sampler: SamplerState { epoch, consumed },
+                    rng_state: args.seed,
+                    world_size: world,
+                    extra: serde_json::json!({"framework": "candle", "n_layer": args.n_layer, "n_embd": args.n_embd}),
+                };
+                ddp.save_checkpoint_with(dir, Some(&opt), meta)?;
+            }
+        }
+    }
+    let replicas = ddp.verify_replicas()?;
+    let (sum, l2) = ddp.param_sum_l2()?;
+    report.finish(pg, end, sum, l2, replicas.identical, train_time, steps)?;
+    if args.sample > 0 && rank == 0 {
+        let prompt = corpus.encode("\n");
+        let text = model.generate(&prompt, args.sample, args.seed)?;
+        report.sample = Some(corpus.decode(&text));
+    }
+    Ok(report)
+}

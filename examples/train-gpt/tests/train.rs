@@ -1,0 +1,206 @@
+//! `train-gpt` as a user runs it: real worker processes (spawned by the binary itself through
+//! `ddprs::launcher::spawn`), real collectives, checkpoints on disk. Small models, few steps:
+//! the full recipe is a benchmark (`bench/gpt`), not a test.
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_train-gpt");
+
+/// A small model that still has every part (2 blocks, 2 heads, tied head, context 16).
+const SMALL: &[&str] = &[
+    "--n-layer",
+    "2",
+    "--n-head",
+    "2",
+    "--n-embd",
+    "32",
+    "--block-size",
+    "16",
+    "--eval-iters",
+    "2",
+    "--warmup-iters",
+    "2",
+    "--json",
+];
+
+/// Runs `train-gpt` with `args`, checks its exit status, returns its final JSON line.
+fn run(args: &[&str]) -> Value {
+    let out = Command::new(BIN).args(SMALL).args(args).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "train-gpt {args:?} failed:\n{stdout}\n{stderr}"
+    );
+    let line = stdout
+        .lines()
+        .rev()
+        .find(|l| l.starts_with('{'))
+        .unwrap_or_else(|| panic!("no JSON line:\n{stdout}\n{stderr}"));
+    serde_json::from_str(line).unwrap()
+}
+
+fn f(v: &Value, key: &str) -> f64 {
+    v[key].as_f64().unwrap_or_else(|| panic!("no {key} in {v}"))
+}
+
+fn rel(a: f64, b: f64) -> f64 {
+    (a - b).abs() / a.abs().max(b.abs()).max(1e-30)
+}
+
+/// The tensors of the checkpoint in `dir`, by name.
+fn tensors(dir: &Path) -> Vec<(String, Vec<f32>)> {
+    let ck = ddprs::checkpoint::load(dir).unwrap().expect("a checkpoint");
+    ck.tensors
+        .iter()
+        .map(|(k, t)| (k.clone(), t.data.clone()))
+        .collect()
+}
+
+#[test]
+fn world_2_equals_world_1_with_twice_the_batch_on_both_frameworks() {
+    for fw in ["candle", "burn"] {
+        let common = ["--framework", fw, "--max-iters", "6", "--check-replicas"];
+        let one = run(&[&common[..], &["--nproc", "1", "--batch-size", "8"]].concat());
+        let two = run(&[&common[..], &["--nproc", "2", "--batch-size", "4"]].concat());
+        assert_eq!(two["world_size"], 2, "{two}");
+        assert_eq!(two["replicas_identical"], true, "{two}");
+        assert_eq!(two["tied"], true, "{two}");
+        for key in ["param_sum", "param_l2"] {
+            let (a, b) = (f(&one, key), f(&two, key));
+            assert!(rel(a, b) < 1e-5, "{fw} {key}: world 1 {a}, world 2 {b}");
+        }
+        // ... and a different batch is a different run (the comparison can fail).
+        let other = run(&[&common[..], &["--nproc", "1", "--batch-size", "4"]].concat());
+        assert!(
+            rel(f(&one, "param_l2"), f(&other, "param_l2")) > 1e-5,
+            "{fw}: batch changed nothing"
+        );
+    }
+}
+
+#[test]
+fn stopped_and_resumed_equals_the_uninterrupted_run_bit_for_bit() {
+    for fw in ["candle", "burn"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (full, part) = (dir.path().join("full"), dir.path().join("part"));
+        let (full_s, part_s) = (full.to_str().unwrap(), part.to_str().unwrap());
+        let common = [
+            "--framework",
+            fw,
+            "--nproc",
+            "2",
+            "--batch-size",
+            "4",
+            "--max-iters",
+            "8",
+        ];
+        let whole = run(&[&common[..], &["--checkpoint-dir", full_s]].concat());
+        let first = run(&[
+            &common[..],
+            &["--checkpoint-dir", part_s, "--stop-after", "4"],
+        ]
+        .concat());
+        assert_eq!(first["steps"], 4, "{first}");
+        let resumed = run(&[&common[..], &["--checkpoint-dir", part_s, "--resume"]].concat());
+        assert_eq!(resumed["steps"], 8, "{resumed}");
+        assert_eq!(
+            f(&whole, "param_sum").to_bits(),
+            f(&resumed, "param_sum").to_bits(),
+            "{fw}"
+        );
+        assert_eq!(
+            tensors(&full),
+            tensors(&part),
+            "{fw}: the final checkpoints differ"
+        );
+    }
+}
+
+#[test]
+fn a_plain_checkpoint_of_world_2_refuses_world_1_clearly() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    run(&[
+        "--nproc",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-iters",
+        "2",
+        "--checkpoint-dir",
+        d,
+    ]);
+    let before = tensors(dir.path());
+    let out = Command::new(BIN)
+        .args(SMALL)
+        .args([
+            "--nproc",
+            "1",
+            "--batch-size",
+            "4",
+            "--max-iters",
+            "4",
+            "--checkpoint-dir",
+            d,
+            "--resume",
+        ])
+        .output()
+        .unwrap();
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    assert!(!out.status.success(), "{text}");
+    assert!(
+        text.contains("world size") && text.contains('2') && text.contains('1'),
+        "{text}"
+    );
+    assert_eq!(
+        tensors(dir.path()),
+        before,
+        "the refused resume changed the checkpoint"
+    );
+}
+
+#[test]
+fn a_short_run_learns_well_below_the_uniform_guess_on_both_frameworks() {
+    for fw in ["candle", "burn"] {
+        let out = run(&[
+            "--framework",
+            fw,
+            "--nproc",
+            "2",
+            "--batch-size",
+            "8",
+            "--max-iters",
+            "150",
+            "--lr",
+            "3e-3",
+            "--eval-interval",
+            "150",
+        ]);
+        let uniform = 77f64.ln();
+        let val = f(&out, "val_loss");
+        assert!(
+            val < 0.7 * uniform,
+            "{fw}: validation loss {val} after 150 steps (uniform guess {uniform:.3})"
+        );
+    }
+}
+
+#[test]
+fn bad_flags_are_refused_before_any_work() {
+    let out = Command::new(BIN)
+        .args(["--n-embd", "30", "--n-head", "4"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr)
+        .contains("--n-embd 30 is not a multiple of --n-head 4"));
+    let out = Command::new(BIN)
+        .args(["--stop-after", "3"])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--stop-after needs --checkpoint-dir"));
+}

@@ -16,8 +16,9 @@ pub enum Framework {
 #[derive(Debug, Clone, Parser)]
 #[command(name = "train-gpt", version, allow_negative_numbers = true)]
 pub struct Args {
-    /// Framework: candle (through ddp-candle) or burn (through ddp-burn).
-    #[arg(long, value_enum, default_value = "candle")]
+    /// Framework: burn (through ddprs::burn, on Burn's pure-Rust CPU backend) or candle
+    /// (through ddprs::candle).
+    #[arg(long, value_enum, default_value = "burn")]
     pub framework: Framework,
     /// Worker processes started on this host when not under a launcher (ddprun, torchrun,
     /// Slurm, mpirun: then this process is one worker).

@@ -62,11 +62,7 @@ pub fn peak_rss_bytes() -> u64 {
 }
 
 impl Report {
-    pub fn new(args: &Args, world: usize, tied: bool) -> Report {
-        let rank = std::env::var("RANK")
-            .ok()
-            .and_then(|r| r.parse().ok())
-            .unwrap_or(0);
+    pub fn new(args: &Args, rank: usize, world: usize, tied: bool) -> Report {
         let metrics = args.metrics.as_ref().filter(|_| rank == 0).map(|p| {
             std::fs::File::create(p).unwrap_or_else(|e| panic!("--metrics {}: {e}", p.display()))
         });

@@ -91,7 +91,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     let end = args
         .stop_after
         .map_or(args.max_iters, |s| s.min(args.max_iters));
-    let mut report = Report::new(args, world, tied);
+    let mut report = Report::new(args, rank, world, tied);
     let t0 = Instant::now();
     let (mut train_time, mut steps) = (0.0, 0u64);
     for it in start..end {

@@ -124,7 +124,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     let end = args
         .stop_after
         .map_or(args.max_iters, |s| s.min(args.max_iters));
-    let mut report = Report::new(args, world, model.tied());
+    let mut report = Report::new(args, rank, world, model.tied());
     let t0 = Instant::now();
     let mut train_time = 0.0;
     let mut steps = 0u64;

@@ -106,8 +106,8 @@ impl Gpt {
         let mut x = self
             .drop
             .forward(self.wte.forward(idx) + self.wpe.forward(pos));
-        // Upper triangle (a position after the query): masked.
-        let mask = Tensor::<2, Bool>::triu_mask([t, t], 1, &device).reshape([1, 1, t, t]);
+        // `true` strictly above the diagonal (a key after the query): masked.
+        let mask = Tensor::<2, Bool>::tril_mask([t, t], 0, &device).reshape([1, 1, t, t]);
         for blk in &self.blocks {
             let qkv = blk.c_attn.forward(blk.ln_1.forward(x.clone()));
             let nh = blk.n_head;
@@ -120,7 +120,7 @@ impl Gpt {
             };
             let (q, k, v) = (heads(0), heads(1), heads(2));
             let att = q.matmul(k.swap_dims(2, 3)) * (1.0 / (hs as f64).sqrt());
-            let att = att.mask_fill(mask.clone().expand([b, nh, t, t]), -1e9);
+            let att = att.mask_fill(mask.clone().expand([b, nh, t, t]), f32::NEG_INFINITY);
             let att = blk.drop.forward(softmax(att, 3));
             let y = att.matmul(v).swap_dims(1, 2).reshape([b, t, c]);
             x = x + blk.drop.forward(blk.attn_proj.forward(y));
@@ -189,6 +189,26 @@ mod tests {
         }
     }
 
+    /// Causal: the logits at positions before `k` do not depend on the token at `k` (nor
+    /// after), and the logits at `k` do.
+    #[test]
+    fn attention_is_causal() {
+        let device = Device::flex().autodiff();
+        let model = Gpt::new(&cfg(true), 0.0, 5, &device);
+        let run = |ids: Vec<i64>| -> Vec<f32> {
+            let x = Tensor::<2, Int>::from_data(TensorData::new(ids, [1, 6]), &device);
+            model.forward(x).into_data().try_to_vec().unwrap()
+        };
+        let (a, b) = (run(vec![1, 2, 3, 4, 5, 6]), run(vec![1, 2, 3, 9, 5, 6]));
+        let v = 11;
+        assert_eq!(a[..3 * v], b[..3 * v], "positions 0..3 saw position 3");
+        assert_ne!(
+            a[3 * v..4 * v],
+            b[3 * v..4 * v],
+            "position 3 did not see itself"
+        );
+    }
+
     /// As candle's: the tied gradient equals the embedding use's plus the head use's, measured
     /// on the same model untied with the head a copy of the embedding.
     #[test]
@@ -210,9 +230,11 @@ mod tests {
             .try_to_vec()
             .unwrap();
 
-        let mut untied = Gpt::new(&cfg(true), 0.0, 5, &device);
+        // The same model (a clone: Burn initializes parameters lazily, so a second model of the
+        // same seed need not draw the same values), its head a copy of the embedding.
+        let mut untied = tied.clone();
         untied.lm_head = Some(Param::from_tensor(
-            untied.wte.weight.val().detach().require_grad(),
+            tied.wte.weight.val().detach().require_grad(),
         ));
         let g = untied.loss(x, y).backward();
         let emb: Vec<f32> = untied

@@ -206,7 +206,9 @@ impl Gpt {
             };
             let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
             let att = (q.matmul(&k.t()?)? * (1.0 / (hs as f64).sqrt()))?;
-            let att = candle_nn::ops::softmax_last_dim(&att.broadcast_add(&mask)?)?;
+            // `softmax`, not `softmax_last_dim`: the latter (a fused kernel) has no backward in
+            // candle 0.11, so the queries and keys would get no gradient.
+            let att = candle_nn::ops::softmax(&att.broadcast_add(&mask)?, D::Minus1)?;
             let att = drop.apply(&att, train)?;
             let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
             x = (x + drop.apply(&blk.attn_proj.forward(&y)?, train)?)?;
@@ -287,6 +289,65 @@ mod tests {
             Tensor::from_vec(x, (2, 6), &Device::Cpu).unwrap(),
             Tensor::from_vec(y, (2, 6), &Device::Cpu).unwrap(),
         )
+    }
+
+    /// Causal: the logits at positions before `k` do not depend on the token at `k`, the
+    /// logits at `k` do.
+    #[test]
+    fn attention_is_causal() {
+        let model = Gpt::new(&cfg(true), &VarMap::new(), &Device::Cpu, 5).unwrap();
+        let mut drop = Dropout::new(0.0, 0);
+        let run = |ids: &[u32], drop: &mut Dropout| -> Vec<f32> {
+            let x = Tensor::new(ids, &Device::Cpu)
+                .unwrap()
+                .unsqueeze(0)
+                .unwrap();
+            model
+                .forward(&x, drop, false)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap()
+        };
+        let (a, b) = (
+            run(&[1, 2, 3, 4, 5, 6], &mut drop),
+            run(&[1, 2, 3, 9, 5, 6], &mut drop),
+        );
+        let v = 11;
+        assert_eq!(a[..3 * v], b[..3 * v], "positions 0..3 saw position 3");
+        assert_ne!(
+            a[3 * v..4 * v],
+            b[3 * v..4 * v],
+            "position 3 did not see itself"
+        );
+    }
+
+    /// Every parameter gets a gradient, the attention's queries and keys included (candle's
+    /// fused `softmax_last_dim` has no backward: through it they would get none).
+    #[test]
+    fn queries_and_keys_get_gradients() {
+        let (x, y) = batch();
+        let varmap = VarMap::new();
+        let model = Gpt::new(&cfg(true), &varmap, &Device::Cpu, 5).unwrap();
+        let g = model
+            .loss(&x, &y, &mut Dropout::new(0.0, 0), true)
+            .unwrap()
+            .backward()
+            .unwrap();
+        let w = varmap.data().lock().unwrap()["transformer.h.0.attn.c_attn.weight"].clone();
+        let grad = g.get(&w).expect("c_attn has a gradient");
+        for (part, name) in ["queries", "keys", "values"].iter().enumerate() {
+            let rows = grad.narrow(0, part * 8, 8).unwrap();
+            let norm = rows
+                .sqr()
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .to_scalar::<f32>()
+                .unwrap();
+            assert!(norm > 1e-12, "the {name}' weights get no gradient");
+        }
     }
 
     /// The tied weight's gradient is the sum of its two uses' gradients: the same model

@@ -127,6 +127,23 @@ pub struct GptConfig {
     pub tied: bool,
 }
 
+impl GptConfig {
+    /// A model small enough for unit tests: vocabulary 11, 2 blocks of 2 heads, width 8,
+    /// context 6.
+    #[cfg(test)]
+    pub fn tiny(tied: bool) -> GptConfig {
+        GptConfig {
+            vocab_size: 11,
+            n_layer: 2,
+            n_head: 2,
+            n_embd: 8,
+            block_size: 6,
+            bias: false,
+            tied,
+        }
+    }
+}
+
 impl Args {
     pub fn model(&self, vocab_size: usize) -> GptConfig {
         GptConfig {
@@ -168,6 +185,16 @@ impl Args {
             );
         }
         Ok(())
+    }
+
+    /// Whether to evaluate after `done` of `end` steps.
+    pub fn eval_due(&self, done: u64, end: u64) -> bool {
+        done.is_multiple_of(self.eval_interval.max(1)) || done == end
+    }
+
+    /// Whether to save a checkpoint after `done` of `end` steps (with --checkpoint-dir).
+    pub fn save_due(&self, done: u64, end: u64) -> bool {
+        (self.checkpoint_every > 0 && done.is_multiple_of(self.checkpoint_every)) || done == end
     }
 
     /// nanoGPT's `get_lr`: linear warm-up over --warmup-iters, cosine decay to --min-lr at

@@ -9,9 +9,11 @@
 //! epoch, rank `r` takes positions `r, r + world, ...` of the permutation), batch `k` of a rank
 //! being its sampler indices `k*b .. (k+1)*b`. The ranks' windows in a step are disjoint, and
 //! together they are exactly the windows world 1 with batch `world * b` takes in that step; the
-//! position (epoch, windows consumed) goes into checkpoints.
+//! position (epoch, windows consumed) goes into checkpoints ([`Windows::meta`]); [`restore`] puts
+//! it back, with the reducer's step and the comm hook's state, when a run resumes.
 
-use ddprs::DistributedSampler;
+use ddprs::checkpoint::CheckpointMeta;
+use ddprs::{DistributedSampler, SamplerState};
 use std::io::Read;
 
 /// The text, compressed, in the binary (nothing is read or downloaded at run time).
@@ -128,6 +130,39 @@ impl Windows {
     pub fn position(&self) -> (u64, usize) {
         (self.sampler.epoch(), self.consumed)
     }
+
+    /// A checkpoint's metadata after `step` steps at `world` ranks: this stream's position
+    /// (resumed by [`Windows::resume`]), the seed, and `extra`.
+    pub fn meta(
+        &self,
+        step: u64,
+        world: usize,
+        seed: u64,
+        extra: serde_json::Value,
+    ) -> CheckpointMeta {
+        let (epoch, consumed) = self.position();
+        CheckpointMeta {
+            step,
+            epoch,
+            sampler: SamplerState { epoch, consumed },
+            rng_state: seed,
+            world_size: world,
+            extra,
+        }
+    }
+}
+
+/// The index that a uniform draw `u` in [0, 1) picks from a probability vector (the last one
+/// when rounding leaves the sum short of `u`).
+pub fn sample_index(probs: &[f32], u: f32) -> usize {
+    let mut acc = 0.0;
+    for (i, p) in probs.iter().enumerate() {
+        acc += p;
+        if u < acc {
+            return i;
+        }
+    }
+    probs.len() - 1
 }
 
 /// The validation windows rank 0 evaluates on: `count` evenly spaced starts (fixed, the same
@@ -135,4 +170,27 @@ impl Windows {
 pub fn val_starts(data: &[u32], block_size: usize, count: usize) -> Vec<usize> {
     let n = windows(data, block_size);
     (0..count).map(|i| i * n / count.max(1)).collect()
+}
+
+/// What a resumed run takes from its checkpoint besides the model and the optimizer: this
+/// rank's comm hook state, the reducer's step count and the windows' position. Returns the step
+/// to continue at.
+pub fn restore<P: ddprs::adapter::ParamAccess>(
+    core: &mut ddprs::adapter::DdpCore<P>,
+    ck: &ddprs::Checkpoint,
+    windows: &mut Windows,
+    dir: &std::path::Path,
+) -> Result<u64, Box<dyn std::error::Error>> {
+    let rank = core.rank();
+    let kind = core.reducer().comm_hook_state().kind;
+    if !kind.is_empty() {
+        let state = ck.hook_state(&kind)?.for_rank(rank);
+        core.reducer_mut().load_comm_hook_state(&state)?;
+    }
+    core.reducer_mut().set_step(ck.meta.step);
+    windows.resume(ck.meta.sampler.epoch, ck.meta.sampler.consumed)?;
+    if rank == 0 {
+        eprintln!("resumed at step {} from {}", ck.meta.step, dir.display());
+    }
+    Ok(ck.meta.step)
 }

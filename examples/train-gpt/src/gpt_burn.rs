@@ -158,16 +158,7 @@ impl Gpt {
             let [_, _, v] = logits.dims();
             let last = logits.slice([0..1, len - 1..len, 0..v]).reshape([v]);
             let probs: Vec<f32> = softmax(last, 0).into_data().try_to_vec::<f32>().unwrap();
-            let u: f32 = rng.gen();
-            let (mut acc, mut next) = (0.0, probs.len() - 1);
-            for (i, p) in probs.iter().enumerate() {
-                acc += p;
-                if u < acc {
-                    next = i;
-                    break;
-                }
-            }
-            ids.push(next as u32);
+            ids.push(crate::data::sample_index(&probs, rng.gen()) as u32);
         }
         ids[prompt.len()..].to_vec()
     }
@@ -178,15 +169,7 @@ mod tests {
     use super::*;
 
     fn cfg(tied: bool) -> GptConfig {
-        GptConfig {
-            vocab_size: 11,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            block_size: 6,
-            bias: false,
-            tied,
-        }
+        GptConfig::tiny(tied)
     }
 
     /// Causal: the logits at positions before `k` do not depend on the token at `k` (nor

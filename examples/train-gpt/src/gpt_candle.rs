@@ -245,16 +245,7 @@ impl Gpt {
             let logits = self.forward(&ctx, &mut drop, false)?;
             let last = logits.squeeze(0)?.get(ids.len() - start - 1)?;
             let probs: Vec<f32> = candle_nn::ops::softmax_last_dim(&last)?.to_vec1()?;
-            let u: f32 = rng.gen();
-            let (mut acc, mut next) = (0.0, probs.len() - 1);
-            for (i, p) in probs.iter().enumerate() {
-                acc += p;
-                if u < acc {
-                    next = i;
-                    break;
-                }
-            }
-            ids.push(next as u32);
+            ids.push(crate::data::sample_index(&probs, rng.gen()) as u32);
         }
         Ok(ids[prompt.len()..].to_vec())
     }
@@ -271,15 +262,7 @@ mod tests {
     use super::*;
 
     fn cfg(tied: bool) -> GptConfig {
-        GptConfig {
-            vocab_size: 11,
-            n_layer: 2,
-            n_head: 2,
-            n_embd: 8,
-            block_size: 6,
-            bias: false,
-            tied,
-        }
+        GptConfig::tiny(tied)
     }
 
     fn batch() -> (Tensor, Tensor) {

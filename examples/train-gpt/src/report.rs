@@ -79,6 +79,28 @@ impl Report {
         }
     }
 
+    /// Records the evaluation after step `step` (`val_loss` on rank 0), with the throughput of
+    /// the `timed_steps` steps trained in `train_time` seconds since `t0`.
+    pub fn eval_at(
+        &mut self,
+        step: u64,
+        train_loss: f64,
+        val_loss: Option<f64>,
+        t0: std::time::Instant,
+        timed_steps: u64,
+        train_time: f64,
+    ) {
+        let a = &self.args;
+        let tokens = (timed_steps * (a.batch_size * a.block_size * self.world) as u64) as f64;
+        self.eval(Eval {
+            step,
+            train_loss,
+            val_loss,
+            elapsed_s: t0.elapsed().as_secs_f64(),
+            tokens_per_s: tokens / train_time,
+        });
+    }
+
     pub fn eval(&mut self, e: Eval) {
         if self.rank == 0 {
             let val = e

@@ -7,13 +7,12 @@
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
 use crate::gpt_burn::Gpt;
-use crate::report::{Eval, Report};
+use crate::report::Report;
 use burn::module::ParamGroup;
 use burn::optim::{AdamWConfig, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddprs::burn::Ddp;
-use ddprs::checkpoint::CheckpointMeta;
-use ddprs::{ProcessGroup, SamplerState};
+use ddprs::ProcessGroup;
 use std::time::Instant;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -75,17 +74,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         if let Some(ck) = ddprs::checkpoint::load(dir)? {
             ck.meta.check_world_size(world)?;
             optim = ddp.load_records(&ck, optim)?;
-            let kind = ddp.reducer().comm_hook_state().kind;
-            if !kind.is_empty() {
-                let state = ck.hook_state(&kind)?.for_rank(rank);
-                ddp.reducer_mut().load_comm_hook_state(&state)?;
-            }
-            start = ck.meta.step;
-            ddp.reducer_mut().set_step(start);
-            windows.resume(ck.meta.sampler.epoch, ck.meta.sampler.consumed)?;
-            if rank == 0 {
-                eprintln!("resumed at step {start} from {}", dir.display());
-            }
+            start = data::restore(&mut *ddp, &ck, &mut windows, dir)?;
         }
     }
     let end = args
@@ -121,30 +110,18 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             return Err(format!("replicas differ after step {}", it + 1).into());
         }
         let done = it + 1;
-        if done % args.eval_interval.max(1) == 0 || done == end {
+        if args.eval_due(done, end) {
             let val = (rank == 0).then(|| evaluate(ddp.module(), &corpus, args, &device));
-            report.eval(Eval {
-                step: done,
-                train_loss,
-                val_loss: val,
-                elapsed_s: t0.elapsed().as_secs_f64(),
-                tokens_per_s: (steps * (args.batch_size * args.block_size * world) as u64) as f64
-                    / train_time,
-            });
+            report.eval_at(done, train_loss, val, t0, steps, train_time);
         }
-        if let Some(dir) = &args.checkpoint_dir {
-            if (args.checkpoint_every > 0 && done % args.checkpoint_every == 0) || done == end {
-                let (epoch, consumed) = windows.position();
-                let meta = CheckpointMeta {
-                    step: done,
-                    epoch,
-                    sampler: SamplerState { epoch, consumed },
-                    rng_state: args.seed,
-                    world_size: world,
-                    extra: serde_json::json!({"framework": "burn", "n_layer": args.n_layer, "n_embd": args.n_embd}),
-                };
-                ddp.save_checkpoint_with(dir, Some(&optim), meta)?;
-            }
+        if let Some(dir) = args
+            .checkpoint_dir
+            .as_ref()
+            .filter(|_| args.save_due(done, end))
+        {
+            let extra = serde_json::json!({"framework": "burn", "n_layer": args.n_layer});
+            let meta = windows.meta(done, world, args.seed, extra);
+            ddp.save_checkpoint_with(dir, Some(&optim), meta)?;
         }
     }
     let replicas = ddp.verify_replicas()?;

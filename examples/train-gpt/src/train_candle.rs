@@ -5,15 +5,14 @@
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
 use crate::gpt_candle::{decays, Dropout, Gpt};
-use crate::report::{Eval, Report};
+use crate::report::Report;
 use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW, VarMap};
 use ddprs::candle::checkpoint::load_vars;
 use ddprs::candle::optim::AdamW;
 use ddprs::candle::Ddp;
-use ddprs::checkpoint::CheckpointMeta;
-use ddprs::{ProcessGroup, SamplerState};
+use ddprs::ProcessGroup;
 use std::time::Instant;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -108,17 +107,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             ck.meta.check_world_size(world)?;
             load_vars(&ck, ddp.named_vars())?;
             ck.load_optimizer(&mut opt)?;
-            let kind = ddp.reducer().comm_hook_state().kind;
-            if !kind.is_empty() {
-                let state = ck.hook_state(&kind)?.for_rank(rank);
-                ddp.reducer_mut().load_comm_hook_state(&state)?;
-            }
-            start = ck.meta.step;
-            ddp.reducer_mut().set_step(start);
-            windows.resume(ck.meta.sampler.epoch, ck.meta.sampler.consumed)?;
-            if rank == 0 {
-                eprintln!("resumed at step {start} from {}", dir.display());
-            }
+            start = data::restore(&mut *ddp, &ck, &mut windows, dir)?;
         }
     }
     let end = args
@@ -151,35 +140,22 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         }
         let done = it + 1;
         let train_loss = loss.to_scalar::<f32>()? as f64;
-        if done % args.eval_interval.max(1) == 0 || done == end {
+        if args.eval_due(done, end) {
             let val = if rank == 0 {
                 Some(evaluate(&model, &corpus, args)?)
             } else {
                 None
             };
-            report.eval(Eval {
-                step: done,
-                train_loss,
-                val_loss: val,
-                elapsed_s: t0.elapsed().as_secs_f64(),
-                tokens_per_s: (steps * (args.batch_size * args.block_size * world) as u64) as f64
-                    / train_time,
-            });
+            report.eval_at(done, train_loss, val, t0, steps, train_time);
         }
-        let save_now = args.checkpoint_every > 0 && done % args.checkpoint_every == 0;
-        if let Some(dir) = &args.checkpoint_dir {
-            if save_now || done == end {
-                let (epoch, consumed) = windows.position();
-                let meta = CheckpointMeta {
-                    step: done,
-                    epoch,
-                    sampler: SamplerState { epoch, consumed },
-                    rng_state: args.seed,
-                    world_size: world,
-                    extra: serde_json::json!({"framework": "candle", "n_layer": args.n_layer, "n_embd": args.n_embd}),
-                };
-                ddp.save_checkpoint_with(dir, Some(&opt), meta)?;
-            }
+        if let Some(dir) = args
+            .checkpoint_dir
+            .as_ref()
+            .filter(|_| args.save_due(done, end))
+        {
+            let extra = serde_json::json!({"framework": "candle", "n_layer": args.n_layer});
+            let meta = windows.meta(done, world, args.seed, extra);
+            ddp.save_checkpoint_with(dir, Some(&opt), meta)?;
         }
     }
     let replicas = ddp.verify_replicas()?;

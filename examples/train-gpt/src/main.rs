@@ -43,10 +43,14 @@ fn main() {
 
 fn worker(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
     let pg = ddprs::init_process_group(Default::default())?;
+    ddprs::trace::start_from_env(&pg, args.trace.as_deref())?;
     let report = match args.framework {
         Framework::Candle => train_candle::run(args, &pg)?,
         Framework::Burn => train_burn::run(args, &pg)?,
     };
+    if let Some(path) = ddprs::trace::finish(&pg)? {
+        println!("timeline of every rank: {}", path.display());
+    }
     report.print();
     Ok(())
 }

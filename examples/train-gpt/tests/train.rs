@@ -350,3 +350,32 @@ fn sample_and_metrics_are_written() {
         "{lines:?}"
     );
 }
+
+/// `--trace DIR`: rank 0 writes one Chrome trace holding both ranks' timelines, with the
+/// reducer's bucket collectives in it.
+#[test]
+fn trace_writes_one_timeline_of_both_ranks() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    run(&[
+        "--framework",
+        "candle",
+        "--nproc",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-iters",
+        "3",
+        "--trace",
+        d,
+    ]);
+    let trace: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.path().join("trace.json")).unwrap())
+            .unwrap();
+    let events = trace["traceEvents"].as_array().expect("a Chrome trace");
+    let mut pids: Vec<u64> = events.iter().filter_map(|e| e["pid"].as_u64()).collect();
+    pids.sort_unstable();
+    pids.dedup();
+    assert_eq!(pids.len(), 2, "one timeline per rank: {pids:?}");
+    assert!(events.len() > 10, "{} events", events.len());
+}

@@ -395,6 +395,33 @@ impl DistributedDataParallel {
         Ok(self.verify_replicas()?.max_abs_diff)
     }
 
+    /// PyTorch's `clip_grad_norm_` over the whole model: scales every gradient in `grads` by
+    /// `max_norm / (norm + 1e-6)` when that is below 1, `norm` being the global L2 norm of all of
+    /// them (returned). The averaged gradients are the same on every rank, so is the norm (no
+    /// communication). As `ddp_burn::Ddp::clip_grad_norm`.
+    pub fn clip_grad_norm(&self, grads: &mut GradStore, max_norm: f64) -> Result<f64> {
+        let mut sq = 0f64;
+        for (_, v) in self.named_vars() {
+            if let Some(g) = grads.get(v) {
+                sq += g
+                    .to_dtype(candle_core::DType::F64)?
+                    .sqr()?
+                    .sum_all()?
+                    .to_scalar::<f64>()?;
+            }
+        }
+        let norm = sq.sqrt();
+        let coef = max_norm / (norm + 1e-6);
+        if coef < 1.0 {
+            for (_, v) in self.named_vars() {
+                if let Some(g) = grads.remove(v) {
+                    grads.insert(v, (g * coef)?);
+                }
+            }
+        }
+        Ok(norm)
+    }
+
     /// `(sum, l2 norm)` of all parameters, in `f64`.
     pub fn param_sum_l2(&self) -> Result<(f64, f64)> {
         let vars: Vec<&Var> = self.named_vars().iter().map(|(_, v)| v).collect();

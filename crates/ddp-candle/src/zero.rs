@@ -346,26 +346,7 @@ impl ZeroDdp {
         let Some(grads) = &mut self.full_grads else {
             return Err(self.no_grads("clip_grad_norm"));
         };
-        let mut sq = 0f64;
-        for (_, v) in self.ddp.named_vars() {
-            if let Some(g) = grads.get(v) {
-                sq += g
-                    .to_dtype(candle_core::DType::F64)?
-                    .sqr()?
-                    .sum_all()?
-                    .to_scalar::<f64>()?;
-            }
-        }
-        let norm = sq.sqrt();
-        let coef = max_norm / (norm + 1e-6);
-        if coef < 1.0 {
-            for (_, v) in self.ddp.named_vars() {
-                if let Some(g) = grads.remove(v) {
-                    grads.insert(v, (g * coef)?);
-                }
-            }
-        }
-        Ok(norm)
+        self.ddp.clip_grad_norm(grads, max_norm)
     }
 
     fn no_grads(&self, what: &str) -> Error {

@@ -3,26 +3,12 @@
 //! dependency on another of our crates (`cargo package` refuses a path-only one), the licence
 //! texts, a `rust-version`, and the metadata of the crates.io page.
 
+mod common;
+
+use common::{workspace_root, PUBLISHED};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
-
-/// The crates published, in dependency order; everything else says `publish = false`.
-const PUBLISHED: [&str; 6] = [
-    "ddp-comm",
-    "ddp-core",
-    "ddp-candle",
-    "ddp-burn",
-    "ddprun",
-    "ddprs",
-];
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
 
 fn metadata() -> Value {
     let out = Command::new(env!("CARGO"))

@@ -12,28 +12,16 @@
 //! changed), with its own target directory, so it never waits on the build lock of the
 //! `cargo test` that runs it.
 
-use std::path::{Path, PathBuf};
+mod common;
+
+use common::{workspace_root, PUBLISHED};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const PUBLISHED: [&str; 6] = [
-    "ddp-comm",
-    "ddp-core",
-    "ddp-candle",
-    "ddp-burn",
-    "ddprun",
-    "ddprs",
-];
 const QUICK_STARTS: [(&str, &str); 2] = [("candle", "candle"), ("burn", "burn")];
 /// The bound on the lines a program changes to become data-parallel.
 const MAX_DDP_LINES: usize = 10;
-
-fn workspace_root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("../..")
-        .canonicalize()
-        .unwrap()
-}
 
 fn example(name: &str) -> String {
     let path = Path::new(env!("CARGO_MANIFEST_DIR"))

@@ -6,7 +6,6 @@ use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
 use crate::gpt_candle::{decays, Dropout, Gpt};
 use crate::report::Report;
-use candle_core::backprop::GradStore;
 use candle_core::{Device, Tensor};
 use candle_nn::{Optimizer, ParamsAdamW, VarMap};
 use ddprs::candle::checkpoint::load_vars;
@@ -22,37 +21,6 @@ type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 pub(crate) fn dropout_seed(seed: u64, rank: usize, it: u64) -> u64 {
     seed ^ (rank as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15)
         ^ it.wrapping_mul(0xbf58_476d_1ce4_e5b9)
-}
-
-/// Scales every gradient so that their global L2 norm is at most `max_norm` (PyTorch's
-/// `clip_grad_norm_`: coefficient `max_norm / (norm + 1e-6)`, applied when below 1). The
-/// gradients are the averaged ones, identical on every rank, so the norm is too. Returns the
-/// norm before clipping.
-fn clip_grad_norm(
-    grads: &mut GradStore,
-    vars: &[(String, candle_core::Var)],
-    max_norm: f64,
-) -> Result<f64> {
-    let mut sq = 0f64;
-    for (_, v) in vars {
-        if let Some(g) = grads.get(v) {
-            sq += g
-                .sqr()?
-                .sum_all()?
-                .to_dtype(candle_core::DType::F64)?
-                .to_scalar::<f64>()?;
-        }
-    }
-    let norm = sq.sqrt();
-    let coef = max_norm / (norm + 1e-6);
-    if max_norm > 0.0 && coef < 1.0 {
-        for (_, v) in vars {
-            if let Some(g) = grads.remove(v) {
-                grads.insert(v, (g * coef)?);
-            }
-        }
-    }
-    Ok(norm)
 }
 
 fn tensors(x: Vec<u32>, y: Vec<u32>, rows: usize, cols: usize) -> Result<(Tensor, Tensor)> {
@@ -130,7 +98,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         let loss = model.loss(&x, &y, &mut drop, true)?;
         let mut grads = ddp.backward(&loss)?;
         if args.grad_clip > 0.0 {
-            clip_grad_norm(&mut grads, ddp.named_vars(), args.grad_clip)?;
+            ddp.clip_grad_norm(&mut grads, args.grad_clip)?;
         }
         opt.step(&grads)?;
         train_time += step_start.elapsed().as_secs_f64();

@@ -102,6 +102,39 @@ pub struct ZeroDdp<M: Module, O: Optimizer> {
     steps: u64,
     /// Stage 0: the averaged gradients.
     full_grads: Option<GradientsParams>,
+    /// Weight-decay groups applied before the optimizer steps each chunk
+    /// ([`ZeroDdp::with_weight_decay_groups`]).
+    decay: Option<DecayGroups>,
+}
+
+/// Decoupled weight decay at `rate` where each chunk's runs say (`(start, decays)`, from
+/// `ShardLayout::decay_runs`).
+struct DecayGroups {
+    rate: f32,
+    runs: Vec<Vec<(usize, bool)>>,
+}
+
+impl DecayGroups {
+    /// `chunk` (chunk `i`'s values) decayed as Burn's AdamW decays a parameter at learning rate
+    /// `lr` (`θ · (1 − lr · rate)`, the factor rounded to f32 as `mul_scalar` does), only where
+    /// the runs say; the other elements are multiplied by 1 (unchanged).
+    fn apply(&self, i: usize, chunk: Tensor<1>, lr: f64) -> Tensor<1> {
+        let runs = &self.runs[i];
+        let decay_rate = lr * self.rate as f64;
+        if decay_rate == 0.0 || runs.iter().all(|r| !r.1) {
+            return chunk;
+        }
+        let n = chunk.dims()[0];
+        let mut factor = vec![1f32; n];
+        for (j, &(at, d)) in runs.iter().enumerate() {
+            let end = runs.get(j + 1).map_or(n, |r| r.0);
+            if d {
+                factor[at..end].fill((1.0 - decay_rate) as f32);
+            }
+        }
+        let device = chunk.device();
+        chunk * Tensor::<1>::from_data(TensorData::new(factor, [n]), &device)
+    }
 }
 
 impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
@@ -144,7 +177,40 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
             device,
             steps: 0,
             full_grads: None,
+            decay: None,
         })
+    }
+
+    /// Decoupled weight decay (AdamW's) at `rate` on the parameters `decays(name, dims)`
+    /// selects only: PyTorch's two parameter groups under ZeRO (nanoGPT decays
+    /// `dims.len() >= 2`), which one optimizer stepping a chunk cannot express when the chunk
+    /// spans both kinds. Build the optimizer **without** weight decay: before it steps a
+    /// chunk, the selected elements are scaled by `1 − lr · rate` here, which is exactly what
+    /// Burn's AdamW does first, so a run equals plain DDP with a `ModuleOptimizer` whose
+    /// decayed group is the same optimizer `.with_weight_decay(rate)`. Stages 1 and 2 (stage
+    /// 0 steps through `ModuleOptimizer`: give it the groups). The same on every rank.
+    pub fn with_weight_decay_groups(
+        mut self,
+        rate: f32,
+        decays: impl Fn(&str, &[usize]) -> bool,
+    ) -> Result<Self> {
+        if self.stage() == ZeroStage::Ddp {
+            return Err(Error::Unsupported(
+                "weight-decay groups at ZeRO stage 0: plain DDP steps with Burn's \
+                 ModuleOptimizer, give it the groups (`.with_group(..)`)"
+                    .into(),
+            ));
+        }
+        let specs = self.ddp.reducer().specs();
+        let flags: Vec<bool> = specs.iter().map(|s| decays(&s.name, &s.shape)).collect();
+        let layout = self.core.layout();
+        let runs = layout
+            .chunks()
+            .iter()
+            .map(|c| layout.decay_runs(c, &flags))
+            .collect();
+        self.decay = Some(DecayGroups { rate, runs });
+        Ok(self)
     }
 
     pub fn stage(&self) -> ZeroStage {
@@ -346,7 +412,7 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         // copied into new tensors. Stage 2's window reuses its buffers: it copies.
         let in_place = how.window == 0;
         let layout = self.core.layout();
-        let (optim, device) = (&self.optim, &self.device);
+        let (optim, device, decay) = (&self.optim, &self.device, &self.decay);
         let states = &mut self.states;
         let ddp = std::cell::RefCell::new(&mut self.ddp);
         // The first error of ours, kept whole (the gather carries a message).
@@ -375,6 +441,10 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
                         let _s = ddp_core::trace::span("shard step", "zero");
                         let grad = shards[i].take().unwrap_or_else(|| dst.to_vec());
                         let chunk = Self::read_chunk(&ddp.borrow(), layout, i).map_err(keep)?;
+                        let chunk = match decay {
+                            Some(d) => d.apply(i, chunk, *lr),
+                            None => chunk,
+                        };
                         let (new, state) = optim.step(*lr, chunk, tensor(grad), states[i].take());
                         states[i] = state;
                         f32_vec(new.into_data(), "the stepped chunk")?

@@ -160,6 +160,64 @@ fn every_stage_equals_ddp_with_adamw_at_world_2_3_4() {
 }
 
 /// Each rank keeps optimizer state for its chunks only: together they cover the model once.
+/// PyTorch's two parameter groups under ZeRO (`with_weight_decay_groups`: decay on the 2-D
+/// weights only, the optimizer built without decay) against plain DDP with Burn's
+/// `ModuleOptimizer` whose bias group has no decay (no ZeRO code), with chunks that span both
+/// kinds (tiny buckets, worlds 2 and 3).
+#[test]
+fn weight_decay_groups_under_zero_equal_ddp_with_parameter_groups() {
+    use burn::module::ParamGroup;
+    const STEPS: usize = 4;
+    let adamw = |wd: f32| AdamWConfig::new().with_weight_decay(wd);
+    let (x, y) = data();
+    for world in [2, 3] {
+        let mut want = run_ranks(world, |rank, pg| {
+            let mut ddp = Ddp::new(model(7 + rank as u64, HID), &pg, tiny()).unwrap();
+            let biases = ParamGroup::from_any_predicates(vec![".bias"]);
+            let mut opt = adamw(0.01)
+                .init()
+                .with_group(biases, adamw(0.0).build(), None);
+            let mut history = Vec::new();
+            for k in 0..STEPS {
+                let (xs, ys) = part(&x, &y, k, rank, world);
+                let grads = ddp.backward(ddp.module().loss(xs, ys)).unwrap();
+                ddp.step(&mut opt, LR, grads);
+                history.push(ddp.module().params());
+            }
+            history
+        })
+        .swap_remove(0);
+        let plain = ddp_history(world, &adamw(0.01).build(), tiny(), STEPS);
+        assert!(
+            plain.last() != want.last(),
+            "the groups change the result (the test can tell)"
+        );
+        for stage in [ZeroStage::One, ZeroStage::Two] {
+            let got = run_ranks(world, |rank, pg| {
+                let ddp = Ddp::new(model(7 + rank as u64, HID), &pg, tiny()).unwrap();
+                let z = ZeroDdp::new(ddp, stage, adamw(0.0).build()).unwrap();
+                let mut z = z
+                    .with_weight_decay_groups(0.01, |_, dims| dims.len() >= 2)
+                    .unwrap();
+                train(&mut z, rank, world, 0, STEPS)
+            })
+            .swap_remove(0);
+            let what = format!("decay groups, world {world}, {stage:?}");
+            assert_histories(&got, &want, 1e-6, &what);
+        }
+        want.clear();
+    }
+    let stage0 = run_ranks(1, |_, pg| {
+        let ddp = Ddp::new(model(7, HID), &pg, tiny()).unwrap();
+        let z = ZeroDdp::new(ddp, ZeroStage::Ddp, adamw(0.0).build()).unwrap();
+        z.with_weight_decay_groups(0.01, |_, _| true)
+            .err()
+            .unwrap()
+            .to_string()
+    });
+    assert!(stage0[0].contains("ModuleOptimizer"), "{}", stage0[0]);
+}
+
 #[test]
 fn the_shards_partition_the_model_and_its_optimizer_state() {
     let world = 3;

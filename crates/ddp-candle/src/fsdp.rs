@@ -308,6 +308,19 @@ impl Fsdp {
         })
     }
 
+    /// Weight decay on the parameters `decays(name, dims)` selects only, the others stepped
+    /// without (PyTorch's parameter groups; nanoGPT decays `dims.len() >= 2`): a chunk that
+    /// spans both kinds decays only the former's elements. Needs this crate's
+    /// [`AdamW`](crate::optim::AdamW) as the optimizer; the same on every rank.
+    pub fn set_weight_decay_filter(
+        &mut self,
+        decays: impl Fn(&str, &[usize]) -> bool,
+    ) -> Result<()> {
+        let params = self.specs.iter().map(|s| (s.name.clone(), s.shape.clone()));
+        self.shard
+            .set_weight_decay_filter(&mut *self.opt, params, decays)
+    }
+
     /// Which elements of which unit this rank owns (one bucket per unit).
     pub fn layout(&self) -> &ShardLayout {
         &self.shard.layout

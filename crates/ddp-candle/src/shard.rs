@@ -16,6 +16,20 @@ use ddp_core::reducer::{HostSlice, ParamSpec};
 use ddp_core::sharding::{self, ChunkState, ShardGrads, ShardLayout, ShardState};
 use std::path::{Path, PathBuf};
 
+/// `opt` as this crate's [`AdamW`](crate::optim::AdamW), the one optimizer with weight-decay
+/// groups over chunks.
+pub(crate) fn adamw(opt: &mut dyn DynOptimizer) -> Result<&mut crate::optim::AdamW> {
+    opt.as_any_mut()
+        .downcast_mut::<crate::optim::AdamW>()
+        .ok_or_else(|| {
+            Error::Unsupported(
+                "weight-decay groups over a sharded model need ddp_candle::optim::AdamW \
+                 (ShardOptimizer::AdamW)"
+                    .into(),
+            )
+        })
+}
+
 pub(crate) fn chunk_name(bucket: usize) -> String {
     format!("bucket{bucket}")
 }
@@ -101,6 +115,28 @@ impl Shard {
         }
         self.through = through;
         self.vars.iter_mut().for_each(|v| *v = None);
+        Ok(())
+    }
+
+    /// Weight decay in `opt` (this crate's [`AdamW`](crate::optim::AdamW), else an error) on
+    /// the elements of the parameters `decays(name, dims)` selects only, chunk by chunk
+    /// (`ShardLayout::decay_runs`); `params` are the layout's parameters, in its order.
+    pub fn set_weight_decay_filter(
+        &self,
+        opt: &mut dyn DynOptimizer,
+        params: impl IntoIterator<Item = (String, Vec<usize>)>,
+        decays: impl Fn(&str, &[usize]) -> bool,
+    ) -> Result<()> {
+        let flags: Vec<bool> = params.into_iter().map(|(n, d)| decays(&n, &d)).collect();
+        let adamw = adamw(opt)?;
+        if self.vars.is_empty() && self.through.is_empty() {
+            return Ok(()); // stage 0: the caller's optimizer is over whole parameters
+        }
+        for (i, c) in self.layout.chunks().iter().enumerate() {
+            if self.present(i) {
+                adamw.set_decay_runs(&chunk_name(c.bucket), self.layout.decay_runs(c, &flags))?;
+            }
+        }
         Ok(())
     }
 

@@ -232,6 +232,26 @@ impl ZeroDdp {
         self.core.stage()
     }
 
+    /// Weight decay on the parameters `decays(name, dims)` selects only, the others stepped
+    /// without (PyTorch's two parameter groups; nanoGPT decays `dims.len() >= 2`), at every
+    /// stage: a chunk that spans both kinds decays only the former's elements, so a run equals
+    /// plain DDP with `AdamW::new_named_with_decay` and the same filter. Needs this crate's
+    /// [`AdamW`] (`ShardOptimizer::AdamW`, or one built by `new`'s closure); the same on every
+    /// rank.
+    pub fn set_weight_decay_filter(
+        &mut self,
+        decays: impl Fn(&str, &[usize]) -> bool,
+    ) -> Result<()> {
+        let params = self.ddp.params().vars().iter();
+        let params = params.map(|(n, v)| (n.clone(), v.dims().to_vec()));
+        let opt = self.opt.get_mut();
+        if self.core.stage() == ZeroStage::Ddp {
+            crate::shard::adamw(opt)?.set_decay_filter(decays);
+            return Ok(());
+        }
+        self.shard.set_weight_decay_filter(opt, params, decays)
+    }
+
     /// The wrapped DDP (parameters, reducer, replica checks).
     pub fn ddp(&self) -> &DistributedDataParallel {
         &self.ddp

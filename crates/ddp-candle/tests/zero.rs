@@ -181,6 +181,15 @@ impl Trainer {
         }
     }
 
+    /// Weight decay on the 2-D weights only (nanoGPT's parameter groups).
+    fn decay_weights_only(&mut self) {
+        let weights = |_: &str, dims: &[usize]| dims.len() >= 2;
+        match self {
+            Trainer::Zero(z, _) => z.set_weight_decay_filter(weights).unwrap(),
+            Trainer::Fsdp(f) => f.set_weight_decay_filter(weights).unwrap(),
+        }
+    }
+
     /// Asserts that the ranks' parameters are bit-identical (a collective).
     fn assert_replicas(&self, what: &str) {
         let report = match self {
@@ -414,6 +423,49 @@ fn zero_matches_ddp(
             assert_close(&got[0], &want[0], 1e-6, &what);
         }
     }
+}
+
+/// PyTorch's two parameter groups (decay on the 2-D weights only) at every stage, with chunks
+/// that span weights and biases (tiny buckets and units), equal plain DDP with
+/// `AdamW::new_named_with_decay` and the same rule; and the groups change the result.
+#[test]
+fn weight_decay_groups_at_every_stage_equal_ddp() {
+    let body = |z: &mut Trainer, rank: usize, pg: &ddp_comm::ProcessGroup| {
+        z.decay_weights_only();
+        for k in 0..4 {
+            z.backward(k, rank, pg.size());
+            z.step();
+        }
+    };
+    zero_matches_ddp("decay groups", Opt::AdamW, body);
+    let reference = run_ranks(2, |rank, pg| {
+        let (vm, m) = model(7, HID);
+        let ddp = Ddp::new(&vm, &pg, Sizes::Tiny.ddp()).unwrap();
+        let ddp_candle::ShardOptimizer::AdamW(p) = shard_opt(Opt::AdamW) else {
+            unreachable!("AdamW")
+        };
+        let vars = ddp.named_vars().to_vec();
+        let mut opt =
+            ddp_candle::optim::AdamW::new_named_with_decay(vars, p, |_, v| v.rank() >= 2).unwrap();
+        let mut ddp = ddp;
+        for k in 0..4 {
+            let grads = ddp.backward(&loss_at(&m, k, rank, 2)).unwrap();
+            candle_nn::Optimizer::step(&mut opt, &grads).unwrap();
+        }
+        params(&ddp)
+    });
+    let grouped = run_zero(2, ZeroStage::One, Opt::AdamW, Sizes::Tiny, body);
+    assert_close(
+        &grouped[0],
+        &reference[0],
+        1e-6,
+        "stage 1 against the plain optimizer",
+    );
+    let all = train(2, ZeroStage::One, Opt::AdamW, Sizes::Tiny, 4, None);
+    assert_ne!(
+        all[0], grouped[0],
+        "the groups change the result (the test can tell)"
+    );
 }
 
 #[test]

@@ -18,7 +18,7 @@ use crate::checkpoint::tensor_like;
 use crate::tensors::{with_flat, with_flat_mut};
 use crate::{Error, Result};
 use candle_core::backprop::GradStore;
-use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Var, WithDType};
+use candle_core::{CpuStorage, DType, InplaceOp2, InplaceOp3, Layout, Tensor, Var, WithDType};
 use candle_nn::ParamsAdamW;
 use ddp_core::checkpoint::{Checkpoint, OptimizerState, OptimizerStateDict};
 
@@ -31,9 +31,25 @@ struct Slot {
     target: Target,
     m: Var,
     v: Var,
-    /// Whether `weight_decay` applies to this parameter (PyTorch's parameter groups: nanoGPT
-    /// decays 2-D weights only).
-    decay: bool,
+    /// Where `weight_decay` applies (PyTorch's parameter groups: nanoGPT decays 2-D weights
+    /// only): runs `(start, decays)` of the slot's flat elements, each up to the next's start.
+    /// One run for a parameter; a ZeRO chunk spanning parameters of both groups has several
+    /// ([`AdamW::set_decay_runs`]).
+    decay: Vec<(usize, bool)>,
+}
+
+/// The parts of `start..end` (flat elements of a slot) under each run of `decay` (see
+/// `Slot::decay`): `(from, to, decays)`.
+fn runs_in(
+    decay: &[(usize, bool)],
+    start: usize,
+    end: usize,
+) -> impl Iterator<Item = (usize, usize, bool)> + '_ {
+    decay.iter().enumerate().filter_map(move |(i, &(at, d))| {
+        let next = decay.get(i + 1).map_or(usize::MAX, |r| r.0);
+        let (a, b) = (at.max(start), next.min(end));
+        (a < b).then_some((a, b, d))
+    })
 }
 
 /// AdamW with the arithmetic of `candle_nn::AdamW` and a checkpointable state.
@@ -68,7 +84,7 @@ impl AdamW {
             .map(|(name, var)| {
                 let m = Var::zeros(var.shape(), var.dtype(), var.device())?;
                 let v = Var::zeros(var.shape(), var.dtype(), var.device())?;
-                let decay = decays(&name, &var);
+                let decay = vec![(0, decays(&name, &var))];
                 Ok(Slot {
                     name,
                     target: Target::Var(var),
@@ -114,19 +130,55 @@ impl AdamW {
             let Some((pieces, g)) = echo_slot(&s.target, grads)? else {
                 continue;
             };
-            let k = &coefs[usize::from(s.decay)];
+            // The moments do not depend on weight decay.
+            let k = &coefs[0];
             with_flat_mut(s.m.as_tensor(), |m| Fused::Moment1(k).moment(m, g))?;
             with_flat_mut(s.v.as_tensor(), |v| Fused::Moment2(k).moment(v, g))?;
             with_flat::<f32, _>(s.m.as_tensor(), |m| {
                 with_flat::<f32, _>(s.v.as_tensor(), |v| {
                     echo_pieces(pieces, g, |at, x, _| {
-                        let end = at + x.len();
-                        Fused::update(k, x, &m[at..end], &v[at..end])
+                        for (a, b, d) in runs_in(&s.decay, at, at + x.len()) {
+                            let k = &coefs[usize::from(d)];
+                            Fused::update(k, &mut x[a - at..b - at], &m[a..b], &v[a..b])
+                        }
                     })
                 })?
             })??;
         }
         Ok(())
+    }
+
+    /// From now on weight decay applies to the elements of slot `name` as `runs` say
+    /// (`(start, decays)`, starts increasing from 0; see `ShardLayout::decay_runs`): a ZeRO
+    /// chunk that spans decayed and undecayed parameters.
+    pub(crate) fn set_decay_runs(&mut self, name: &str, runs: Vec<(usize, bool)>) -> Result<()> {
+        let Some(slot) = self.slots.iter_mut().find(|s| s.name == name) else {
+            return Err(Error::Unsupported(format!(
+                "weight decay runs: the optimizer has no parameter {name:?}"
+            )));
+        };
+        let ordered = runs.first().is_some_and(|r| r.0 == 0)
+            && runs.windows(2).all(|w| w[0].0 < w[1].0)
+            && runs
+                .last()
+                .is_some_and(|r| r.0 <= slot.target.like().elem_count());
+        if !ordered {
+            return Err(Error::Unsupported(format!(
+                "weight decay runs of {name:?} must start at 0 and increase within its {} \
+                 elements: {runs:?}",
+                slot.target.like().elem_count()
+            )));
+        }
+        slot.decay = runs;
+        Ok(())
+    }
+
+    /// Weight decay on the parameters `decays(name, dims)` selects only, the others updated
+    /// without (PyTorch's two parameter groups), for an optimizer over whole parameters.
+    pub fn set_decay_filter(&mut self, decays: impl Fn(&str, &[usize]) -> bool) {
+        for s in &mut self.slots {
+            s.decay = vec![(0, decays(&s.name, s.target.like().dims()))];
+        }
     }
 
     /// Optimizer steps taken so far.
@@ -208,7 +260,8 @@ impl AdamW {
             let Some(g) = s.target.grad(grads) else {
                 continue;
             };
-            let k = &coefs[usize::from(s.decay)];
+            // The moments do not depend on weight decay; the update does, run by run.
+            let k = &coefs[0];
             let theta = match &s.target {
                 Target::Var(var) => var,
                 Target::Pieces { like, pieces, .. } => {
@@ -222,14 +275,13 @@ impl AdamW {
                     s.v.as_tensor().inplace_op2(&g, &Fused::Moment2(k))?;
                     for p in pieces {
                         let n = p.view.elem_count();
-                        if n == 0 {
-                            continue;
+                        for (a, b, d) in runs_in(&s.decay, p.offset, p.offset + n) {
+                            p.view.narrow(0, a - p.offset, b - a)?.inplace_op3(
+                                &s.m.as_tensor().narrow(0, a, b - a)?,
+                                &s.v.as_tensor().narrow(0, a, b - a)?,
+                                &Fused::Update(&coefs[usize::from(d)]),
+                            )?;
                         }
-                        p.view.inplace_op3(
-                            &s.m.as_tensor().narrow(0, p.offset, n)?,
-                            &s.v.as_tensor().narrow(0, p.offset, n)?,
-                            &Fused::Update(k),
-                        )?;
                     }
                     continue;
                 }
@@ -244,17 +296,40 @@ impl AdamW {
                 let g = g.contiguous()?;
                 s.m.as_tensor().inplace_op2(&g, &Fused::Moment1(k))?;
                 s.v.as_tensor().inplace_op2(&g, &Fused::Moment2(k))?;
-                theta.as_tensor().inplace_op3(
-                    s.m.as_tensor(),
-                    s.v.as_tensor(),
-                    &Fused::Update(k),
-                )?;
+                if let [(_, d)] = s.decay[..] {
+                    theta.as_tensor().inplace_op3(
+                        s.m.as_tensor(),
+                        s.v.as_tensor(),
+                        &Fused::Update(&coefs[usize::from(d)]),
+                    )?;
+                    continue;
+                }
+                // Views of the contiguous storage, updated in place run by run.
+                let flat = |t: &Tensor| t.flatten_all();
+                let (x, m, v) = (flat(theta)?, flat(&s.m)?, flat(&s.v)?);
+                for (a, b, d) in runs_in(&s.decay, 0, x.elem_count()) {
+                    x.narrow(0, a, b - a)?.inplace_op3(
+                        &m.narrow(0, a, b - a)?,
+                        &v.narrow(0, a, b - a)?,
+                        &Fused::Update(&coefs[usize::from(d)]),
+                    )?;
+                }
             } else {
                 let next_m = ((s.m.as_tensor() * k.beta1)? + (g * (1.0 - k.beta1))?)?;
                 let next_v = ((s.v.as_tensor() * k.beta2)? + (g.sqr()? * (1.0 - k.beta2))?)?;
                 let m_hat = (&next_m * k.scale_m)?;
                 let v_hat = (&next_v * k.scale_v)?;
-                let next_theta = (theta.as_tensor() * (1f64 - k.lr_lambda))?;
+                let decayed = |t: &Tensor, d: bool| t * (1f64 - coefs[usize::from(d)].lr_lambda);
+                let next_theta = match s.decay[..] {
+                    [(_, d)] => decayed(theta.as_tensor(), d)?,
+                    _ => {
+                        let x = theta.as_tensor().flatten_all()?;
+                        let parts = runs_in(&s.decay, 0, x.elem_count())
+                            .map(|(a, b, d)| decayed(&x.narrow(0, a, b - a)?, d))
+                            .collect::<candle_core::Result<Vec<_>>>()?;
+                        Tensor::cat(&parts, 0)?.reshape(theta.shape())?
+                    }
+                };
                 let adjusted_grad = (m_hat / (v_hat.sqrt()? + k.eps)?)?;
                 let next_theta = (next_theta - (adjusted_grad * k.lr)?)?;
                 s.m.set(&next_m)?;

@@ -37,9 +37,12 @@ pub trait DynOptimizer: OptimizerState<Error = crate::Error> {
     fn dyn_learning_rate(&self) -> f64;
     /// `candle_nn::Optimizer::set_learning_rate`.
     fn dyn_set_learning_rate(&mut self, lr: f64);
+    /// The optimizer as `Any` (to reach a concrete optimizer's own settings, e.g.
+    /// [`AdamW`]'s weight-decay groups, behind a `Box<dyn DynOptimizer>`).
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any;
 }
 
-impl<T: Optimizer + OptimizerState<Error = crate::Error>> DynOptimizer for T {
+impl<T: Optimizer + OptimizerState<Error = crate::Error> + 'static> DynOptimizer for T {
     fn dyn_step(&mut self, grads: &GradStore) -> candle_core::Result<()> {
         self.step(grads)
     }
@@ -50,6 +53,10 @@ impl<T: Optimizer + OptimizerState<Error = crate::Error>> DynOptimizer for T {
 
     fn dyn_set_learning_rate(&mut self, lr: f64) {
         self.set_learning_rate(lr)
+    }
+
+    fn as_any_mut(&mut self) -> &mut dyn std::any::Any {
+        self
     }
 }
 

@@ -193,6 +193,25 @@ impl ShardLayout {
             })
             .collect()
     }
+
+    /// Where weight decay applies in `chunk`: runs `(start, decays)` in chunk order, each up to
+    /// the next's start (the first at 0), merged where neighbours agree; `decays[p]` says
+    /// whether parameter `p` decays. What a sharded optimizer needs to apply PyTorch's
+    /// parameter groups (e.g. nanoGPT's decay on 2-D weights only) to a chunk that spans
+    /// parameters of both groups.
+    pub fn decay_runs(&self, chunk: &Chunk, decays: &[bool]) -> Vec<(usize, bool)> {
+        let mut runs: Vec<(usize, bool)> = Vec::new();
+        for p in self.pieces(chunk) {
+            let d = decays.get(p.param).copied().unwrap_or(false);
+            if runs.last().is_none_or(|&(_, last)| last != d) {
+                runs.push((p.chunk_offset, d));
+            }
+        }
+        if runs.is_empty() {
+            runs.push((0, false));
+        }
+        runs
+    }
 }
 
 #[cfg(test)]
@@ -248,6 +267,31 @@ pub(crate) mod tests {
                 assert!(seen.iter().flatten().all(|&k| k == 1), "{world} {sizes:?}");
             }
         }
+    }
+
+    #[test]
+    fn decay_runs_follow_the_parameters_of_each_chunk() {
+        // p0 (5, decays), p1 (3, not), p2 (4, decays), one bucket, world 2: rank 0 owns
+        // elements 0..6 (p0, one of p1), rank 1 owns 6..12 (two of p1, p2).
+        let decays = [true, false, true];
+        let l0 = layout(&[5, 3, 4], &[&[0, 1, 2]], 2, 0);
+        let l1 = layout(&[5, 3, 4], &[&[0, 1, 2]], 2, 1);
+        assert_eq!(
+            l0.decay_runs(&l0.chunks()[0], &decays),
+            [(0, true), (5, false)]
+        );
+        assert_eq!(
+            l1.decay_runs(&l1.chunks()[0], &decays),
+            [(0, false), (2, true)]
+        );
+        // Neighbours that agree merge; a chunk of one kind is one run.
+        let all = [true, true, true];
+        assert_eq!(l0.decay_runs(&l0.chunks()[0], &all), [(0, true)]);
+        let l = layout(&[5, 3, 4], &[&[0, 1, 2]], 1, 0);
+        assert_eq!(
+            l.decay_runs(&l.chunks()[0], &decays),
+            [(0, true), (5, false), (8, true)]
+        );
     }
 
     #[test]

@@ -83,7 +83,10 @@ pub struct Args {
     /// Validation windows of --eval-batch each, evaluated by rank 0.
     #[arg(long, default_value_t = 20)]
     pub eval_iters: usize,
-    /// ZeRO stage (0: DDP).
+    /// ZeRO stage: 0 DDP; 1 optimizer state sharded; 2 and gradients; 3 and parameters
+    /// (candle only, through ddprs::candle::Fsdp, one unit per block; it unties the head,
+    /// since a parameter belongs to one unit). Checkpoints of stages 1-3 are save sets that
+    /// resume at any world size and stage 1-3.
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     /// Communication hook (PyTorch's DDP comm hooks): none (all-reduce), fp16 / bf16
@@ -183,6 +186,20 @@ impl Args {
         }
         if !(0.0..1.0).contains(&self.dropout) {
             return Err(format!("--dropout {} is not in [0, 1)", self.dropout));
+        }
+        if self.zero == 3 && self.framework == Framework::Burn {
+            return Err(
+                "--zero 3 shards the parameters, which ddp-rs offers for candle models \
+                        only (ddprs::candle::Fsdp): use --framework candle, or --zero 1 or 2"
+                    .into(),
+            );
+        }
+        if self.zero > 0 && self.hook.hook().ok().flatten().is_some() {
+            return Err(format!(
+                "--hook applies to plain DDP (--zero 0): ZeRO reduce-scatters the gradients \
+                 itself (--zero {})",
+                self.zero
+            ));
         }
         if self.stop_after.is_some() && self.checkpoint_dir.is_none() {
             return Err(

@@ -12,7 +12,7 @@
 //! position (epoch, windows consumed) goes into checkpoints ([`Windows::meta`]); [`restore`] puts
 //! it back, with the reducer's step and the comm hook's state, when a run resumes.
 
-use ddprs::checkpoint::CheckpointMeta;
+use ddprs::checkpoint::{global_consumed, CheckpointMeta, GLOBAL_CONSUMED_KEY};
 use ddprs::{DistributedSampler, SamplerState};
 use std::io::Read;
 
@@ -87,7 +87,11 @@ pub fn batch(data: &[u32], starts: &[usize], block_size: usize) -> (Vec<u32>, Ve
 /// A rank's stream of training windows: its sampler shard, epoch after epoch.
 pub struct Windows {
     sampler: DistributedSampler,
+    world: usize,
     indices: Vec<usize>,
+    /// Positions of the epoch all ranks together had consumed when `indices` began (not 0 in
+    /// an epoch resumed at another world size: its rest re-sharded over this one).
+    base: usize,
     consumed: usize,
 }
 
@@ -100,16 +104,29 @@ impl Windows {
         let indices = sampler.indices();
         Ok(Windows {
             sampler,
+            world,
             indices,
+            base: 0,
             consumed: 0,
         })
     }
 
-    /// Continues at `epoch` with `consumed` of this rank's windows already taken.
-    pub fn resume(&mut self, epoch: u64, consumed: usize) -> ddprs::Result<()> {
-        self.sampler.set_epoch(epoch);
-        self.indices = self.sampler.indices_from(0)?;
-        self.consumed = consumed.min(self.indices.len());
+    /// Continues where the checkpoint `meta` left off: at its per-rank position when it was
+    /// written at this world size in an epoch that was not re-sharded, else at its global
+    /// position (the windows every rank together consumed), the rest of the epoch re-sharded
+    /// over this world (`DistributedSampler::indices_from_global`: none skipped, none twice).
+    pub fn resume(&mut self, meta: &CheckpointMeta) -> ddprs::Result<()> {
+        self.sampler.set_epoch(meta.sampler.epoch);
+        let global = meta.extra.get(GLOBAL_CONSUMED_KEY).is_some();
+        if meta.world_size == self.world && !global {
+            self.indices = self.sampler.indices_from(0)?;
+            self.base = 0;
+            self.consumed = meta.sampler.consumed.min(self.indices.len());
+        } else {
+            self.base = global_consumed(meta)?;
+            self.indices = self.sampler.indices_from_global(self.base);
+            self.consumed = 0;
+        }
         Ok(())
     }
 
@@ -119,6 +136,7 @@ impl Windows {
             let next = self.sampler.epoch() + 1;
             self.sampler.set_epoch(next);
             self.indices = self.sampler.indices();
+            self.base = 0;
             self.consumed = 0;
         }
         let out = self.indices[self.consumed..self.consumed + b].to_vec();
@@ -126,27 +144,25 @@ impl Windows {
         out
     }
 
-    /// `(epoch, windows of this rank consumed in it)`.
-    pub fn position(&self) -> (u64, usize) {
-        (self.sampler.epoch(), self.consumed)
-    }
-
     /// A checkpoint's metadata after `step` steps at `world` ranks: this stream's position
-    /// (resumed by [`Windows::resume`]), the seed, and `extra`.
-    pub fn meta(
-        &self,
-        step: u64,
-        world: usize,
-        seed: u64,
-        extra: serde_json::Value,
-    ) -> CheckpointMeta {
-        let (epoch, consumed) = self.position();
+    /// (resumed by [`Windows::resume`]: per rank, and all ranks together when the epoch was
+    /// re-sharded), the seed, and `extra` (a JSON object).
+    pub fn meta(&self, step: u64, seed: u64, extra: serde_json::Value) -> CheckpointMeta {
+        let epoch = self.sampler.epoch();
+        let mut extra = extra;
+        if self.base > 0 {
+            let global = self.base + self.consumed * self.world;
+            extra[GLOBAL_CONSUMED_KEY] = global.into();
+        }
         CheckpointMeta {
             step,
             epoch,
-            sampler: SamplerState { epoch, consumed },
+            sampler: SamplerState {
+                epoch,
+                consumed: self.consumed,
+            },
             rng_state: seed,
-            world_size: world,
+            world_size: self.world,
             extra,
         }
     }
@@ -172,25 +188,41 @@ pub fn val_starts(data: &[u32], block_size: usize, count: usize) -> Vec<usize> {
     (0..count).map(|i| i * n / count.max(1)).collect()
 }
 
-/// What a resumed run takes from its checkpoint besides the model and the optimizer: this
-/// rank's comm hook state, the reducer's step count and the windows' position. Returns the step
-/// to continue at.
+/// What a resumed run takes from its checkpoint besides the model and the optimizer: the windows'
+/// position ([`Windows::resume`]) and, for a plain checkpoint, this rank's comm hook state and
+/// the reducer's step count. Returns the step to continue at.
 pub fn restore<P: ddprs::adapter::ParamAccess>(
     core: &mut ddprs::adapter::DdpCore<P>,
-    ck: &ddprs::Checkpoint,
+    meta: &CheckpointMeta,
+    ck: Option<&ddprs::Checkpoint>,
     windows: &mut Windows,
     dir: &std::path::Path,
 ) -> Result<u64, Box<dyn std::error::Error>> {
     let rank = core.rank();
     let kind = core.reducer().comm_hook_state().kind;
-    if !kind.is_empty() {
+    if let (false, Some(ck)) = (kind.is_empty(), ck) {
         let state = ck.hook_state(&kind)?.for_rank(rank);
         core.reducer_mut().load_comm_hook_state(&state)?;
     }
-    core.reducer_mut().set_step(ck.meta.step);
-    windows.resume(ck.meta.sampler.epoch, ck.meta.sampler.consumed)?;
+    core.reducer_mut().set_step(meta.step);
+    restore_windows(rank, core.world_size(), meta, windows, dir)
+}
+
+/// The windows' part of [`restore`] (ZeRO-3 has no reducer).
+pub fn restore_windows(
+    rank: usize,
+    world: usize,
+    meta: &CheckpointMeta,
+    windows: &mut Windows,
+    dir: &std::path::Path,
+) -> Result<u64, Box<dyn std::error::Error>> {
+    windows.resume(meta)?;
     if rank == 0 {
-        eprintln!("resumed at step {} from {}", ck.meta.step, dir.display());
+        let from = match meta.world_size {
+            w if w == world => String::new(),
+            w => format!(" (written at world size {w}: the epoch's rest re-sharded)"),
+        };
+        eprintln!("resumed at step {} from {}{from}", meta.step, dir.display());
     }
-    Ok(ck.meta.step)
+    Ok(meta.step)
 }

@@ -8,7 +8,10 @@
 use crate::config::GptConfig;
 use candle_core::{Device, Module, Result, Tensor, Var, D};
 use candle_nn::{Embedding, LayerNorm, Linear, VarMap};
+use ddprs::candle::Unit;
 use rand::{Rng, SeedableRng};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 
 /// Dropout with a seeded generator (candle's own draws from an unseeded one), so that a run
 /// with dropout is reproducible: the mask of each call comes from `rng`.
@@ -53,10 +56,106 @@ struct Block {
     n_head: usize,
 }
 
+/// A parameter by name and shape: from the `VarMap` of [`Gpt::new`], or from the `VarBuilder`
+/// of a ZeRO-3 unit ([`units`]).
+type Get<'a> = dyn Fn(&str, &[usize]) -> Result<Tensor> + 'a;
+
+fn linear(get: &Get, name: &str, i: usize, o: usize, bias: bool) -> Result<Linear> {
+    let w = get(&format!("{name}.weight"), &[o, i])?;
+    let b = bias
+        .then(|| get(&format!("{name}.bias"), &[o]))
+        .transpose()?;
+    Ok(Linear::new(w, b))
+}
+
+fn layer_norm(get: &Get, name: &str, n: usize, bias: bool) -> Result<LayerNorm> {
+    let w = get(&format!("{name}.weight"), &[n])?;
+    Ok(match bias {
+        true => LayerNorm::new(w, get(&format!("{name}.bias"), &[n])?, 1e-5),
+        false => LayerNorm::new_no_bias(w, 1e-5),
+    })
+}
+
+impl Block {
+    /// Block `l`'s layers from `get`.
+    fn load(get: &Get, cfg: &GptConfig, l: usize) -> Result<Block> {
+        let (p, c, b) = (format!("transformer.h.{l}"), cfg.n_embd, cfg.bias);
+        Ok(Block {
+            ln_1: layer_norm(get, &format!("{p}.ln_1"), c, b)?,
+            c_attn: linear(get, &format!("{p}.attn.c_attn"), c, 3 * c, b)?,
+            attn_proj: linear(get, &format!("{p}.attn.c_proj"), c, c, b)?,
+            ln_2: layer_norm(get, &format!("{p}.ln_2"), c, b)?,
+            c_fc: linear(get, &format!("{p}.mlp.c_fc"), c, 4 * c, b)?,
+            mlp_proj: linear(get, &format!("{p}.mlp.c_proj"), 4 * c, c, b)?,
+            n_head: cfg.n_head,
+        })
+    }
+
+    /// `x + attn(ln_1(x))`, then `x + mlp(ln_2(x))`; `mask` is the causal mask `[t, t]`.
+    fn forward(
+        &self,
+        x: &Tensor,
+        mask: &Tensor,
+        drop: &mut Dropout,
+        train: bool,
+    ) -> Result<Tensor> {
+        let (b, t, c) = x.dims3()?;
+        let h = self.ln_1.forward(x)?;
+        let qkv = self.c_attn.forward(&h)?;
+        let hs = c / self.n_head;
+        let heads = |i: usize| -> Result<Tensor> {
+            qkv.narrow(D::Minus1, i * c, c)?
+                .reshape((b, t, self.n_head, hs))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
+        let att = (q.matmul(&k.t()?)? * (1.0 / (hs as f64).sqrt()))?;
+        // `softmax`, not `softmax_last_dim`: the latter (a fused kernel) has no backward in
+        // candle 0.11, so the queries and keys would get no gradient.
+        let att = candle_nn::ops::softmax(&att.broadcast_add(mask)?, D::Minus1)?;
+        let att = drop.apply(&att, train)?;
+        let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
+        let x = (x + drop.apply(&self.attn_proj.forward(&y)?, train)?)?;
+        let h = self.c_fc.forward(&self.ln_2.forward(&x)?)?.gelu_erf()?;
+        x + drop.apply(&self.mlp_proj.forward(&h)?, train)?
+    }
+}
+
+/// Token plus position embeddings of ids `[b, t]`, with dropout.
+fn embed(
+    wte: &Tensor,
+    wpe: &Tensor,
+    idx: &Tensor,
+    drop: &mut Dropout,
+    train: bool,
+) -> Result<Tensor> {
+    let (_, t) = idx.dims2()?;
+    let c = wte.dim(1)?;
+    let tok = Embedding::new(wte.clone(), c).forward(idx)?;
+    let pos =
+        Embedding::new(wpe.clone(), c).forward(&Tensor::arange(0u32, t as u32, idx.device())?)?;
+    drop.apply(&tok.broadcast_add(&pos)?, train)
+}
+
+/// The causal mask of context `t`: 0 on and below the diagonal, -inf above.
+fn causal_mask(t: usize, device: &Device) -> Result<Tensor> {
+    let mask: Vec<f32> = (0..t * t)
+        .map(|i| {
+            if i % t > i / t {
+                f32::NEG_INFINITY
+            } else {
+                0.0
+            }
+        })
+        .collect();
+    Tensor::from_vec(mask, (t, t), device)
+}
+
 /// The model; its parameters live in the `VarMap` it was built in.
 pub struct Gpt {
     wte: Var,
-    wpe: Embedding,
+    wpe: Tensor,
     blocks: Vec<Block>,
     ln_f: LayerNorm,
     /// `Some` when the head is not tied (`--untied`): its own weight, `lm_head.weight`.
@@ -103,31 +202,20 @@ impl Init<'_> {
         self.var(name, shape, |_| c)
     }
 
-    fn linear(&mut self, name: &str, i: usize, o: usize, std: f32, bias: bool) -> Result<Linear> {
-        let w = self.normal(&format!("{name}.weight"), &[o, i], std)?;
-        let b = if bias {
-            Some(
-                self.constant(&format!("{name}.bias"), &[o], 0.0)?
-                    .as_tensor()
-                    .clone(),
-            )
-        } else {
-            None
-        };
-        Ok(Linear::new(w.as_tensor().clone(), b))
+    fn linear(&mut self, name: &str, i: usize, o: usize, std: f32, bias: bool) -> Result<()> {
+        self.normal(&format!("{name}.weight"), &[o, i], std)?;
+        if bias {
+            self.constant(&format!("{name}.bias"), &[o], 0.0)?;
+        }
+        Ok(())
     }
 
-    fn layer_norm(&mut self, name: &str, n: usize, bias: bool) -> Result<LayerNorm> {
-        let w = self.constant(&format!("{name}.weight"), &[n], 1.0)?;
-        if !bias {
-            return Ok(LayerNorm::new_no_bias(w.as_tensor().clone(), 1e-5));
+    fn layer_norm(&mut self, name: &str, n: usize, bias: bool) -> Result<()> {
+        self.constant(&format!("{name}.weight"), &[n], 1.0)?;
+        if bias {
+            self.constant(&format!("{name}.bias"), &[n], 0.0)?;
         }
-        let b = self.constant(&format!("{name}.bias"), &[n], 0.0)?;
-        Ok(LayerNorm::new(
-            w.as_tensor().clone(),
-            b.as_tensor().clone(),
-            1e-5,
-        ))
+        Ok(())
     }
 }
 
@@ -140,91 +228,57 @@ impl Gpt {
             rng: rand::rngs::StdRng::seed_from_u64(seed),
             device: device.clone(),
         };
-        let (c, std) = (cfg.n_embd, 0.02);
+        let (c, std, b) = (cfg.n_embd, 0.02, cfg.bias);
         let proj_std = 0.02 / (2.0 * cfg.n_layer as f32).sqrt();
         let wte = init.normal("transformer.wte.weight", &[cfg.vocab_size, c], std)?;
         let wpe = init.normal("transformer.wpe.weight", &[cfg.block_size, c], std)?;
-        let mut blocks = Vec::new();
         for l in 0..cfg.n_layer {
             let p = format!("transformer.h.{l}");
-            blocks.push(Block {
-                ln_1: init.layer_norm(&format!("{p}.ln_1"), c, cfg.bias)?,
-                c_attn: init.linear(&format!("{p}.attn.c_attn"), c, 3 * c, std, cfg.bias)?,
-                attn_proj: init.linear(&format!("{p}.attn.c_proj"), c, c, proj_std, cfg.bias)?,
-                ln_2: init.layer_norm(&format!("{p}.ln_2"), c, cfg.bias)?,
-                c_fc: init.linear(&format!("{p}.mlp.c_fc"), c, 4 * c, std, cfg.bias)?,
-                mlp_proj: init.linear(&format!("{p}.mlp.c_proj"), 4 * c, c, proj_std, cfg.bias)?,
-                n_head: cfg.n_head,
-            });
+            init.layer_norm(&format!("{p}.ln_1"), c, b)?;
+            init.linear(&format!("{p}.attn.c_attn"), c, 3 * c, std, b)?;
+            init.linear(&format!("{p}.attn.c_proj"), c, c, proj_std, b)?;
+            init.layer_norm(&format!("{p}.ln_2"), c, b)?;
+            init.linear(&format!("{p}.mlp.c_fc"), c, 4 * c, std, b)?;
+            init.linear(&format!("{p}.mlp.c_proj"), 4 * c, c, proj_std, b)?;
         }
-        let ln_f = init.layer_norm("transformer.ln_f", c, cfg.bias)?;
-        let lm_head = if cfg.tied {
-            None
-        } else {
-            Some(init.normal("lm_head.weight", &[cfg.vocab_size, c], std)?)
+        init.layer_norm("transformer.ln_f", c, b)?;
+        let lm_head = match cfg.tied {
+            true => None,
+            false => Some(init.normal("lm_head.weight", &[cfg.vocab_size, c], std)?),
         };
-        let t = cfg.block_size;
-        let mask: Vec<f32> = (0..t * t)
-            .map(|i| {
-                if i % t > i / t {
-                    f32::NEG_INFINITY
-                } else {
-                    0.0
-                }
-            })
-            .collect();
+        let vars = varmap.data().lock().unwrap().clone();
+        let get =
+            |name: &str, _: &[usize]| -> Result<Tensor> { Ok(vars[name].as_tensor().clone()) };
         Ok(Gpt {
-            wpe: Embedding::new(wpe.as_tensor().clone(), c),
+            wpe: wpe.as_tensor().clone(),
             wte,
-            blocks,
-            ln_f,
+            blocks: (0..cfg.n_layer)
+                .map(|l| Block::load(&get, cfg, l))
+                .collect::<Result<_>>()?,
+            ln_f: layer_norm(&get, "transformer.ln_f", c, b)?,
             lm_head,
-            mask: Tensor::from_vec(mask, (t, t), device)?,
+            mask: causal_mask(cfg.block_size, device)?,
             cfg: cfg.clone(),
         })
     }
 
     /// Logits `[b, t, vocab]` of token ids `[b, t]` (`t <= block_size`).
     pub fn forward(&self, idx: &Tensor, drop: &mut Dropout, train: bool) -> Result<Tensor> {
-        let (b, t) = idx.dims2()?;
-        let c = self.cfg.n_embd;
-        let tok = Embedding::new(self.wte.as_tensor().clone(), c).forward(idx)?;
-        let pos = self
-            .wpe
-            .forward(&Tensor::arange(0u32, t as u32, idx.device())?)?;
-        let mut x = drop.apply(&tok.broadcast_add(&pos)?, train)?;
+        let t = idx.dim(1)?;
+        let mut x = embed(self.wte.as_tensor(), &self.wpe, idx, drop, train)?;
         let mask = self.mask.narrow(0, 0, t)?.narrow(1, 0, t)?;
         for blk in &self.blocks {
-            let h = blk.ln_1.forward(&x)?;
-            let qkv = blk.c_attn.forward(&h)?;
-            let hs = c / blk.n_head;
-            let heads = |i: usize| -> Result<Tensor> {
-                qkv.narrow(D::Minus1, i * c, c)?
-                    .reshape((b, t, blk.n_head, hs))?
-                    .transpose(1, 2)?
-                    .contiguous()
-            };
-            let (q, k, v) = (heads(0)?, heads(1)?, heads(2)?);
-            let att = (q.matmul(&k.t()?)? * (1.0 / (hs as f64).sqrt()))?;
-            // `softmax`, not `softmax_last_dim`: the latter (a fused kernel) has no backward in
-            // candle 0.11, so the queries and keys would get no gradient.
-            let att = candle_nn::ops::softmax(&att.broadcast_add(&mask)?, D::Minus1)?;
-            let att = drop.apply(&att, train)?;
-            let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
-            x = (x + drop.apply(&blk.attn_proj.forward(&y)?, train)?)?;
-            let h = blk.c_fc.forward(&blk.ln_2.forward(&x)?)?.gelu_erf()?;
-            x = (x + drop.apply(&blk.mlp_proj.forward(&h)?, train)?)?;
+            x = blk.forward(&x, &mask, drop, train)?;
         }
-        let x = self.ln_f.forward(&x)?;
         let head = self.lm_head.as_ref().unwrap_or(&self.wte);
-        x.broadcast_matmul(&head.as_tensor().t()?)
+        self.ln_f
+            .forward(&x)?
+            .broadcast_matmul(&head.as_tensor().t()?)
     }
 
     /// Mean cross-entropy of the logits of `x` against `y` (both `[b, t]`).
     pub fn loss(&self, x: &Tensor, y: &Tensor, drop: &mut Dropout, train: bool) -> Result<Tensor> {
-        let logits = self.forward(x, drop, train)?;
-        let v = logits.dim(D::Minus1)?;
-        candle_nn::loss::cross_entropy(&logits.flatten_to(1)?.reshape(((), v))?, &y.flatten_all()?)
+        cross_entropy(&self.forward(x, drop, train)?, y)
     }
 
     /// Whether the head is the token embedding.
@@ -232,29 +286,95 @@ impl Gpt {
         self.lm_head.is_none()
     }
 
-    /// `n` characters sampled after `prompt` (temperature 1, all of the vocabulary), from a
-    /// seeded generator.
-    pub fn generate(&self, prompt: &[u32], n: usize, seed: u64) -> Result<Vec<u32>> {
-        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
-        let mut ids = prompt.to_vec();
-        let mut drop = Dropout::new(0.0, 0);
-        let device = self.wte.device().clone();
-        for _ in 0..n {
-            let start = ids.len().saturating_sub(self.cfg.block_size);
-            let ctx = Tensor::new(&ids[start..], &device)?.unsqueeze(0)?;
-            let logits = self.forward(&ctx, &mut drop, false)?;
-            let last = logits.squeeze(0)?.get(ids.len() - start - 1)?;
-            let probs: Vec<f32> = candle_nn::ops::softmax_last_dim(&last)?.to_vec1()?;
-            ids.push(crate::data::sample_index(&probs, rng.gen()) as u32);
-        }
-        Ok(ids[prompt.len()..].to_vec())
+    pub fn config(&self) -> &GptConfig {
+        &self.cfg
     }
+}
+
+/// Mean cross-entropy of logits `[b, t, vocab]` against targets `[b, t]`.
+pub fn cross_entropy(logits: &Tensor, y: &Tensor) -> Result<Tensor> {
+    let v = logits.dim(D::Minus1)?;
+    candle_nn::loss::cross_entropy(&logits.flatten_to(1)?.reshape(((), v))?, &y.flatten_all()?)
+}
+
+/// `n` characters sampled after `prompt` (temperature 1, all of the vocabulary) from a seeded
+/// generator, `logits` mapping ids `[1, t]` to logits `[1, t, vocab]` (`t <= block_size`).
+pub fn generate(
+    logits: impl Fn(&Tensor) -> Result<Tensor>,
+    block_size: usize,
+    prompt: &[u32],
+    n: usize,
+    seed: u64,
+) -> Result<Vec<u32>> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+    let mut ids = prompt.to_vec();
+    for _ in 0..n {
+        let start = ids.len().saturating_sub(block_size);
+        let ctx = Tensor::new(&ids[start..], &Device::Cpu)?.unsqueeze(0)?;
+        let last = logits(&ctx)?.squeeze(0)?.get(ids.len() - start - 1)?;
+        let probs: Vec<f32> = candle_nn::ops::softmax_last_dim(&last)?.to_vec1()?;
+        ids.push(crate::data::sample_index(&probs, rng.gen()) as u32);
+    }
+    Ok(ids[prompt.len()..].to_vec())
+}
+
+/// What every ZeRO-3 unit reads at each call: whether it trains (dropout) and the step's
+/// dropout seed (a unit runs twice per step, forward and recomputed in the backward: it draws
+/// the same mask both times).
+#[derive(Default)]
+pub struct UnitCtx {
+    pub train: AtomicBool,
+    pub seed: AtomicU64,
+}
+
+/// The model as ZeRO-3 units (`ddprs::candle::Fsdp`): the embeddings, each block, the final
+/// LayerNorm with the head. A parameter belongs to one unit, so the head cannot be the token
+/// embedding: `cfg.tied` must be false (`train-gpt --zero 3` unties it, and says so).
+pub fn units(cfg: &GptConfig, dropout: f32, ctx: Arc<UnitCtx>) -> Result<Vec<Unit>> {
+    if cfg.tied {
+        candle_core::bail!("ZeRO-3 units need an untied head (a parameter belongs to one unit)");
+    }
+    let drop = move |ctx: &UnitCtx, unit: u64| {
+        let train = ctx.train.load(Ordering::Relaxed);
+        let seed = ctx.seed.load(Ordering::Relaxed) ^ unit.wrapping_mul(0x94d0_49bb_1331_11eb);
+        (Dropout::new(if train { dropout } else { 0.0 }, seed), train)
+    };
+    let mut units = Vec::with_capacity(cfg.n_layer + 2);
+    let (c0, (v, t, c)) = (ctx.clone(), (cfg.vocab_size, cfg.block_size, cfg.n_embd));
+    units.push(Unit::new(
+        ["transformer.wte", "transformer.wpe"],
+        move |vb, idx| {
+            let (mut d, train) = drop(&c0, 0);
+            let get = |name: &str, shape: &[usize]| vb.get(shape, name);
+            let wte = get("transformer.wte.weight", &[v, c])?;
+            let wpe = get("transformer.wpe.weight", &[t, c])?;
+            embed(&wte, &wpe, idx, &mut d, train)
+        },
+    ));
+    for l in 0..cfg.n_layer {
+        let (cfg, ctx) = (cfg.clone(), ctx.clone());
+        units.push(Unit::new([format!("transformer.h.{l}")], move |vb, x| {
+            let (mut d, train) = drop(&ctx, 1 + l as u64);
+            let t = x.dim(1)?;
+            let mask = causal_mask(t, x.device())?;
+            let get = |name: &str, shape: &[usize]| vb.get(shape, name);
+            Block::load(&get, &cfg, l)?.forward(x, &mask, &mut d, train)
+        }));
+    }
+    let cfg = cfg.clone();
+    units.push(Unit::new(["transformer.ln_f", "lm_head"], move |vb, x| {
+        let get = |name: &str, shape: &[usize]| vb.get(shape, name);
+        let ln_f = layer_norm(&get, "transformer.ln_f", cfg.n_embd, cfg.bias)?;
+        let head = get("lm_head.weight", &[cfg.vocab_size, cfg.n_embd])?;
+        ln_f.forward(x)?.broadcast_matmul(&head.t()?)
+    }));
+    Ok(units)
 }
 
 /// The parameters AdamW decays: nanoGPT's rule, every parameter of 2 or more dimensions
 /// (weights and embeddings), not biases or LayerNorm weights.
-pub fn decays(_name: &str, var: &Var) -> bool {
-    var.rank() >= 2
+pub fn decays(_name: &str, dims: &[usize]) -> bool {
+    dims.len() >= 2
 }
 
 #[cfg(test)]

@@ -1,18 +1,22 @@
-//! One worker of `train-gpt --framework burn`: the model of [`crate::gpt_burn`] wrapped in
-//! `ddprs::burn::Ddp` on Burn's pure-Rust CPU backend, Burn's AdamW with weight decay on 2-D
-//! weights only (a second parameter group without decay for LayerNorms and biases), nanoGPT's
-//! schedule, global-norm clipping across the whole model, checkpoints (Burn's records) and exact
-//! resume.
+//! One worker of `train-gpt --framework burn`: the model of [`crate::gpt_burn`] on Burn's
+//! pure-Rust CPU backend under `ddprs::burn::Ddp` (`--zero 0`) or `ZeroDdp` (stages 1 and 2;
+//! Burn has no stage 3 here: refused), Burn's AdamW with weight decay on 2-D weights only (a
+//! second parameter group without decay for LayerNorms and biases; under ZeRO the same groups
+//! applied per chunk), nanoGPT's schedule, global-norm clipping across the whole model (and the
+//! shards), checkpoints (Burn's records; save sets under ZeRO) and exact resume.
 
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
 use crate::gpt_burn::Gpt;
 use crate::report::Report;
+use crate::train_candle::{sharded_set_at_zero0, zero_stage};
 use burn::module::ParamGroup;
-use burn::optim::{AdamWConfig, ModuleOptimizer};
+use burn::optim::{AdamW, AdamWConfig, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
-use ddprs::burn::Ddp;
-use ddprs::ProcessGroup;
+use ddprs::burn::{Ddp, ZeroDdp};
+use ddprs::sharding::ZeroStage;
+use ddprs::{CheckpointMeta, ProcessGroup};
+use std::path::Path;
 use std::time::Instant;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -22,18 +26,23 @@ fn ids(v: Vec<u32>, rows: usize, cols: usize, device: &Device) -> Tensor<2, Int>
     Tensor::from_data(TensorData::new(v, [rows, cols]), device)
 }
 
-/// nanoGPT's optimizer: AdamW (betas 0.9 and --beta2), decay on 2-D weights only.
-fn optimizer(args: &Args) -> Result<ModuleOptimizer> {
-    let adamw = |wd: f64| {
-        AdamWConfig::new()
-            .with_beta_2(args.beta2 as f32)
-            .with_weight_decay(wd as f32)
-            .with_epsilon(1e-8)
-    };
+/// Burn's AdamW with nanoGPT's betas (0.9 and `--beta2`), epsilon 1e-8 and weight decay `wd`.
+fn adamw_config(args: &Args, wd: f64) -> AdamWConfig {
+    AdamWConfig::new()
+        .with_beta_2(args.beta2 as f32)
+        .with_weight_decay(wd as f32)
+        .with_epsilon(1e-8)
+}
+
+/// nanoGPT's optimizer for plain DDP: AdamW with decay on 2-D weights only (a second parameter
+/// group without decay for LayerNorms and biases).
+fn nanogpt_optimizer(args: &Args) -> ModuleOptimizer {
     let no_decay = ParamGroup::from_any_predicates(vec!["ln_", ".bias"]);
-    Ok(adamw(args.weight_decay)
-        .init()
-        .with_group(no_decay, adamw(0.0).build(), None))
+    adamw_config(args, args.weight_decay).init().with_group(
+        no_decay,
+        adamw_config(args, 0.0).build(),
+        None,
+    )
 }
 
 fn evaluate(model: &Gpt, corpus: &Corpus, args: &Args, device: &Device) -> f64 {
@@ -54,6 +63,68 @@ fn evaluate(model: &Gpt, corpus: &Corpus, args: &Args, device: &Device) -> f64 {
     total / starts.chunks(args.batch_size).len() as f64
 }
 
+/// The module and what trains it: DDP with Burn's `ModuleOptimizer` (`--zero 0`, the decay
+/// groups as parameter groups) or ZeRO stages 1 and 2 (`ZeroDdp`, the groups applied to each
+/// chunk by `with_weight_decay_groups`). Burn has no ZeRO-3 here (`ZeroDdp` refuses stage 3).
+enum Engine {
+    Ddp(Box<Ddp<Gpt>>, ModuleOptimizer),
+    Zero(Box<ZeroDdp<Gpt, AdamW>>),
+}
+
+impl Engine {
+    fn module(&self) -> &Gpt {
+        match self {
+            Engine::Ddp(ddp, _) => ddp.module(),
+            Engine::Zero(z) => z.module(),
+        }
+    }
+
+    fn save(&self, dir: &Path, meta: CheckpointMeta) -> Result<()> {
+        match self {
+            Engine::Ddp(ddp, optim) => {
+                ddp.save_checkpoint_with(dir, Some(optim), meta)?;
+            }
+            Engine::Zero(z) => {
+                z.save(dir, &meta)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// See `train_candle`'s `Engine::load`: plain at `--zero 0` (this world size), a save set
+    /// (any world size) or an imported plain checkpoint at stages 1 and 2.
+    fn load(&mut self, dir: &Path, world: usize) -> Result<Option<(CheckpointMeta, Loaded)>> {
+        let set = ddprs::sharding::latest_set(dir)?.is_some();
+        match self {
+            Engine::Ddp(ddp, optim) => {
+                let Some(ck) = ddprs::checkpoint::load(dir)? else {
+                    return match set {
+                        true => Err(sharded_set_at_zero0(dir).into()),
+                        false => Ok(None),
+                    };
+                };
+                ck.meta.check_world_size(world)?;
+                let taken = std::mem::replace(optim, AdamWConfig::new().build().into());
+                *optim = ddp.load_records(&ck, taken)?;
+                Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))))
+            }
+            Engine::Zero(z) if set => Ok(z.load(dir)?.map(|m| (m, Loaded::Set))),
+            Engine::Zero(z) => {
+                let Some(ck) = ddprs::checkpoint::load(dir)? else {
+                    return Ok(None);
+                };
+                z.import(&ck)?;
+                Ok(Some((ck.meta.clone(), Loaded::Set)))
+            }
+        }
+    }
+}
+
+enum Loaded {
+    Plain(Box<ddprs::Checkpoint>),
+    Set,
+}
+
 pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     let (rank, world) = (pg.rank(), pg.size());
     let corpus = Corpus::load();
@@ -62,19 +133,35 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     let model = Gpt::new(&cfg, args.dropout as f64, args.seed, &device);
     let tied = model.tied();
     let mut ddp = Ddp::new(model, pg, Default::default())?;
-    if let Some(hook) = args.hook.hook()? {
-        ddp.register_comm_hook(hook)?;
-    }
-    let mut optim = optimizer(args)?;
+    let mut engine = match zero_stage(args.zero) {
+        ZeroStage::Ddp => {
+            if let Some(hook) = args.hook.hook()? {
+                ddp.register_comm_hook(hook)?;
+            }
+            Engine::Ddp(Box::new(ddp), nanogpt_optimizer(args))
+        }
+        stage => {
+            let wd = args.weight_decay as f32;
+            let zero = ZeroDdp::new(ddp, stage, adamw_config(args, 0.0).build())?;
+            let zero = zero.with_weight_decay_groups(wd, crate::gpt_candle::decays)?;
+            Engine::Zero(Box::new(zero))
+        }
+    };
     let count = data::windows(&corpus.train, args.block_size);
     let mut windows = Windows::new(count, world, rank, args.seed)?;
     let mut start = 0u64;
     if args.resume {
         let dir = args.checkpoint_dir.as_ref().unwrap();
-        if let Some(ck) = ddprs::checkpoint::load(dir)? {
-            ck.meta.check_world_size(world)?;
-            optim = ddp.load_records(&ck, optim)?;
-            start = data::restore(&mut *ddp, &ck, &mut windows, dir)?;
+        if let Some((meta, loaded)) = engine.load(dir, world)? {
+            let ck = match &loaded {
+                Loaded::Plain(ck) => Some(&**ck),
+                Loaded::Set => None,
+            };
+            let w = &mut windows;
+            start = match &mut engine {
+                Engine::Ddp(ddp, _) => data::restore(&mut ***ddp, &meta, ck, w, dir)?,
+                Engine::Zero(_) => data::restore_windows(rank, world, &meta, w, dir)?,
+            };
         }
     }
     let end = args
@@ -94,24 +181,36 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             &windows.next_batch(args.batch_size),
             args.block_size,
         );
-        let loss = ddp.module().loss(
+        let loss = engine.module().loss(
             ids(x, args.batch_size, args.block_size, &device),
             ids(y, args.batch_size, args.block_size, &device),
         );
         let train_loss = loss.clone().into_scalar::<f64>();
-        let mut grads = ddp.backward(loss)?;
-        if args.grad_clip > 0.0 {
-            ddp.clip_grad_norm(&mut grads, args.grad_clip)?;
+        let lr = args.lr_at(it);
+        match &mut engine {
+            Engine::Ddp(ddp, optim) => {
+                let mut grads = ddp.backward(loss)?;
+                if args.grad_clip > 0.0 {
+                    ddp.clip_grad_norm(&mut grads, args.grad_clip)?;
+                }
+                ddp.step(optim, lr, grads);
+            }
+            Engine::Zero(z) => {
+                z.backward(loss)?;
+                if args.grad_clip > 0.0 {
+                    z.clip_grad_norm(args.grad_clip)?;
+                }
+                z.step(lr)?;
+            }
         }
-        ddp.step(&mut optim, args.lr_at(it), grads);
         train_time += step_start.elapsed().as_secs_f64();
         steps += 1;
-        if args.check_replicas && !ddp.verify_replicas()?.identical {
+        if args.check_replicas && !replicas(&engine)? {
             return Err(format!("replicas differ after step {}", it + 1).into());
         }
         let done = it + 1;
         if args.eval_due(done, end) {
-            let val = (rank == 0).then(|| evaluate(ddp.module(), &corpus, args, &device));
+            let val = (rank == 0).then(|| evaluate(engine.module(), &corpus, args, &device));
             report.eval_at(done, train_loss, val, t0, steps, train_time);
         }
         if let Some(dir) = args
@@ -120,18 +219,27 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             .filter(|_| args.save_due(done, end))
         {
             let extra = serde_json::json!({"framework": "burn", "n_layer": args.n_layer});
-            let meta = windows.meta(done, world, args.seed, extra);
-            ddp.save_checkpoint_with(dir, Some(&optim), meta)?;
+            engine.save(dir, windows.meta(done, args.seed, extra))?;
         }
     }
-    let replicas = ddp.verify_replicas()?;
-    let (sum, l2) = ddp.param_sum_l2()?;
-    report.finish(pg, end, sum, l2, replicas.identical, train_time, steps)?;
+    let identical = replicas(&engine)?;
+    let (sum, l2) = match &engine {
+        Engine::Ddp(ddp, _) => ddp.param_sum_l2()?,
+        Engine::Zero(z) => z.ddp().param_sum_l2()?,
+    };
+    report.finish(pg, end, sum, l2, identical, train_time, steps)?;
     if args.sample > 0 && rank == 0 {
-        let text = ddp
+        let text = engine
             .module()
             .generate(&corpus.encode("\n"), args.sample, args.seed, &device);
         report.sample = Some(corpus.decode(&text));
     }
     Ok(report)
+}
+
+fn replicas(engine: &Engine) -> Result<bool> {
+    Ok(match engine {
+        Engine::Ddp(ddp, _) => ddp.verify_replicas()?.identical,
+        Engine::Zero(z) => z.ddp().verify_replicas()?.identical,
+    })
 }

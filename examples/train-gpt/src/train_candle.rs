@@ -1,17 +1,23 @@
-//! One worker of `train-gpt --framework candle`: the model of [`crate::gpt_candle`] wrapped in
-//! `ddprs::candle::Ddp`, AdamW with decay on 2-D weights only, nanoGPT's schedule and global-norm
-//! clipping, checkpoints and exact resume.
+//! One worker of `train-gpt --framework candle`: the model of [`crate::gpt_candle`] under
+//! `ddprs::candle`'s DDP (`--zero 0`), ZeRO stages 1 and 2 (`ZeroDdp`) or stage 3 (`Fsdp`, over
+//! the model's units: the embeddings, each block, the head), AdamW with decay on 2-D weights only
+//! (also inside a ZeRO chunk that spans both kinds), nanoGPT's schedule and global-norm clipping
+//! (the norm all-reduced from the shards under ZeRO), checkpoints and exact resume.
 
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
-use crate::gpt_candle::{decays, Dropout, Gpt};
+use crate::gpt_candle::{self, cross_entropy, decays, Dropout, Gpt, UnitCtx};
 use crate::report::Report;
-use candle_core::{Device, Tensor};
+use candle_core::{Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW, VarMap};
 use ddprs::candle::checkpoint::load_vars;
 use ddprs::candle::optim::AdamW;
-use ddprs::candle::Ddp;
-use ddprs::ProcessGroup;
+use ddprs::candle::{Ddp, Fsdp, ShardOptimizer, ZeroDdp};
+use ddprs::sharding::ZeroStage;
+use ddprs::{CheckpointMeta, ProcessGroup};
+use std::path::Path;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Instant;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -31,19 +37,247 @@ fn tensors(x: Vec<u32>, y: Vec<u32>, rows: usize, cols: usize) -> Result<(Tensor
     ))
 }
 
+/// The model and what trains it, by ZeRO stage.
+enum Engine {
+    Ddp {
+        ddp: Box<Ddp>,
+        opt: AdamW,
+        model: Gpt,
+    },
+    Zero {
+        zero: Box<ZeroDdp>,
+        model: Gpt,
+    },
+    Fsdp {
+        fsdp: Box<Fsdp>,
+        ctx: Arc<UnitCtx>,
+    },
+}
+
+impl Engine {
+    fn new(args: &Args, pg: &ProcessGroup, model: Gpt, varmap: &VarMap) -> Result<Engine> {
+        let params = ParamsAdamW {
+            lr: args.lr,
+            beta1: 0.9,
+            beta2: args.beta2,
+            eps: 1e-8,
+            weight_decay: args.weight_decay,
+        };
+        let stage = zero_stage(args.zero);
+        Ok(match stage {
+            ZeroStage::Ddp => {
+                let mut ddp = Ddp::new(varmap, pg, Default::default())?;
+                if let Some(hook) = args.hook.hook()? {
+                    ddp.register_comm_hook(hook)?;
+                }
+                let vars = ddp.named_vars().to_vec();
+                let opt = AdamW::new_named_with_decay(vars, params, |n, v| decays(n, v.dims()))?;
+                Engine::Ddp {
+                    ddp: Box::new(ddp),
+                    opt,
+                    model,
+                }
+            }
+            ZeroStage::One | ZeroStage::Two => {
+                let ddp = Ddp::new(varmap, pg, Default::default())?;
+                let opt = ShardOptimizer::AdamW(params);
+                let mut zero = ZeroDdp::with_optimizer(ddp, stage, opt)?;
+                zero.set_weight_decay_filter(decays)?;
+                Engine::Zero {
+                    zero: Box::new(zero),
+                    model,
+                }
+            }
+            ZeroStage::Three => {
+                let ctx = Arc::new(UnitCtx::default());
+                let cfg = model.config().clone();
+                drop(model);
+                let units = gpt_candle::units(&cfg, args.dropout, ctx.clone())?;
+                let mut fsdp = Fsdp::from_varmap(varmap, units, pg, |vars| {
+                    Ok(Box::new(AdamW::new_named(vars, params)?))
+                })?;
+                fsdp.set_weight_decay_filter(decays)?;
+                Engine::Fsdp {
+                    fsdp: Box::new(fsdp),
+                    ctx,
+                }
+            }
+        })
+    }
+
+    /// One training step on `(x, y)` at learning rate `lr`; the local loss.
+    fn step(&mut self, args: &Args, x: &Tensor, y: &Tensor, lr: f64, seed: u64) -> Result<f64> {
+        let mut drop = Dropout::new(args.dropout, seed);
+        let clip = args.grad_clip;
+        let loss = match self {
+            Engine::Ddp { ddp, opt, model } => {
+                opt.set_learning_rate(lr);
+                let loss = model.loss(x, y, &mut drop, true)?;
+                let mut grads = ddp.backward(&loss)?;
+                if clip > 0.0 {
+                    ddp.clip_grad_norm(&mut grads, clip)?;
+                }
+                opt.step(&grads)?;
+                loss
+            }
+            Engine::Zero { zero, model } => {
+                zero.optimizer_mut().set_learning_rate(lr);
+                let loss = model.loss(x, y, &mut drop, true)?;
+                zero.backward(&loss)?;
+                if clip > 0.0 {
+                    zero.clip_grad_norm(clip)?;
+                }
+                zero.step()?;
+                loss
+            }
+            Engine::Fsdp { fsdp, ctx } => {
+                fsdp.optimizer_mut().set_learning_rate(lr);
+                ctx.train.store(true, Ordering::Relaxed);
+                ctx.seed.store(seed, Ordering::Relaxed);
+                let out = fsdp.forward_backward(x, |logits| cross_entropy(logits, y))?;
+                if clip > 0.0 {
+                    fsdp.clip_grad_norm(clip)?;
+                }
+                fsdp.step()?;
+                out.loss
+            }
+        };
+        Ok(loss.to_scalar::<f32>()? as f64)
+    }
+
+    /// Logits of ids `[b, t]`, no dropout (a collective at stage 3, which gathers each unit).
+    fn logits(&self, x: &Tensor) -> candle_core::Result<Tensor> {
+        match self {
+            Engine::Ddp { model, .. } | Engine::Zero { model, .. } => {
+                model.forward(x, &mut Dropout::new(0.0, 0), false)
+            }
+            Engine::Fsdp { fsdp, ctx } => {
+                ctx.train.store(false, Ordering::Relaxed);
+                fsdp.forward(x).map_err(candle_core::Error::wrap)
+            }
+        }
+    }
+
+    /// Whether evaluation and sampling are collectives (every rank runs them).
+    fn collective_eval(&self) -> bool {
+        matches!(self, Engine::Fsdp { .. })
+    }
+
+    fn save(&self, dir: &Path, meta: &CheckpointMeta) -> Result<()> {
+        match self {
+            Engine::Ddp { ddp, opt, .. } => {
+                ddp.save_checkpoint_with(dir, Some(opt), meta.clone())?;
+            }
+            Engine::Zero { zero, .. } => {
+                zero.save(dir, meta)?;
+            }
+            Engine::Fsdp { fsdp, .. } => {
+                fsdp.save(dir, meta)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Loads the checkpoint of `dir` (a plain one at `--zero 0`, written at this world size; a
+    /// ZeRO save set at any stage and world size, or else a plain one imported: a collective),
+    /// returning its metadata and, when plain, the checkpoint (hook state).
+    fn load(&mut self, dir: &Path, world: usize) -> Result<Option<(CheckpointMeta, Loaded)>> {
+        let set = ddprs::sharding::latest_set(dir)?.is_some();
+        if let Engine::Ddp { ddp, opt, .. } = self {
+            let Some(ck) = ddprs::checkpoint::load(dir)? else {
+                return match set {
+                    true => Err(sharded_set_at_zero0(dir).into()),
+                    false => Ok(None),
+                };
+            };
+            ck.meta.check_world_size(world)?;
+            load_vars(&ck, ddp.named_vars())?;
+            ck.load_optimizer(opt)?;
+            return Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))));
+        }
+        if !set {
+            let Some(ck) = ddprs::checkpoint::load(dir)? else {
+                return Ok(None);
+            };
+            match self {
+                Engine::Zero { zero, .. } => zero.import(&ck)?,
+                Engine::Fsdp { fsdp, .. } => fsdp.import(&ck)?,
+                Engine::Ddp { .. } => unreachable!("handled above"),
+            }
+            return Ok(Some((ck.meta.clone(), Loaded::Set)));
+        }
+        let meta = match self {
+            Engine::Zero { zero, .. } => zero.load(dir)?,
+            Engine::Fsdp { fsdp, .. } => fsdp.load(dir)?,
+            Engine::Ddp { .. } => unreachable!("handled above"),
+        };
+        Ok(meta.map(|m| (m, Loaded::Set)))
+    }
+
+    /// Whether the replicas are bit-identical (a collective).
+    fn replicas_identical(&self) -> Result<bool> {
+        Ok(match self {
+            Engine::Ddp { ddp, .. } => ddp.verify_replicas()?.identical,
+            Engine::Zero { zero, .. } => zero.ddp().verify_replicas()?.identical,
+            Engine::Fsdp { fsdp, .. } => fsdp.verify_replicas()?.identical,
+        })
+    }
+
+    /// `(sum, l2)` of every parameter (a collective at stage 3).
+    fn param_sum_l2(&self) -> Result<(f64, f64)> {
+        Ok(match self {
+            Engine::Ddp { ddp, .. } => ddp.param_sum_l2()?,
+            Engine::Zero { zero, .. } => zero.ddp().param_sum_l2()?,
+            Engine::Fsdp { fsdp, .. } => {
+                let full = fsdp.full_params()?;
+                let vars = full
+                    .iter()
+                    .map(|(_, t)| Var::from_tensor(t))
+                    .collect::<candle_core::Result<Vec<_>>>()?;
+                ddprs::candle::tensors::param_sum_l2(&vars.iter().collect::<Vec<_>>())?
+            }
+        })
+    }
+}
+
+/// What a resume loaded besides the metadata.
+enum Loaded {
+    /// A plain checkpoint (its comm hook state is restored too).
+    Plain(Box<ddprs::Checkpoint>),
+    /// A save set (or a plain checkpoint imported into one).
+    Set,
+}
+
+pub(crate) fn zero_stage(zero: u8) -> ZeroStage {
+    match zero {
+        0 => ZeroStage::Ddp,
+        1 => ZeroStage::One,
+        2 => ZeroStage::Two,
+        _ => ZeroStage::Three,
+    }
+}
+
+/// The error of a `--zero 0` resume from a directory that holds a ZeRO save set only.
+pub(crate) fn sharded_set_at_zero0(dir: &Path) -> String {
+    format!(
+        "{} holds a ZeRO save set (written with --zero 1, 2 or 3) and no plain checkpoint: \
+         resume it with --zero 1, 2 or 3 (at any world size)",
+        dir.display()
+    )
+}
+
 /// Mean loss over the fixed validation windows (no dropout).
-fn evaluate(model: &Gpt, corpus: &Corpus, args: &Args) -> Result<f64> {
+fn evaluate(engine: &Engine, corpus: &Corpus, args: &Args) -> Result<f64> {
     let starts = data::val_starts(
         &corpus.val,
         args.block_size,
         args.eval_iters * args.batch_size,
     );
     let mut total = 0.0;
-    let mut drop = Dropout::new(0.0, 0);
     for chunk in starts.chunks(args.batch_size) {
         let (x, y) = data::batch(&corpus.val, chunk, args.block_size);
         let (x, y) = tensors(x, y, chunk.len(), args.block_size)?;
-        total += model.loss(&x, &y, &mut drop, false)?.to_scalar::<f32>()? as f64;
+        total += cross_entropy(&engine.logits(&x)?, &y)?.to_scalar::<f32>()? as f64;
     }
     Ok(total / starts.chunks(args.batch_size).len() as f64)
 }
@@ -51,70 +285,73 @@ fn evaluate(model: &Gpt, corpus: &Corpus, args: &Args) -> Result<f64> {
 pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     let (rank, world) = (pg.rank(), pg.size());
     let corpus = Corpus::load();
-    let cfg = args.model(corpus.vocab_size());
+    let mut cfg = args.model(corpus.vocab_size());
+    if args.zero == 3 && cfg.tied {
+        // A ZeRO-3 unit owns its parameters: the head cannot be the embedding's weight.
+        cfg.tied = false;
+        if rank == 0 {
+            eprintln!("train-gpt: --zero 3 unties the head (a parameter belongs to one unit)");
+        }
+    }
     let varmap = VarMap::new();
     let model = Gpt::new(&cfg, &varmap, &Device::Cpu, args.seed)?;
-    let mut ddp = Ddp::new(&varmap, pg, Default::default())?;
-    if let Some(hook) = args.hook.hook()? {
-        ddp.register_comm_hook(hook)?;
-    }
-    let params = ParamsAdamW {
-        lr: args.lr,
-        beta1: 0.9,
-        beta2: args.beta2,
-        eps: 1e-8,
-        weight_decay: args.weight_decay,
-    };
-    let mut opt = AdamW::new_named_with_decay(ddp.named_vars().to_vec(), params, decays)?;
+    let tied = model.tied();
+    let mut engine = Engine::new(args, pg, model, &varmap)?;
+    drop(varmap);
     let count = data::windows(&corpus.train, args.block_size);
     let mut windows = Windows::new(count, world, rank, args.seed)?;
     let mut start = 0u64;
     if args.resume {
         let dir = args.checkpoint_dir.as_ref().unwrap();
-        if let Some(ck) = ddprs::checkpoint::load(dir)? {
-            ck.meta.check_world_size(world)?;
-            load_vars(&ck, ddp.named_vars())?;
-            ck.load_optimizer(&mut opt)?;
-            start = data::restore(&mut *ddp, &ck, &mut windows, dir)?;
+        if let Some((meta, loaded)) = engine.load(dir, world)? {
+            let ck = match &loaded {
+                Loaded::Plain(ck) => Some(&**ck),
+                Loaded::Set => None,
+            };
+            let w = &mut windows;
+            start = match &mut engine {
+                Engine::Ddp { ddp, .. } => data::restore(&mut ***ddp, &meta, ck, w, dir)?,
+                Engine::Zero { zero, .. } => data::restore(zero.ddp_mut(), &meta, ck, w, dir)?,
+                Engine::Fsdp { .. } => data::restore_windows(rank, world, &meta, w, dir)?,
+            };
         }
     }
     let end = args
         .stop_after
         .map_or(args.max_iters, |s| s.min(args.max_iters));
-    let mut report = Report::new(args, rank, world, model.tied());
+    let mut report = Report::new(args, rank, world, tied);
     let t0 = Instant::now();
     let mut train_time = 0.0;
     let mut steps = 0u64;
     for it in start..end {
         let step_start = Instant::now();
-        opt.set_learning_rate(args.lr_at(it));
         let (x, y) = data::batch(
             &corpus.train,
             &windows.next_batch(args.batch_size),
             args.block_size,
         );
         let (x, y) = tensors(x, y, args.batch_size, args.block_size)?;
-        let mut drop = Dropout::new(args.dropout, dropout_seed(args.seed, rank, it));
-        let loss = model.loss(&x, &y, &mut drop, true)?;
-        let mut grads = ddp.backward(&loss)?;
-        if args.grad_clip > 0.0 {
-            ddp.clip_grad_norm(&mut grads, args.grad_clip)?;
-        }
-        opt.step(&grads)?;
+        let seed = dropout_seed(args.seed, rank, it);
+        let train_loss = engine.step(args, &x, &y, args.lr_at(it), seed)?;
         train_time += step_start.elapsed().as_secs_f64();
         steps += 1;
-        if args.check_replicas && !ddp.verify_replicas()?.identical {
+        if args.check_replicas && !engine.replicas_identical()? {
             return Err(format!("replicas differ after step {}", it + 1).into());
         }
         let done = it + 1;
-        let train_loss = loss.to_scalar::<f32>()? as f64;
         if args.eval_due(done, end) {
-            let val = if rank == 0 {
-                Some(evaluate(&model, &corpus, args)?)
-            } else {
-                None
+            let val = match rank == 0 || engine.collective_eval() {
+                true => Some(evaluate(&engine, &corpus, args)?),
+                false => None,
             };
-            report.eval_at(done, train_loss, val, t0, steps, train_time);
+            report.eval_at(
+                done,
+                train_loss,
+                val.filter(|_| rank == 0),
+                t0,
+                steps,
+                train_time,
+            );
         }
         if let Some(dir) = args
             .checkpoint_dir
@@ -122,17 +359,17 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             .filter(|_| args.save_due(done, end))
         {
             let extra = serde_json::json!({"framework": "candle", "n_layer": args.n_layer});
-            let meta = windows.meta(done, world, args.seed, extra);
-            ddp.save_checkpoint_with(dir, Some(&opt), meta)?;
+            engine.save(dir, &windows.meta(done, args.seed, extra))?;
         }
     }
-    let replicas = ddp.verify_replicas()?;
-    let (sum, l2) = ddp.param_sum_l2()?;
-    report.finish(pg, end, sum, l2, replicas.identical, train_time, steps)?;
-    if args.sample > 0 && rank == 0 {
+    let identical = engine.replicas_identical()?;
+    let (sum, l2) = engine.param_sum_l2()?;
+    report.finish(pg, end, sum, l2, identical, train_time, steps)?;
+    if args.sample > 0 && (rank == 0 || engine.collective_eval()) {
         let prompt = corpus.encode("\n");
-        let text = model.generate(&prompt, args.sample, args.seed)?;
-        report.sample = Some(corpus.decode(&text));
+        let logits = |x: &Tensor| engine.logits(x);
+        let text = gpt_candle::generate(logits, cfg.block_size, &prompt, args.sample, args.seed)?;
+        report.sample = (rank == 0).then(|| corpus.decode(&text));
     }
     Ok(report)
 }

@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
 # train-gpt against PyTorch's own DDP GPT (bench/peers/torch_gpt.py): the same model, data,
 # split, window order and recipe (nanoGPT's shakespeare_char, small CPU configuration), one
-# thread per rank, on this machine. Two parts, each interleaved (the order shuffled per round):
-#  1. the full recipe (ITERS, default 2000 steps) at world 2 for candle, Burn and PyTorch:
-#     validation loss at every EVAL_INTERVAL (default 250) steps, tokens/s, ms/step, peak RSS;
+# thread per rank (RAYON_NUM_THREADS=OMP_NUM_THREADS=1 here, torch.set_num_threads(1) in the
+# peer: otherwise a world-1 Rust run would use both cores and PyTorch's one), on this machine.
+# Two parts, each interleaved (the order shuffled per round):
+#  1. the full recipe (ITERS, default 2000 steps) at RECIPE_WORLDS (default "1 2") for candle,
+#     Burn and PyTorch: validation loss at every EVAL_INTERVAL (default 250) steps, tokens/s,
+#     ms/step, peak RSS;
 #  2. TIMING_ITERS (default 200) steps at worlds 1 and 2, RUNS rounds (default 3): ms/step
 #     and DDP's added time per step (world 2 minus world 1, the same per-rank batch).
 # Results: one JSON line per run in OUT (default bench/results/gpt-<date>.jsonl), the metrics
@@ -16,6 +19,8 @@ TIMING_ITERS=${TIMING_ITERS:-200}
 RUNS=${RUNS:-3}
 EVAL_INTERVAL=${EVAL_INTERVAL:-250}
 FRAMEWORKS=${FRAMEWORKS:-candle burn pytorch}
+RECIPE_WORLDS=${RECIPE_WORLDS:-1 2}
+export RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1
 stamp=$(date -u +%Y%m%d-%H%M)
 OUT=${OUT:-bench/results/gpt-$stamp.jsonl}
 mkdir -p "$(dirname "$OUT")"
@@ -35,8 +40,9 @@ run() { # part framework world iters [metrics]
   echo "{\"part\": \"$part\", \"run\": $(echo "$line")}" >>"$OUT"
 }
 
-for fw in $(printf '%s\n' $FRAMEWORKS | shuf); do
-  run recipe "$fw" 2 "$ITERS" "${OUT%.jsonl}-$fw-w2.metrics.jsonl"
+for job in $(for fw in $FRAMEWORKS; do for w in $RECIPE_WORLDS; do echo "$fw:$w"; done; done | shuf); do
+  fw=${job%%:*} w=${job##*:}
+  run recipe "$fw" "$w" "$ITERS" "${OUT%.jsonl}-$fw-w$w.metrics.jsonl"
 done
 for round in $(seq "$RUNS"); do
   for job in $(for fw in $FRAMEWORKS; do echo "$fw:1"; echo "$fw:2"; done | shuf); do

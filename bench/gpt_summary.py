@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Tables of bench/gpt.sh's results: the full recipe at world 2 (validation loss at each
+"""Tables of bench/gpt.sh's results: the full recipe at worlds 1 and 2 (validation loss at each
 evaluation, tokens/s, peak RSS) and the timing rounds (median ms/step at worlds 1 and 2, DDP's
 added time per step = world 2 - world 1, tokens/s at world 2 against PyTorch's)."""
 import json
@@ -9,20 +9,21 @@ import sys
 
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 base = sys.argv[1][: -len(".jsonl")]
-print("## Full recipe, world 2")
-print("| framework | val loss @500 | @1000 | @2000 (final) | first step at val loss <= 2.0 | tokens/s | peak RSS/rank (MiB) |")
-print("|---|---|---|---|---|---|---|")
-for r in [r["run"] for r in rows if r["part"] == "recipe"]:
-    fw = r["framework"]
+print("## Full recipe")
+print("| framework | world | val loss @500 | @1000 | @2000 (final) | first step at val loss <= 2.0 | tokens/s | peak RSS/rank (MiB) |")
+print("|---|---|---|---|---|---|---|---|")
+recipe = sorted((r["run"] for r in rows if r["part"] == "recipe"), key=lambda r: (r["world_size"], r["framework"]))
+for r in recipe:
+    fw, w = r["framework"], r["world_size"]
     evals = {}
-    path = f"{base}-{fw}-w2.metrics.jsonl"
+    path = f"{base}-{fw}-w{w}.metrics.jsonl"
     if os.path.exists(path):
         for l in open(path):
             e = json.loads(l)
             evals[e["step"]] = e
     at = lambda s: f"{evals[s]['val_loss']:.4f}" if s in evals and evals[s].get("val_loss") is not None else "-"
     first = next((f"{s} ({evals[s]['elapsed_s']:.0f} s)" for s in sorted(evals) if (evals[s].get("val_loss") or 9) <= 2.0), "-")
-    print(f"| {fw} | {at(500)} | {at(1000)} | {r['val_loss']:.4f} | {first} | {r['tokens_per_s']:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
+    print(f"| {fw} | {w} | {at(500)} | {at(1000)} | {r['val_loss']:.4f} | {first} | {r['tokens_per_s']:.0f} | {r['peak_rss_bytes'] / 2**20:.0f} |")
 
 timing = [r["run"] for r in rows if r["part"].startswith("timing")]
 if timing:

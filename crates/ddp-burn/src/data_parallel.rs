@@ -483,6 +483,36 @@ impl<M: Module> DistributedDataParallel<M> {
         Ok(self.write_checkpoint(dir, meta, |ckpt| fill(ckpt).map_err(Error::into_ddp))?)
     }
 
+    /// [`save_checkpoint_with`](Self::save_checkpoint_with) written in the background by
+    /// `saver` (PyTorch DCP's `async_save`). The snapshot copies nothing: Burn's tensors are
+    /// immutable (a step makes new ones, and a tensor still referenced is never updated in
+    /// place), so rank 0 keeps a clone of the module and of the optimizer, and `saver`'s
+    /// thread serializes their records and writes the file atomically. The same file as the
+    /// synchronous save. A collective; rank 0 gets what `saver` did (a failed write is
+    /// reported later and leaves the previous checkpoint current).
+    pub fn save_checkpoint_async(
+        &self,
+        saver: &mut ddp_core::checkpoint::AsyncCheckpointer,
+        dir: &Path,
+        optim: Option<&ModuleOptimizer>,
+        meta: CheckpointMeta,
+    ) -> Result<Option<ddp_core::checkpoint::Submitted>>
+    where
+        M: 'static,
+    {
+        let module = self.module().clone();
+        let optim = optim.cloned();
+        Ok(self.write_checkpoint_async(saver, dir, meta, move |_| {
+            Ok(Some(Box::new(move |ckpt: &mut Checkpoint| {
+                let filled = match optim {
+                    Some(o) => crate::checkpoint::save_records(ckpt, &module, &o),
+                    None => model_bytes(&module).map(|b| ckpt.insert_blob(MODEL_BLOB, b)),
+                };
+                filled.map_err(Error::into_ddp)
+            })))
+        })?)
+    }
+
     /// Loads the module record of `ckpt` (blob [`crate::checkpoint::MODEL_BLOB`], e.g. of
     /// [`save_model`](Self::save_model)) into the wrapped module.
     pub fn load_model(&mut self, ckpt: &Checkpoint) -> Result<()> {

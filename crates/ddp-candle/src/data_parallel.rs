@@ -504,6 +504,37 @@ impl DistributedDataParallel {
         };
         Ok(self.write_checkpoint(dir, meta, |ckpt| fill(ckpt).map_err(Error::into_ddp))?)
     }
+
+    /// [`save_checkpoint_with`](Self::save_checkpoint_with) written in the background by
+    /// `saver` (PyTorch DCP's `async_save`): rank 0 copies the parameters and `opt`'s state into
+    /// host buffers (the only stall; training may change them as soon as this returns), and
+    /// `saver`'s thread serializes and writes them atomically. The same file as the
+    /// synchronous save. A collective; rank 0 gets what `saver` did (see
+    /// `ddp_core::checkpoint::AsyncCheckpointer`: a failed write is reported later and leaves
+    /// the previous checkpoint current).
+    pub fn save_checkpoint_async<O>(
+        &self,
+        saver: &mut ddp_core::checkpoint::AsyncCheckpointer,
+        dir: &Path,
+        opt: Option<&O>,
+        meta: CheckpointMeta,
+    ) -> Result<Option<ddp_core::checkpoint::Submitted>>
+    where
+        O: OptimizerState + ?Sized,
+        Error: From<O::Error>,
+    {
+        let snapshot = |ckpt: &mut ddp_core::Checkpoint| -> Result<()> {
+            crate::checkpoint::save_vars(ckpt, self.named_vars())?;
+            if let Some(opt) = opt {
+                ckpt.save_optimizer(opt)?;
+            }
+            Ok(())
+        };
+        Ok(self.write_checkpoint_async(saver, dir, meta, |ckpt| {
+            snapshot(ckpt).map_err(Error::into_ddp)?;
+            Ok(None)
+        })?)
+    }
 }
 
 impl Error {

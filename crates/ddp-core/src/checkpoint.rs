@@ -45,11 +45,13 @@ use serde::{Deserialize, Serialize};
 use crate::error::{Error, Result};
 use crate::sampler::SamplerState;
 
+pub mod async_save;
 mod elastic;
 pub mod integrity;
 mod lock;
 mod resume;
 
+pub use async_save::{AsyncCheckpointer, Submitted, WhenBusy, Written};
 pub use elastic::{
     global_consumed, resume_or_start_global, GlobalPosition, ResumePoint, ResumedGlobal,
     GLOBAL_CONSUMED_KEY,
@@ -510,11 +512,24 @@ pub fn checkpoint_path(dir: &Path) -> PathBuf {
 /// needed): temp file in `dir`, write, fsync, rename over the old file, fsync `dir`. Returns the
 /// checkpoint's path. Readers see the previous checkpoint or this one, whatever happens.
 pub fn save_atomic(dir: &Path, ckpt: &Checkpoint) -> Result<PathBuf> {
+    save_atomic_paused(dir, ckpt, None)
+}
+
+/// [`save_atomic`], sleeping `pause` between the temporary file and the rename (fault drills:
+/// [`async_save::WRITE_PAUSE_ENV`]).
+pub(crate) fn save_atomic_paused(
+    dir: &Path,
+    ckpt: &Checkpoint,
+    pause: Option<std::time::Duration>,
+) -> Result<PathBuf> {
     let bytes = ckpt.to_bytes()?;
     fs::create_dir_all(dir).map_err(|e| Error::io("cannot create checkpoint directory", dir, e))?;
     let final_path = checkpoint_path(dir);
     let tmp_path = dir.join(format!("{TEMP_PREFIX}.{}", std::process::id()));
     let result = write_synced(&tmp_path, &bytes).and_then(|()| {
+        if let Some(p) = pause {
+            std::thread::sleep(p);
+        }
         fs::rename(&tmp_path, &final_path).map_err(|e| {
             Error::io(
                 format!("cannot rename {} to", tmp_path.display()),

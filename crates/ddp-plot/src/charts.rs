@@ -1,6 +1,7 @@
-//! The four pictures, each drawn once against any plotters backend (SVG and PNG):
+//! Four of the pictures, each drawn once against any plotters backend (SVG and PNG):
 //! loss and accuracy versus step, throughput and communication wait versus step, the per-rank
-//! stacked split of the mean step, and busbw versus message size.
+//! stacked split of the mean step, and busbw versus message size (the fifth, loss curves of
+//! language-model runs, is [`crate::curves`]).
 
 use crate::input::{Metrics, Report, StepPoint, Sweep};
 use crate::scale::{number_label, series, Axis, Series};
@@ -12,9 +13,9 @@ use std::error::Error;
 
 pub type DynResult<T> = Result<T, Box<dyn Error>>;
 
-const FONT: &str = "sans-serif";
+pub(crate) const FONT: &str = "sans-serif";
 
-fn color(i: usize) -> RGBColor {
+pub(crate) fn color(i: usize) -> RGBColor {
     const C: [RGBColor; 8] = [
         RGBColor(31, 119, 180),
         RGBColor(255, 127, 14),
@@ -42,7 +43,7 @@ fn prefix(runs: usize, label: &str) -> String {
 }
 
 /// `caption`, with the number of non-finite points left out when there are any.
-fn caption(caption: &str, skipped: usize) -> String {
+pub(crate) fn caption(caption: &str, skipped: usize) -> String {
     match skipped {
         0 => caption.to_string(),
         1 => format!("{caption} (1 non-finite point skipped)"),
@@ -52,7 +53,7 @@ fn caption(caption: &str, skipped: usize) -> String {
 
 /// Markers are drawn on series this short only (a marker per point of a long run is most of
 /// an SVG's size and hides the line).
-const MAX_MARKED: usize = 200;
+pub(crate) const MAX_MARKED: usize = 200;
 
 /// One run's two series of a two-axis chart: `(step, left)` and `(step, right)`, finite and
 /// decimated.
@@ -124,7 +125,7 @@ fn two_axes(
 }
 
 /// `pts` as drawn on `x` and `y` (points a log axis cannot show left out).
-fn drawn(pts: &[(f64, f64)], x: &Axis, y: &Axis) -> Vec<(f64, f64)> {
+pub(crate) fn drawn(pts: &[(f64, f64)], x: &Axis, y: &Axis) -> Vec<(f64, f64)> {
     pts.iter()
         .map(|&(a, b)| (x.to(a), y.to(b)))
         .filter(|(a, b)| a.is_finite() && b.is_finite())
@@ -201,7 +202,7 @@ where
 }
 
 /// The legend box of a chart, at `position`.
-fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
+pub(crate) fn legend<'a, DB: DrawingBackend + 'a, CT: CoordTranslate>(
     chart: &mut ChartContext<'a, DB, CT>,
     position: SeriesLabelPosition,
 ) -> DynResult<()>
@@ -219,7 +220,7 @@ where
 }
 
 /// A line series' mark in the legend, in colour `c`.
-fn line_mark(c: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
+pub(crate) fn line_mark(c: RGBColor) -> impl Fn((i32, i32)) -> PathElement<(i32, i32)> {
     move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], c.stroke_width(2))
 }
 

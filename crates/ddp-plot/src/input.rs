@@ -1,5 +1,6 @@
 //! Reading the inputs: JSON lines from `train-digits --metrics` (`kind: step` lines and the
-//! bottleneck report, `kind: report`, also `report.json`/`--report` files) and from
+//! bottleneck report, `kind: report`, also `report.json`/`--report` files), from `train-gpt
+//! --metrics` and the PyTorch GPT peer's (`step` with `val_loss`: evaluations), and from
 //! `ddp-bench <collective> --json` or the peers' sweeps (`bytes`, `busbw_gbs`). Every other line
 //! (headers, text) is skipped.
 //!
@@ -26,6 +27,38 @@ pub struct StepPoint {
 pub struct Metrics {
     pub label: String,
     pub points: Vec<StepPoint>,
+}
+
+/// One evaluation of a language-model run (`train-gpt --metrics`, the PyTorch peer's).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct EvalPoint {
+    pub step: f64,
+    pub val_loss: Option<f64>,
+    pub train_loss: Option<f64>,
+}
+
+/// A language-model run's evaluations, labelled by its file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Evals {
+    pub label: String,
+    pub points: Vec<EvalPoint>,
+}
+
+impl Evals {
+    /// The non-finite values of every field.
+    pub fn nonfinite(&self) -> NonFinite {
+        let bad = |v: Option<f64>| usize::from(v.is_some_and(|x| !x.is_finite()));
+        let (mut s, mut v, mut t) = (0, 0, 0);
+        for p in &self.points {
+            s += usize::from(!p.step.is_finite());
+            v += bad(p.val_loss);
+            t += bad(p.train_loss);
+        }
+        [("step", s), ("val_loss", v), ("train_loss", t)]
+            .into_iter()
+            .filter(|(_, n)| *n > 0)
+            .collect()
+    }
 }
 
 /// Count of non-finite values per field, the fields with none left out.
@@ -103,6 +136,7 @@ impl Sweep {
 #[derive(Debug, Default)]
 pub struct Inputs {
     pub metrics: Vec<Metrics>,
+    pub evals: Vec<Evals>,
     pub reports: Vec<Report>,
     pub sweeps: Vec<Sweep>,
 }
@@ -238,6 +272,10 @@ pub fn read(path: &Path, into: &mut Inputs) -> Result<(), String> {
         label: label.clone(),
         points: Vec::new(),
     };
+    let mut evals = Evals {
+        label: label.clone(),
+        points: Vec::new(),
+    };
     let mut used = 0;
     for line in text.lines().map(str::trim).filter(|l| l.starts_with('{')) {
         let Some(v) = parse_line(line) else {
@@ -254,6 +292,13 @@ pub fn read(path: &Path, into: &mut Inputs) -> Result<(), String> {
                 });
                 used += 1;
             }
+        } else if let (Some(step), true) = (f(&v, "step"), v.get("val_loss").is_some()) {
+            evals.points.push(EvalPoint {
+                step,
+                val_loss: f(&v, "val_loss"),
+                train_loss: f(&v, "train_loss"),
+            });
+            used += 1;
         } else if let Some(r) = report(&label, &v) {
             into.reports.push(r);
             used += 1;
@@ -264,13 +309,16 @@ pub fn read(path: &Path, into: &mut Inputs) -> Result<(), String> {
     }
     if used == 0 {
         return Err(format!(
-            "{}: no metrics lines (train-digits --metrics), bottleneck report or collective \
-             sweep rows (ddp-bench ... --json) in it",
+            "{}: no metrics lines (train-digits --metrics), evaluations (train-gpt --metrics), \
+             bottleneck report or collective sweep rows (ddp-bench ... --json) in it",
             path.display()
         ));
     }
     if !metrics.points.is_empty() {
         into.metrics.push(metrics);
+    }
+    if !evals.points.is_empty() {
+        into.evals.push(evals);
     }
     if !sweep.points.is_empty() {
         sweep.points.sort_by(|a, b| a.0.total_cmp(&b.0));

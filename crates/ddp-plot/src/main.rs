@@ -2,6 +2,9 @@
 //!
 //! - `train-digits --metrics FILE` lines → `loss_accuracy` (loss and held-out accuracy versus
 //!   step) and `throughput` (samples/s and communication wait versus step), every run overlaid;
+//! - `train-gpt --metrics` and `bench/peers/torch_gpt.py --metrics` lines → `loss_curves`
+//!   (validation and training loss versus step, every run overlaid, each named after its file
+//!   less what all the files' names share);
 //! - a bottleneck report (the metrics file's last line, `report.json` of `--trace`, or
 //!   `--report FILE`) → `step_breakdown` (each rank's mean step stacked: compute, data,
 //!   optimizer, exposed communication, waiting for the slowest rank);
@@ -20,6 +23,7 @@
 #![forbid(unsafe_code)]
 
 mod charts;
+mod curves;
 mod input;
 mod scale;
 
@@ -31,8 +35,8 @@ use std::path::{Path, PathBuf};
 #[derive(Parser)]
 #[command(name = "ddp-plot", version)]
 struct Cli {
-    /// Metrics files (train-digits --metrics), reports (report.json) and sweeps
-    /// (ddp-bench ... --json output, one file per series).
+    /// Metrics files (train-digits --metrics, train-gpt --metrics), reports (report.json) and
+    /// sweeps (ddp-bench ... --json output, one file per series).
     #[arg(required = true)]
     inputs: Vec<PathBuf>,
     /// Directory for the pictures (created if missing).
@@ -143,6 +147,17 @@ fn run(cli: &Cli) -> charts::DynResult<Vec<PathBuf>> {
             made
         );
     }
+    if !inputs.evals.is_empty() {
+        shorten_labels(&mut inputs.evals);
+        both!(
+            out,
+            size,
+            "loss_curves",
+            curves::loss_curves,
+            &inputs.evals,
+            made
+        );
+    }
     let several = inputs.reports.len() > 1;
     for r in &inputs.reports {
         let name = match several {
@@ -163,6 +178,7 @@ fn warn_nonfinite(inputs: &input::Inputs) {
         .metrics
         .iter()
         .map(|m| (&m.label, m.nonfinite()))
+        .chain(inputs.evals.iter().map(|e| (&e.label, e.nonfinite())))
         .chain(inputs.sweeps.iter().map(|s| (&s.label, s.nonfinite())));
     for (label, counts) in sets.filter(|(_, c)| !c.is_empty()) {
         let total: usize = counts.iter().map(|c| c.1).sum();
@@ -177,6 +193,37 @@ fn warn_nonfinite(inputs: &input::Inputs) {
             "ddp-plot: {}: {} non-finite values in the bottleneck report, drawn as 0",
             r.label, r.skipped
         );
+    }
+}
+
+/// The runs' labels less a `.metrics` ending and what they all begin with (up to a `-`, `_` or
+/// `.`), so that `gpt-20261207-candle-w2.metrics` and `gpt-20261207-pytorch-w2.metrics` read
+/// `candle-w2` and `pytorch-w2`.
+fn shorten_labels(runs: &mut [input::Evals]) {
+    for r in runs.iter_mut() {
+        if let Some(s) = r.label.strip_suffix(".metrics") {
+            r.label = s.to_string();
+        }
+    }
+    if runs.len() < 2 {
+        return;
+    }
+    let first = runs[0].label.clone();
+    let mut common = first.len();
+    for r in &runs[1..] {
+        common = common.min(
+            first
+                .bytes()
+                .zip(r.label.bytes())
+                .take_while(|(a, b)| a == b)
+                .count(),
+        );
+    }
+    let cut = first[..common].rfind(['-', '_', '.']).map_or(0, |i| i + 1);
+    if runs.iter().all(|r| r.label.len() > cut) {
+        for r in runs.iter_mut() {
+            r.label = r.label[cut..].to_string();
+        }
     }
 }
 

@@ -130,3 +130,47 @@ fn unusable_inputs_are_named() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(stderr.contains("notes.txt"), "{stderr}");
 }
+
+/// Evaluation lines of `train-gpt --metrics` (serde_json's spacing) and of the PyTorch peer
+/// (Python's, keys in another order) become one `loss_curves` picture with a series per file,
+/// named after the file less the prefix they share.
+#[test]
+fn language_model_evaluations_become_loss_curves() {
+    let dir = tempfile::tempdir().unwrap();
+    let ours = dir.path().join("gpt-20261207-candle-w2.metrics.jsonl");
+    let peer = dir.path().join("gpt-20261207-pytorch-w2.metrics.jsonl");
+    let mut a = String::new();
+    let mut b = String::new();
+    for k in 1..=8 {
+        let (step, v) = (250 * k, 4.3 / (1.0 + k as f64 * 0.3));
+        a += &format!(
+            "{{\"step\":{step},\"train_loss\":{},\"val_loss\":{v},\"elapsed_s\":{k}.5}}\n",
+            v * 0.95
+        );
+        b += &format!(
+            "{{\"step\": {step}, \"train_loss\": {}, \"elapsed_s\": {k}.1, \"val_loss\": {}}}\n",
+            v * 0.94,
+            v * 1.01
+        );
+    }
+    std::fs::write(&ours, a).unwrap();
+    std::fs::write(&peer, b).unwrap();
+    let out = dir.path().join("out");
+    let Some(made) = plot(&[ours, peer], &out) else {
+        return;
+    };
+    assert!(
+        made.iter().any(|m| m.ends_with("loss_curves.svg")),
+        "{made:?}"
+    );
+    check_svg(
+        &out.join("loss_curves.svg"),
+        &[
+            "candle-w2: validation",
+            "pytorch-w2: validation",
+            "Validation loss",
+            "step (optimizer steps)",
+        ],
+    );
+    check_png(&out.join("loss_curves.png"));
+}

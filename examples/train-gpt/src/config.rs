@@ -12,6 +12,22 @@ pub enum Framework {
     Burn,
 }
 
+/// What an asynchronous save does while the previous write still runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum WhenBusy {
+    Wait,
+    Skip,
+}
+
+impl From<WhenBusy> for ddprs::checkpoint::WhenBusy {
+    fn from(w: WhenBusy) -> Self {
+        match w {
+            WhenBusy::Wait => ddprs::checkpoint::WhenBusy::Wait,
+            WhenBusy::Skip => ddprs::checkpoint::WhenBusy::Skip,
+        }
+    }
+}
+
 /// A character-level GPT (nanoGPT's) on Shakespeare's plays, data-parallel over N processes.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "train-gpt", version, allow_negative_numbers = true)]
@@ -100,6 +116,15 @@ pub struct Args {
     /// Save a checkpoint every this many steps (0: at the end only).
     #[arg(long, default_value_t = 0)]
     pub checkpoint_every: u64,
+    /// Write checkpoints in the background (PyTorch DCP's async_save): a save stalls the step
+    /// only for a copy of the state (candle) or none (Burn's tensors are immutable), a writer
+    /// thread serializes and writes it atomically. At most one write runs: `wait` (the default)
+    /// makes the next save wait for it, `skip` skips that save with a warning. A failed write
+    /// is a warning and training goes on (the previous checkpoint stays current); the final
+    /// one failing is an error. Plain DDP (--zero 0) only.
+    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "wait",
+          requires = "checkpoint_dir", value_name = "WHEN_BUSY")]
+    pub checkpoint_async: Option<WhenBusy>,
     /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none).
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
@@ -198,6 +223,13 @@ impl Args {
             return Err(format!(
                 "--hook applies to plain DDP (--zero 0): ZeRO reduce-scatters the gradients \
                  itself (--zero {})",
+                self.zero
+            ));
+        }
+        if self.zero > 0 && self.checkpoint_async.is_some() {
+            return Err(format!(
+                "--checkpoint-async writes plain DDP checkpoints (--zero 0); ZeRO save sets \
+                 (--zero {}) are written synchronously",
                 self.zero
             ));
         }

@@ -14,6 +14,7 @@ mod data;
 mod gpt_burn;
 mod gpt_candle;
 mod report;
+mod saver;
 mod train_burn;
 mod train_candle;
 

@@ -37,6 +37,9 @@ pub struct Summary {
     pub n_embd: usize,
     pub block_size: usize,
     pub batch_size: usize,
+    /// Mean time a checkpoint save stalled the step on rank 0 (ms; absent without saves).
+    pub checkpoint_stall_ms: Option<f64>,
+    pub checkpoint_async: bool,
 }
 
 pub struct Report {
@@ -160,8 +163,17 @@ impl Report {
             n_embd: a.n_embd,
             block_size: a.block_size,
             batch_size: a.batch_size,
+            checkpoint_stall_ms: None,
+            checkpoint_async: a.checkpoint_async.is_some(),
         });
         Ok(())
+    }
+
+    /// Records the mean checkpoint stall (after [`finish`](Self::finish)).
+    pub fn checkpoint_stall(&mut self, ms: Option<f64>) {
+        if let Some(s) = &mut self.summary {
+            s.checkpoint_stall_ms = ms;
+        }
     }
 
     /// Rank 0's final output: the sample, then the JSON line.

@@ -9,6 +9,7 @@ use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
 use crate::gpt_burn::Gpt;
 use crate::report::Report;
+use crate::saver::Saver;
 use crate::train_candle::{sharded_set_at_zero0, zero_stage};
 use burn::module::ParamGroup;
 use burn::optim::{AdamW, AdamWConfig, ModuleOptimizer};
@@ -79,16 +80,22 @@ impl Engine {
         }
     }
 
-    fn save(&self, dir: &Path, meta: CheckpointMeta) -> Result<()> {
-        match self {
-            Engine::Ddp(ddp, optim) => {
-                ddp.save_checkpoint_with(dir, Some(optim), meta)?;
-            }
-            Engine::Zero(z) => {
-                z.save(dir, &meta)?;
-            }
-        }
-        Ok(())
+    fn save(&self, saver: &mut Saver, dir: &Path, meta: CheckpointMeta) -> Result<()> {
+        saver.save(meta.step, |background| {
+            Ok(match (self, background) {
+                (Engine::Ddp(ddp, optim), Some(b)) => {
+                    ddp.save_checkpoint_async(b, dir, Some(optim), meta)?
+                }
+                (Engine::Ddp(ddp, optim), None) => {
+                    ddp.save_checkpoint_with(dir, Some(optim), meta)?;
+                    None
+                }
+                (Engine::Zero(z), _) => {
+                    z.save(dir, &meta)?;
+                    None
+                }
+            })
+        })
     }
 
     /// See `train_candle`'s `Engine::load`: plain at `--zero 0` (this world size), a save set
@@ -168,6 +175,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         .stop_after
         .map_or(args.max_iters, |s| s.min(args.max_iters));
     let mut report = Report::new(args, rank, world, tied);
+    let mut saver = Saver::new(args);
     let t0 = Instant::now();
     let (mut train_time, mut steps) = (0.0, 0u64);
     for it in start..end {
@@ -219,7 +227,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             .filter(|_| args.save_due(done, end))
         {
             let extra = serde_json::json!({"framework": "burn", "n_layer": args.n_layer});
-            engine.save(dir, windows.meta(done, args.seed, extra))?;
+            engine.save(&mut saver, dir, windows.meta(done, args.seed, extra))?;
         }
     }
     let identical = replicas(&engine)?;
@@ -227,7 +235,9 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         Engine::Ddp(ddp, _) => ddp.param_sum_l2()?,
         Engine::Zero(z) => z.ddp().param_sum_l2()?,
     };
+    saver.finish()?;
     report.finish(pg, end, sum, l2, identical, train_time, steps)?;
+    report.checkpoint_stall(saver.stall_ms());
     if args.sample > 0 && rank == 0 {
         let text = engine
             .module()

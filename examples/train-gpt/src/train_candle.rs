@@ -8,6 +8,7 @@ use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
 use crate::gpt_candle::{self, cross_entropy, decays, Dropout, Gpt, UnitCtx};
 use crate::report::Report;
+use crate::saver::Saver;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW, VarMap};
 use ddprs::candle::checkpoint::load_vars;
@@ -163,19 +164,26 @@ impl Engine {
         matches!(self, Engine::Fsdp { .. })
     }
 
-    fn save(&self, dir: &Path, meta: &CheckpointMeta) -> Result<()> {
-        match self {
-            Engine::Ddp { ddp, opt, .. } => {
-                ddp.save_checkpoint_with(dir, Some(opt), meta.clone())?;
-            }
-            Engine::Zero { zero, .. } => {
-                zero.save(dir, meta)?;
-            }
-            Engine::Fsdp { fsdp, .. } => {
-                fsdp.save(dir, meta)?;
-            }
-        }
-        Ok(())
+    fn save(&self, saver: &mut Saver, dir: &Path, meta: CheckpointMeta) -> Result<()> {
+        saver.save(meta.step, |background| {
+            Ok(match (self, background) {
+                (Engine::Ddp { ddp, opt, .. }, Some(b)) => {
+                    ddp.save_checkpoint_async(b, dir, Some(opt), meta)?
+                }
+                (Engine::Ddp { ddp, opt, .. }, None) => {
+                    ddp.save_checkpoint_with(dir, Some(opt), meta)?;
+                    None
+                }
+                (Engine::Zero { zero, .. }, _) => {
+                    zero.save(dir, &meta)?;
+                    None
+                }
+                (Engine::Fsdp { fsdp, .. }, _) => {
+                    fsdp.save(dir, &meta)?;
+                    None
+                }
+            })
+        })
     }
 
     /// Loads the checkpoint of `dir` (a plain one at `--zero 0`, written at this world size; a
@@ -320,6 +328,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         .stop_after
         .map_or(args.max_iters, |s| s.min(args.max_iters));
     let mut report = Report::new(args, rank, world, tied);
+    let mut saver = Saver::new(args);
     let t0 = Instant::now();
     let mut train_time = 0.0;
     let mut steps = 0u64;
@@ -359,12 +368,14 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             .filter(|_| args.save_due(done, end))
         {
             let extra = serde_json::json!({"framework": "candle", "n_layer": args.n_layer});
-            engine.save(dir, &windows.meta(done, args.seed, extra))?;
+            engine.save(&mut saver, dir, windows.meta(done, args.seed, extra))?;
         }
     }
     let identical = engine.replicas_identical()?;
     let (sum, l2) = engine.param_sum_l2()?;
+    saver.finish()?;
     report.finish(pg, end, sum, l2, identical, train_time, steps)?;
+    report.checkpoint_stall(saver.stall_ms());
     if args.sample > 0 && (rank == 0 || engine.collective_eval()) {
         let prompt = corpus.encode("\n");
         let logits = |x: &Tensor| engine.logits(x);

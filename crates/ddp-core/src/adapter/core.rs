@@ -19,7 +19,7 @@
 //! [`DdpWrapper::join_step`].
 
 use super::{mark_grads, ParamAccess};
-use crate::checkpoint::{save_atomic, Checkpoint, CheckpointMeta};
+use crate::checkpoint::{save_atomic, AsyncCheckpointer, Checkpoint, CheckpointMeta, Submitted};
 use crate::error::Result;
 use crate::join::{Join, JoinStep};
 use crate::reducer::{CommHook, Reducer, StepStats, TotalStats};
@@ -27,6 +27,11 @@ use crate::sampler::SamplerState;
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
+
+/// The part of an asynchronous checkpoint that runs on the writer thread
+/// ([`DdpCore::write_checkpoint_async`]): adds what the snapshot deferred (e.g. serializes
+/// immutable tensors it kept).
+pub type Deferred = Box<dyn FnOnce(&mut Checkpoint) -> Result<()> + Send>;
 
 /// The process group, the named parameters (`P`, the adapter's [`ParamAccess`]) and the
 /// [`Reducer`] of a DDP wrapper, with every method that does not touch the framework (see the
@@ -208,6 +213,48 @@ impl<P: ParamAccess> DdpCore<P> {
         // Rank 0's failure fails every rank (the others would otherwise carry on without a
         // checkpoint); the others' `Ok(None)` never fails rank 0.
         crate::sharding::agree(&self.pg, "saving the checkpoint", written)
+    }
+
+    /// [`write_checkpoint`](Self::write_checkpoint) with the write in the background
+    /// ([`AsyncCheckpointer`]): every rank's comm hook state is gathered (a collective) and rank
+    /// 0 takes the snapshot, `snapshot(ckpt)` filling what must be copied now and returning
+    /// what may run on the writer thread (e.g. serializing immutable tensors), which then
+    /// serializes and writes the file. The stall is the snapshot alone. Returns rank 0's
+    /// [`Submitted`] (`None` on the other ranks); an error taking the snapshot on rank 0 is an
+    /// error on every rank, a failed write is reported later by the checkpointer (rank 0) and
+    /// leaves the previous checkpoint current.
+    pub fn write_checkpoint_async(
+        &self,
+        saver: &mut AsyncCheckpointer,
+        dir: &Path,
+        mut meta: CheckpointMeta,
+        snapshot: impl FnOnce(&mut Checkpoint) -> Result<Option<Deferred>>,
+    ) -> Result<Option<Submitted>> {
+        meta.world_size = self.pg.size();
+        let step = meta.step;
+        let hooks = crate::hooks::state::gather_state(&self.pg, &self.reducer.comm_hook_state())?;
+        let taken = if self.pg.rank() == 0 {
+            (|| -> Result<(Checkpoint, Option<Deferred>)> {
+                let mut ckpt = Checkpoint::new(meta);
+                let deferred = snapshot(&mut ckpt)?;
+                ckpt.save_hook_state(&hooks)?;
+                Ok((ckpt, deferred))
+            })()
+            .map(Some)
+        } else {
+            Ok(None)
+        };
+        let Some((mut ckpt, deferred)) =
+            crate::sharding::agree(&self.pg, "taking the checkpoint snapshot", taken)?
+        else {
+            return Ok(None);
+        };
+        Ok(Some(saver.save(dir, step, move || {
+            if let Some(finish) = deferred {
+                finish(&mut ckpt)?;
+            }
+            Ok(ckpt)
+        })))
     }
 }
 

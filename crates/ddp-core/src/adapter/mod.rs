@@ -32,7 +32,7 @@
 
 pub mod core;
 
-pub use self::core::{DdpCore, DdpWrapper, NoSync};
+pub use self::core::{DdpCore, DdpWrapper, Deferred, NoSync};
 
 use crate::error::Result;
 use crate::reducer::{DeviceSlice, HostBuffer, HostSlice, ParamSpec, Reducer};

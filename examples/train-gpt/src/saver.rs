@@ -1,0 +1,67 @@
+//! How a run writes its checkpoints: synchronously, or through an `AsyncCheckpointer`
+//! (`--checkpoint-async`), and what each save stalled the step (rank 0's time in the save).
+
+use crate::config::Args;
+use ddprs::checkpoint::{AsyncCheckpointer, Submitted};
+use std::time::Instant;
+
+type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+pub struct Saver {
+    /// `Some` with `--checkpoint-async`.
+    pub background: Option<AsyncCheckpointer>,
+    stall_s: f64,
+    saves: u64,
+}
+
+impl Saver {
+    pub fn new(args: &Args) -> Saver {
+        Saver {
+            background: args
+                .checkpoint_async
+                .map(|w| AsyncCheckpointer::new(w.into())),
+            stall_s: 0.0,
+            saves: 0,
+        }
+    }
+
+    /// Runs one save (`save(background)`: synchronous when `background` is `None`), timing
+    /// its stall, and reports what the background writer says (a failed earlier write, a
+    /// skipped save) as warnings: training goes on.
+    pub fn save(
+        &mut self,
+        step: u64,
+        save: impl FnOnce(Option<&mut AsyncCheckpointer>) -> Result<Option<Submitted>>,
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        let submitted = save(self.background.as_mut())?;
+        self.stall_s += t0.elapsed().as_secs_f64();
+        self.saves += 1;
+        if let Some(s) = submitted {
+            if let Some(Err(e)) = s.finished {
+                eprintln!("train-gpt: warning: {e}");
+            }
+            if !s.started {
+                eprintln!(
+                    "train-gpt: warning: checkpoint of step {step} skipped: the previous write \
+                     is still running (--checkpoint-async skip)"
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// Waits for the last background write: an error if it failed (the run asked for a
+    /// checkpoint at its end and has none newer than the previous one).
+    pub fn finish(&mut self) -> Result<()> {
+        match self.background.as_mut().and_then(AsyncCheckpointer::wait) {
+            Some(Err(e)) => Err(e.into()),
+            _ => Ok(()),
+        }
+    }
+
+    /// Mean stall per save, in milliseconds (`None` before any).
+    pub fn stall_ms(&self) -> Option<f64> {
+        (self.saves > 0).then(|| 1e3 * self.stall_s / self.saves as f64)
+    }
+}

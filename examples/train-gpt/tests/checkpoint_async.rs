@@ -1,0 +1,235 @@
+//! `train-gpt --checkpoint-async`: checkpoints written by a background thread, as a user runs
+//! them (real processes, real files; a real SIGKILL during a write; a real full disk, a tmpfs
+//! too small for two checkpoints).
+
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_train-gpt");
+
+/// A small model (2 blocks, context 16), 2 ranks, a checkpoint every 2 steps.
+fn args(fw: &str, dir: &Path, iters: u64) -> Vec<String> {
+    let d = dir.to_str().unwrap();
+    [
+        "--framework",
+        fw,
+        "--nproc",
+        "2",
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "16",
+        "--batch-size",
+        "4",
+        "--eval-iters",
+        "2",
+        "--warmup-iters",
+        "2",
+        "--checkpoint-every",
+        "2",
+        "--checkpoint-dir",
+        d,
+        "--json",
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .chain(["--max-iters".to_string(), iters.to_string()])
+    .collect()
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what} failed:\n{stdout}\n{stderr}");
+    stdout
+}
+
+fn step_of(dir: &Path) -> u64 {
+    ddprs::checkpoint::load(dir)
+        .unwrap()
+        .expect("a checkpoint")
+        .meta
+        .step
+}
+
+/// The background write saves what the synchronous save saves: the same file byte for byte
+/// (candle, which copies the state at the step), and on both frameworks a checkpoint that
+/// resumes to the same run bit for bit (Burn keeps its immutable tensors until the writer
+/// thread serializes them).
+#[test]
+fn an_async_checkpoint_saves_what_the_synchronous_one_saves() {
+    for fw in ["candle", "burn"] {
+        let dir = tempfile::tempdir().unwrap();
+        let (sync, bg) = (dir.path().join("sync"), dir.path().join("async"));
+        ok(
+            &Command::new(BIN).args(args(fw, &sync, 6)).output().unwrap(),
+            "sync",
+        );
+        let out = Command::new(BIN)
+            .args(args(fw, &bg, 6))
+            .arg("--checkpoint-async")
+            .output()
+            .unwrap();
+        let stdout = ok(&out, "async");
+        let json: serde_json::Value =
+            serde_json::from_str(stdout.lines().rev().find(|l| l.starts_with('{')).unwrap())
+                .unwrap();
+        assert_eq!(json["checkpoint_async"], true, "{json}");
+        assert!(
+            json["checkpoint_stall_ms"].as_f64().unwrap() > 0.0,
+            "{json}"
+        );
+        let file = |d: &Path| std::fs::read(ddprs::checkpoint::checkpoint_path(d)).unwrap();
+        assert_eq!(step_of(&bg), 6, "{fw}");
+        if fw == "candle" {
+            assert!(
+                file(&sync) == file(&bg),
+                "the async checkpoint differs from the sync one"
+            );
+        }
+        // Burn's records carry random parameter ids (two synchronous saves differ in bytes
+        // too): the content is compared by what it resumes to, bit for bit (model, optimizer
+        // state, position) — as candle's is.
+        let resumed = |d: &Path| -> serde_json::Value {
+            let out = Command::new(BIN)
+                .args(args(fw, d, 8))
+                .arg("--resume")
+                .output()
+                .unwrap();
+            let stdout = ok(&out, "resume");
+            serde_json::from_str(stdout.lines().rev().find(|l| l.starts_with('{')).unwrap())
+                .unwrap()
+        };
+        let (a, b) = (resumed(&sync), resumed(&bg));
+        for key in ["param_sum", "param_l2", "val_loss"] {
+            let bits = |v: &serde_json::Value| v[key].as_f64().unwrap().to_bits();
+            assert_eq!(
+                bits(&a),
+                bits(&b),
+                "{fw} {key}: resumed from sync {a}, async {b}"
+            );
+        }
+    }
+}
+
+/// Killed (SIGKILL) while the background write of step 4 is between its temporary file and the
+/// rename: the checkpoint of step 2 is the current one and loads; nothing torn is left behind.
+#[test]
+fn killed_during_a_background_write_the_previous_checkpoint_loads() {
+    let dir = tempfile::tempdir().unwrap();
+    let ck = dir.path().join("ck");
+    let mut child = Command::new(BIN)
+        .args(args("candle", &ck, 8))
+        .arg("--checkpoint-async")
+        .env(ddprs::checkpoint::async_save::WRITE_PAUSE_ENV, "1500")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Step 2's checkpoint is in place and the next write's temporary file exists.
+    let t0 = Instant::now();
+    let in_flight = loop {
+        let names: Vec<String> = std::fs::read_dir(&ck)
+            .map(|d| {
+                d.filter_map(|e| e.ok())
+                    .map(|e| e.file_name().to_string_lossy().into_owned())
+                    .collect()
+            })
+            .unwrap_or_default();
+        let current = names.iter().any(|n| n == "checkpoint.safetensors");
+        let writing = names
+            .iter()
+            .any(|n| n.starts_with(".checkpoint.safetensors.tmp"));
+        if current && writing {
+            break names;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(60),
+            "no second write began: {names:?}"
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before the kill"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    assert_eq!(step_of(&ck), 2, "{in_flight:?}");
+    child.kill().unwrap(); // SIGKILL; the workers die with their parent (PDEATHSIG)
+    child.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(2500)); // past any pause that could still rename
+    assert_eq!(step_of(&ck), 2, "the killed write replaced the checkpoint");
+}
+
+/// A disk with room for one checkpoint but not for a second next to it (a tmpfs): step 2's
+/// checkpoint is written, step 4's background write fails for lack of space — a warning, and
+/// training goes on — and the final one (step 6) fails too, which ends the run with an error
+/// naming it; step 2's checkpoint is still the current one and loads. Needs root (mount).
+#[test]
+fn a_full_disk_during_a_background_write_is_reported_and_training_goes_on() {
+    let root = Command::new("id").arg("-u").output().unwrap().stdout == b"0\n";
+    if !root {
+        assert!(
+            std::env::var("DDP_TEST_REQUIRE_ALL").map_or(true, |v| v != "1"),
+            "needs root to mount a tmpfs (DDP_TEST_REQUIRE_ALL=1)"
+        );
+        return eprintln!("SKIPPED a_full_disk_during_a_background_write: needs root (mount)");
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let probe = dir.path().join("probe");
+    ok(
+        &Command::new(BIN)
+            .args(args("candle", &probe, 2))
+            .output()
+            .unwrap(),
+        "probe",
+    );
+    let size = std::fs::metadata(ddprs::checkpoint::checkpoint_path(&probe))
+        .unwrap()
+        .len();
+    let disk = dir.path().join("disk");
+    std::fs::create_dir_all(&disk).unwrap();
+    let kib = (size * 3 / 2).div_ceil(4096) * 4;
+    let mount = Command::new("mount")
+        .args(["-t", "tmpfs", "-o", &format!("size={kib}k"), "tmpfs"])
+        .arg(&disk)
+        .status()
+        .unwrap();
+    assert!(mount.success(), "mount tmpfs");
+    struct Unmount<'a>(&'a Path);
+    impl Drop for Unmount<'_> {
+        fn drop(&mut self) {
+            let _ = Command::new("umount").arg(self.0).status();
+        }
+    }
+    let _unmount = Unmount(&disk);
+    let out = Command::new(BIN)
+        .args(args("candle", &disk, 6))
+        .arg("--checkpoint-async")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "the final write could not fit:\n{stderr}"
+    );
+    let warned = stderr
+        .lines()
+        .position(|l| l.contains("warning") && l.contains("step 4"))
+        .unwrap_or_else(|| panic!("no warning about step 4:\n{stderr}"));
+    assert!(
+        stderr.lines().skip(warned).any(|l| l.contains("step 6")),
+        "training did not go on to step 6 after the warning:\n{stderr}"
+    );
+    assert_eq!(step_of(&disk), 2, "the current checkpoint is step 2's");
+    let left: Vec<String> = std::fs::read_dir(&disk)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|n| n.contains(".tmp"))
+        .collect();
+    assert!(left.is_empty(), "temporary files left behind: {left:?}");
+}

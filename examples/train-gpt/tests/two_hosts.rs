@@ -1,0 +1,185 @@
+//! `train-gpt` on two "hosts": `ddprun --nnodes 2` in two network namespaces joined by a veth
+//! pair, each with its own `/dev/shm` (so the ranks share no memory and talk over TCP), against
+//! the same run spawned on one host. Needs root, `ip` and `unshare` (skipped otherwise, unless
+//! `DDP_TEST_REQUIRE_ALL=1`, as in CI).
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::{Command, Output, Stdio};
+
+const BIN: &str = env!("CARGO_BIN_EXE_train-gpt");
+const ADDRS: [&str; 2] = ["10.79.0.1", "10.79.0.2"];
+
+/// Two namespaces `gpt-PID-0/1` with `veth0`/`veth1` between them, deleted on drop.
+struct Hosts([String; 2]);
+
+fn ip(args: &[&str]) -> Result<(), String> {
+    let out = Command::new("ip")
+        .args(args)
+        .output()
+        .map_err(|e| e.to_string())?;
+    match out.status.success() {
+        true => Ok(()),
+        false => Err(format!(
+            "ip {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        )),
+    }
+}
+
+impl Hosts {
+    fn new() -> Result<Hosts, String> {
+        let id = std::process::id();
+        let hosts = Hosts([format!("gpt-{id}-0"), format!("gpt-{id}-1")]);
+        let [a, b] = &hosts.0;
+        ip(&["netns", "add", a])?;
+        ip(&["netns", "add", b])?;
+        ip(&[
+            "link", "add", "veth0", "netns", a, "type", "veth", "peer", "name", "veth1", "netns", b,
+        ])?;
+        for (i, ns) in hosts.0.iter().enumerate() {
+            let (dev, addr) = (format!("veth{i}"), format!("{}/24", ADDRS[i]));
+            ip(&["-n", ns, "addr", "add", &addr, "dev", &dev])?;
+            ip(&["-n", ns, "link", "set", &dev, "up"])?;
+            ip(&["-n", ns, "link", "set", "lo", "up"])?;
+        }
+        Ok(hosts)
+    }
+
+    /// `ddprun ARGS` on host `i`, in its own mount namespace with a fresh `/dev/shm`.
+    fn ddprun(&self, i: usize, ddprun: &Path, args: &[&str]) -> std::process::Child {
+        Command::new("ip")
+            .args([
+                "netns", "exec", &self.0[i], "unshare", "--mount", "sh", "-c",
+            ])
+            .arg(r#"mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@""#)
+            .arg(ddprun)
+            .args(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap()
+    }
+}
+
+impl Drop for Hosts {
+    fn drop(&mut self) {
+        for ns in &self.0 {
+            let _ = ip(&["netns", "del", ns]);
+        }
+    }
+}
+
+/// Why this machine cannot make the hosts, if so.
+fn missing() -> Option<String> {
+    let have = |p: &str| {
+        Command::new("sh")
+            .args(["-c", &format!("command -v {p}")])
+            .output()
+            .is_ok_and(|o| o.status.success())
+    };
+    let root = Command::new("id").arg("-u").output().ok()?.stdout == b"0\n";
+    match (root, have("ip") && have("unshare")) {
+        (false, _) => Some("needs root (ip netns)".into()),
+        (_, false) => Some("`ip` or `unshare` not found (iproute2, util-linux)".into()),
+        _ => None,
+    }
+}
+
+fn json(out: &Output, what: &str) -> Value {
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "{what} failed:\n{stdout}\n{stderr}");
+    let line = stdout
+        .lines()
+        .find_map(|l| l.find("{\"framework\"").map(|at| &l[at..]))
+        .unwrap_or_else(|| panic!("{what}: no JSON line:\n{stdout}\n{stderr}"));
+    serde_json::from_str(line).unwrap()
+}
+
+/// Both frameworks, `--nnodes 2 --nproc-per-node 1` over the veth pair: world 2, replicas
+/// identical, and the run the one-host `--nproc 2` run trains (to rounding: TCP's all-reduce
+/// and shared memory's may add in another order).
+#[test]
+fn nnodes_2_over_two_network_namespaces_is_the_one_host_run() {
+    if let Some(why) = missing() {
+        assert!(
+            std::env::var("DDP_TEST_REQUIRE_ALL").map_or(true, |v| v != "1"),
+            "cannot run: {why} (DDP_TEST_REQUIRE_ALL=1)"
+        );
+        return eprintln!("SKIPPED nnodes_2_over_two_network_namespaces: {why}");
+    }
+    let ddprun = Path::new(BIN).with_file_name("ddprun");
+    assert!(
+        ddprun.is_file(),
+        "ddprun is not built (cargo test --workspace builds it)"
+    );
+    let gpt = [
+        "--n-layer",
+        "2",
+        "--n-head",
+        "2",
+        "--n-embd",
+        "32",
+        "--block-size",
+        "16",
+        "--eval-iters",
+        "2",
+        "--batch-size",
+        "4",
+        "--max-iters",
+        "6",
+        "--json",
+        "--check-replicas",
+    ];
+    for fw in ["candle", "burn"] {
+        let one = Command::new(BIN)
+            .args(gpt)
+            .args(["--framework", fw, "--nproc", "2"])
+            .output()
+            .unwrap();
+        let one = json(&one, "the one-host run");
+        let hosts = Hosts::new().unwrap();
+        let port = 29_000 + (std::process::id() % 1000) as u16;
+        let port = port.to_string();
+        let nodes: Vec<_> = (0..2)
+            .map(|i| {
+                let rank = i.to_string();
+                let launcher = [
+                    "--nnodes",
+                    "2",
+                    "--node-rank",
+                    &rank,
+                    "--nproc-per-node",
+                    "1",
+                    "--master-addr",
+                    ADDRS[0],
+                    "--master-port",
+                    &port,
+                ];
+                let args = [&launcher[..], &[BIN], &gpt[..], &["--framework", fw]].concat();
+                hosts.ddprun(i, &ddprun, &args)
+            })
+            .collect();
+        let outs: Vec<Output> = nodes
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let two = json(&outs[0], "node 0");
+        assert!(
+            outs[1].status.success(),
+            "node 1: {}",
+            String::from_utf8_lossy(&outs[1].stderr)
+        );
+        assert_eq!(two["world_size"], 2, "{two}");
+        assert_eq!(two["replicas_identical"], true, "{two}");
+        for key in ["param_sum", "param_l2", "val_loss"] {
+            let (a, b) = (one[key].as_f64().unwrap(), two[key].as_f64().unwrap());
+            assert!(
+                (a - b).abs() <= 1e-6 * a.abs(),
+                "{fw} {key}: one host {a}, two {b}"
+            );
+        }
+    }
+}

@@ -57,6 +57,14 @@ pub struct CommonArgs {
     /// Directory for checkpoints (written by rank 0 at the end of every epoch and at exit).
     #[arg(long)]
     pub checkpoint_dir: Option<PathBuf>,
+    /// Write checkpoints in the background (PyTorch DCP's async_save): rank 0 hands the
+    /// snapshot to a writer thread and trains on. At most one write runs: `wait` (the default)
+    /// makes the next save wait for it, `skip` skips that save with a warning. A failed write
+    /// is a warning (the previous checkpoint stays current); the last one failing is an error.
+    /// Plain checkpoints only (ZeRO save sets are written synchronously).
+    #[arg(long, num_args = 0..=1, default_missing_value = "wait", requires = "checkpoint_dir",
+          value_name = "wait|skip")]
+    pub checkpoint_async: Option<ddprs::checkpoint::WhenBusy>,
     /// Timeout of rendezvous and of every collective, in seconds.
     #[arg(long, default_value_t = 300, value_parser = int_in::<u64>(1, MAX_SECS))]
     pub timeout_s: u64,

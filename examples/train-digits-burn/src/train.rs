@@ -15,6 +15,7 @@ use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::Tensor;
 use ddp_example_support::flags::OptimizerKind;
+use ddp_example_support::resume::Writer;
 use ddp_example_support::resume::{resume_source, Source};
 use ddprs::burn::{Ddp, DdpOptions, ZeroDdp};
 use ddprs::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
@@ -40,6 +41,7 @@ fn save(
     opt: &ModuleOptimizer,
     averager: Option<&PeriodicModelAverager>,
     meta: &CheckpointMeta,
+    writer: &mut Writer,
 ) -> BoxResult<()> {
     let Some(dir) = &args.common.checkpoint_dir else {
         return Ok(());
@@ -54,7 +56,7 @@ fn save(
         if let Some(a) = averager {
             ckpt.save_hook_state(&a.state_dict())?;
         }
-        checkpoint::save_atomic(dir, &ckpt)?;
+        writer.write(dir, ckpt)?;
     }
     Ok(())
 }
@@ -250,7 +252,13 @@ trait Stepper {
     /// Backward of `loss`, the gradients' synchronization and one optimizer step.
     fn train_step(&mut self, loss: Tensor<1>, lr: f64) -> BoxResult<()>;
     /// A checkpoint with metadata `meta` (a collective).
-    fn save(&self, pg: &ProcessGroup, args: &Args, meta: &CheckpointMeta) -> BoxResult<()>;
+    fn save(
+        &self,
+        pg: &ProcessGroup,
+        args: &Args,
+        meta: &CheckpointMeta,
+        writer: &mut Writer,
+    ) -> BoxResult<()>;
     /// After the last step (e.g. local SGD's last averaging); the bytes this rank sent in this
     /// run of `steps_run` steps.
     fn finish(&mut self, steps_run: u64) -> BoxResult<u64>;
@@ -302,8 +310,22 @@ impl Stepper for DdpStepper {
         Ok(())
     }
 
-    fn save(&self, pg: &ProcessGroup, args: &Args, meta: &CheckpointMeta) -> BoxResult<()> {
-        save(pg, args, &self.ddp, &self.opt, self.averager.as_ref(), meta)
+    fn save(
+        &self,
+        pg: &ProcessGroup,
+        args: &Args,
+        meta: &CheckpointMeta,
+        writer: &mut Writer,
+    ) -> BoxResult<()> {
+        save(
+            pg,
+            args,
+            &self.ddp,
+            &self.opt,
+            self.averager.as_ref(),
+            meta,
+            writer,
+        )
     }
 
     fn finish(&mut self, _steps_run: u64) -> BoxResult<u64> {
@@ -330,7 +352,13 @@ impl<O: Optimizer> Stepper for ZeroDdp<Mlp, O> {
         Ok(())
     }
 
-    fn save(&self, _pg: &ProcessGroup, args: &Args, meta: &CheckpointMeta) -> BoxResult<()> {
+    fn save(
+        &self,
+        _pg: &ProcessGroup,
+        args: &Args,
+        meta: &CheckpointMeta,
+        _writer: &mut Writer,
+    ) -> BoxResult<()> {
         if let Some(dir) = &args.common.checkpoint_dir {
             // Every rank writes its shard; rank 0 the index (loadable at any world size and
             // stage).
@@ -397,6 +425,7 @@ fn train_loop(
     let mut time_to_target: Option<Duration> = None;
     let mut local_samples = 0u64;
     let mut steps_run = 0u64;
+    let mut writer = Writer::new(&args.common);
     // A re-sharded run (resumed at another world size) records the global position of the
     // epoch in its checkpoints: `epoch_base` global samples of the epoch were consumed before
     // this world's sharding of it began, then `pos.consumed` per rank.
@@ -447,7 +476,7 @@ fn train_loop(
         pos.epoch += 1;
         pos.consumed = 0;
         epoch_base = 0;
-        t.save(pg, args, &meta_at(0, &pos))?;
+        t.save(pg, args, &meta_at(0, &pos), &mut writer)?;
         if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
             let paused = Instant::now();
@@ -476,8 +505,9 @@ fn train_loop(
     }
     let train_time = start.elapsed() - eval_time;
     if pos.epoch < args.common.epochs && time_to_target.is_none() {
-        t.save(pg, args, &meta_at(epoch_base, &pos))?;
+        t.save(pg, args, &meta_at(epoch_base, &pos), &mut writer)?;
     }
+    writer.finish()?; // the last background write has landed (or failed: an error)
     let bytes_sent = t.finish(steps_run)?;
     let run = RunCounts {
         steps: pos.step,

@@ -17,7 +17,13 @@ fn every_numeric_flag_in_help_refuses_values_outside_its_bounds() {
         lead: &[],
         base: DIGITS_BASE,
         numeric: &[DIGITS_NUMERIC, own].concat(),
-        not_numeric: &["--backend", "--optimizer", "--checkpoint-dir", "--hook"],
+        not_numeric: &[
+            "--backend",
+            "--optimizer",
+            "--checkpoint-dir",
+            "--checkpoint-async",
+            "--hook",
+        ],
     }
     .check();
     // The edges of the new bounds are accepted (one step of one rank each).

@@ -108,6 +108,11 @@ fn target_accuracy_stops_at_an_epoch_end_and_the_json_line_matches_train_digits(
 /// Runs 3 epochs with `extra` flags uninterrupted, then stopped at step 30 (mid-epoch 2) and
 /// resumed from its checkpoint: the two end bit for bit alike.
 fn resumed_equals_uninterrupted(extra: &[&str], tag: &str) {
+    resumed_after(extra, &[], tag)
+}
+
+/// [`resumed_equals_uninterrupted`], the stopped run with `stopped` flags too.
+fn resumed_after(extra: &[&str], stopped: &[&str], tag: &str) {
     let dir = std::env::temp_dir().join(format!("tdb-resume-{tag}-{}", std::process::id()));
     let d = dir.to_str().unwrap();
     let common = [
@@ -124,7 +129,14 @@ fn resumed_equals_uninterrupted(extra: &[&str], tag: &str) {
     ]
     .concat();
     let full = run_json(&common);
-    let part = run_json(&[&common[..], &["--max-steps", "30", "--checkpoint-dir", d]].concat());
+    let part = run_json(
+        &[
+            &common[..],
+            &["--max-steps", "30", "--checkpoint-dir", d],
+            stopped,
+        ]
+        .concat(),
+    );
     assert_eq!(part["steps"], 30);
     let resumed = run_json(&[&common[..], &["--checkpoint-dir", d, "--resume"]].concat());
     let _ = std::fs::remove_dir_all(&dir);
@@ -140,6 +152,13 @@ fn resumed_equals_uninterrupted(extra: &[&str], tag: &str) {
 #[test]
 fn interrupted_and_resumed_equals_uninterrupted() {
     resumed_equals_uninterrupted(&["--optimizer", "adamw"], "adamw");
+}
+
+/// `--checkpoint-async`: the run stopped at step 30 wrote its checkpoints in the background;
+/// resumed from the last one, it ends bit for bit where the uninterrupted run ends.
+#[test]
+fn checkpoints_written_in_the_background_resume_exactly() {
+    resumed_after(&["--optimizer", "adamw"], &["--checkpoint-async"], "async");
 }
 
 /// `--zero 1|2` (`ddprs::burn::ZeroDdp`: optimizer state, and gradients, sharded) learns the digits

@@ -11,7 +11,7 @@ use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp_example_support::data::{self, CLASSES, FEATURES};
 use ddp_example_support::flags::OptimizerKind;
-use ddp_example_support::resume::{resume_source, Source};
+use ddp_example_support::resume::{resume_source, Source, Writer};
 use ddp_example_support::summary::{self, Details, RunSummary};
 use ddprs::candle::optim::ParamsSgd;
 use ddprs::candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
@@ -98,6 +98,7 @@ fn save(
     trainer: &Trainer,
     averager: Option<&PeriodicModelAverager>,
     position: &Position,
+    writer: &mut Writer,
 ) -> BoxResult<()> {
     let Some(dir) = &args.common.checkpoint_dir else {
         return Ok(());
@@ -122,7 +123,7 @@ fn save(
         if let Some(a) = averager {
             ckpt.save_hook_state(&a.state_dict())?;
         }
-        checkpoint::save_atomic(dir, &ckpt)?;
+        writer.write(dir, ckpt)?;
     }
     Ok(())
 }
@@ -261,6 +262,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         )?))
     };
     let mut pos = TrainingState::default();
+    let mut writer = Writer::new(&args.common);
     // Set when resuming at another world size (or in a re-sharded run): the global samples of
     // the epoch already consumed, where this world's sharding of the epoch starts.
     let mut reshard: Option<usize> = None;
@@ -424,7 +426,15 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     global: global_at(epoch_base, &pos),
                 };
                 prof.phase(Phase::Checkpoint, || {
-                    save(&pg, args, &plan, &ddp, averager.as_ref(), &here)
+                    save(
+                        &pg,
+                        args,
+                        &plan,
+                        &ddp,
+                        averager.as_ref(),
+                        &here,
+                        &mut writer,
+                    )
                 })?;
             }
         }
@@ -454,7 +464,15 @@ pub fn run(args: &Args) -> BoxResult<()> {
             global: global_at(0, &pos),
         };
         prof.phase(Phase::Checkpoint, || {
-            save(&pg, args, &plan, &ddp, averager.as_ref(), &here)
+            save(
+                &pg,
+                args,
+                &plan,
+                &ddp,
+                averager.as_ref(),
+                &here,
+                &mut writer,
+            )
         })?;
         if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
@@ -488,11 +506,20 @@ pub fn run(args: &Args) -> BoxResult<()> {
             global: global_at(epoch_base, &pos),
         };
         prof.phase(Phase::Checkpoint, || {
-            save(&pg, args, &plan, &ddp, averager.as_ref(), &here)
+            save(
+                &pg,
+                args,
+                &plan,
+                &ddp,
+                averager.as_ref(),
+                &here,
+                &mut writer,
+            )
         })?;
     }
-    // Local SGD: the replicas differ between averagings; average once more so that every rank
-    // ends with the same model.
+    writer.finish()?; // the last background write has landed (or failed: an error)
+                      // Local SGD: the replicas differ between averagings; average once more so that every rank
+                      // ends with the same model.
     if let (Some(a), Some(z)) = (&mut averager, ddp.zero()) {
         a.average_now(&pg, z.params())?;
     }

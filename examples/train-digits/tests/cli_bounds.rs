@@ -89,6 +89,7 @@ fn every_numeric_flag_in_help_refuses_values_outside_its_bounds() {
             "--backend",
             "--optimizer",
             "--checkpoint-dir",
+            "--checkpoint-async",
             "--backward",
             "--hook",
             "--device",

@@ -108,6 +108,30 @@ fn staged_backward_trains_bit_identically_to_plain() {
 }
 
 #[test]
+fn checkpoints_written_in_the_background_are_the_synchronous_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let (sync, bg) = (dir.path().join("sync"), dir.path().join("async"));
+    let o = [
+        "--optimizer",
+        "adamw",
+        "--momentum",
+        "0",
+        "--epochs",
+        "3",
+        "--json",
+    ];
+    let stop = ["--max-steps", "50", "--checkpoint-dir"];
+    run_ok(&[&o[..], &stop[..], &[sync.to_str().unwrap()]].concat());
+    let with = [bg.to_str().unwrap(), "--checkpoint-async", "skip"];
+    run_ok(&[&o[..], &stop[..], &with[..]].concat());
+    let file = |d: &std::path::Path| std::fs::read(d.join("checkpoint.safetensors")).unwrap();
+    assert!(
+        file(&sync) == file(&bg),
+        "the background write differs from the synchronous one"
+    );
+}
+
+#[test]
 fn interrupted_and_resumed_run_ends_exactly_like_an_uninterrupted_one() {
     for (optimizer, momentum) in [("sgd", "0.9"), ("adamw", "0")] {
         let dir = tempfile::tempdir().unwrap();

@@ -12,22 +12,6 @@ pub enum Framework {
     Burn,
 }
 
-/// What an asynchronous save does while the previous write still runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum WhenBusy {
-    Wait,
-    Skip,
-}
-
-impl From<WhenBusy> for ddprs::checkpoint::WhenBusy {
-    fn from(w: WhenBusy) -> Self {
-        match w {
-            WhenBusy::Wait => ddprs::checkpoint::WhenBusy::Wait,
-            WhenBusy::Skip => ddprs::checkpoint::WhenBusy::Skip,
-        }
-    }
-}
-
 /// A character-level GPT (nanoGPT's) on Shakespeare's plays, data-parallel over N processes.
 #[derive(Debug, Clone, Parser)]
 #[command(name = "train-gpt", version, allow_negative_numbers = true)]
@@ -122,9 +106,9 @@ pub struct Args {
     /// makes the next save wait for it, `skip` skips that save with a warning. A failed write
     /// is a warning and training goes on (the previous checkpoint stays current); the final
     /// one failing is an error. Plain DDP (--zero 0) only.
-    #[arg(long, value_enum, num_args = 0..=1, default_missing_value = "wait",
-          requires = "checkpoint_dir", value_name = "WHEN_BUSY")]
-    pub checkpoint_async: Option<WhenBusy>,
+    #[arg(long, num_args = 0..=1, default_missing_value = "wait", requires = "checkpoint_dir",
+          value_name = "wait|skip")]
+    pub checkpoint_async: Option<ddprs::checkpoint::WhenBusy>,
     /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none).
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,

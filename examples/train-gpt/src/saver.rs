@@ -17,9 +17,7 @@ pub struct Saver {
 impl Saver {
     pub fn new(args: &Args) -> Saver {
         Saver {
-            background: args
-                .checkpoint_async
-                .map(|w| AsyncCheckpointer::new(w.into())),
+            background: args.checkpoint_async.map(AsyncCheckpointer::new),
             stall_s: 0.0,
             saves: 0,
         }

@@ -4,8 +4,9 @@
 //! renaming. An [`AsyncCheckpointer`] stops it only for the *snapshot*: the state copied into
 //! host buffers at a step boundary (or, where tensors are immutable, as Burn's are, only
 //! referenced), handed to a writer thread that serializes it and writes it with the same
-//! [`save_atomic`] as a synchronous save (temporary file, `fsync`, rename, `fsync` of the
-//! directory), so a crash or a full disk during the write leaves the previous checkpoint current.
+//! [`save_atomic`](super::save_atomic) as a synchronous save (temporary file, `fsync`,
+//! rename, `fsync` of the directory), so a crash or a full disk during the write leaves the
+//! previous checkpoint current.
 //!
 //! At most one write is in flight. A save that finds the previous one still running waits for it
 //! ([`WhenBusy::Wait`], the default: every requested checkpoint is written) or is skipped with a

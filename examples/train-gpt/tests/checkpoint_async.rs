@@ -2,6 +2,8 @@
 //! them (real processes, real files; a real SIGKILL during a write; a real full disk, a tmpfs
 //! too small for two checkpoints).
 
+mod common;
+
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};

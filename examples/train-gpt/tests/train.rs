@@ -8,26 +8,16 @@ use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-gpt");
 
-/// A small model that still has every part (2 blocks, 2 heads, tied head, context 16).
-const SMALL: &[&str] = &[
-    "--n-layer",
-    "2",
-    "--n-head",
-    "2",
-    "--n-embd",
-    "32",
-    "--block-size",
-    "16",
-    "--eval-iters",
-    "2",
-    "--warmup-iters",
-    "2",
-    "--json",
-];
+mod common;
+
+/// [`common::SMALL_MODEL`], a 2-step warm-up and the final JSON line.
+fn small() -> Vec<&'static str> {
+    [common::SMALL_MODEL, &["--warmup-iters", "2", "--json"]].concat()
+}
 
 /// Runs `train-gpt` with `args`, checks its exit status, returns its final JSON line.
 fn run(args: &[&str]) -> Value {
-    let out = Command::new(BIN).args(SMALL).args(args).output().unwrap();
+    let out = Command::new(BIN).args(small()).args(args).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
@@ -264,7 +254,7 @@ fn a_plain_checkpoint_of_world_2_refuses_world_1_clearly() {
     ]);
     let before = tensors(dir.path());
     let out = Command::new(BIN)
-        .args(SMALL)
+        .args(small())
         .args([
             "--nproc",
             "1",
@@ -307,7 +297,7 @@ fn plain_ddp_refuses_a_save_set_naming_the_zero_flag() {
     };
     let before = listing(dir.path());
     let out = Command::new(BIN)
-        .args(SMALL)
+        .args(small())
         .args(common)
         .args(["--max-iters", "4", "--resume"])
         .output()
@@ -446,7 +436,7 @@ fn under_ddprun_and_mpirun_it_is_the_same_run() {
     if ddprun.is_file() {
         let out = Command::new(&ddprun)
             .args(["--nproc-per-node", "2", BIN])
-            .args(SMALL)
+            .args(small())
             .args(args)
             .output()
             .unwrap();
@@ -480,7 +470,7 @@ fn under_ddprun_and_mpirun_it_is_the_same_run() {
         .port();
     let out = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", BIN])
-        .args(SMALL)
+        .args(small())
         .args(args)
         .env("MASTER_ADDR", "127.0.0.1")
         .env("MASTER_PORT", port.to_string())
@@ -502,7 +492,7 @@ fn sample_and_metrics_are_written() {
     let dir = tempfile::tempdir().unwrap();
     let metrics = dir.path().join("m.jsonl");
     let out = Command::new(BIN)
-        .args(SMALL)
+        .args(small())
         .args([
             "--nproc",
             "2",

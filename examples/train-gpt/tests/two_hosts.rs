@@ -3,6 +3,8 @@
 //! the same run spawned on one host. Needs root, `ip` and `unshare` (skipped otherwise, unless
 //! `DDP_TEST_REQUIRE_ALL=1`, as in CI).
 
+mod common;
+
 use serde_json::Value;
 use std::path::Path;
 use std::process::{Command, Output, Stdio};
@@ -116,26 +118,20 @@ fn nnodes_2_over_two_network_namespaces_is_the_one_host_run() {
         "ddprun is not built (cargo test --workspace builds it)"
     );
     let gpt = [
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--block-size",
-        "16",
-        "--eval-iters",
-        "2",
-        "--batch-size",
-        "4",
-        "--max-iters",
-        "6",
-        "--json",
-        "--check-replicas",
-    ];
+        common::SMALL_MODEL,
+        &[
+            "--batch-size",
+            "4",
+            "--max-iters",
+            "6",
+            "--json",
+            "--check-replicas",
+        ],
+    ]
+    .concat();
     for fw in ["candle", "burn"] {
         let one = Command::new(BIN)
-            .args(gpt)
+            .args(&gpt)
             .args(["--framework", fw, "--nproc", "2"])
             .output()
             .unwrap();

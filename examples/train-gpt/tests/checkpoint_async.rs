@@ -13,23 +13,13 @@ const BIN: &str = env!("CARGO_BIN_EXE_train-gpt");
 /// A small model (2 blocks, context 16), 2 ranks, a checkpoint every 2 steps.
 fn args(fw: &str, dir: &Path, iters: u64) -> Vec<String> {
     let d = dir.to_str().unwrap();
-    [
+    let run = [
         "--framework",
         fw,
         "--nproc",
         "2",
-        "--n-layer",
-        "2",
-        "--n-head",
-        "2",
-        "--n-embd",
-        "32",
-        "--block-size",
-        "16",
         "--batch-size",
         "4",
-        "--eval-iters",
-        "2",
         "--warmup-iters",
         "2",
         "--checkpoint-every",
@@ -37,11 +27,13 @@ fn args(fw: &str, dir: &Path, iters: u64) -> Vec<String> {
         "--checkpoint-dir",
         d,
         "--json",
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .chain(["--max-iters".to_string(), iters.to_string()])
-    .collect()
+    ];
+    common::SMALL_MODEL
+        .iter()
+        .chain(&run)
+        .map(|s| s.to_string())
+        .chain(["--max-iters".to_string(), iters.to_string()])
+        .collect()
 }
 
 fn ok(out: &Output, what: &str) -> String {

@@ -96,6 +96,17 @@ pub enum Error {
     #[error("internal error: {0}")]
     Internal(String),
 
+    /// This process is not a member of the group its job regrouped into (it arrived after the
+    /// membership closed, e.g. cut off by a network partition), or the regrouped job is below
+    /// its minimum size ([`crate::process_group::regroup`]).
+    #[error("regrouping into generation {generation}: {message}")]
+    Excluded {
+        /// The generation of the group that formed without this process.
+        generation: u64,
+        /// What happened, in words.
+        message: String,
+    },
+
     /// The group was aborted earlier; carries the original cause.
     #[error("process group aborted: {0}")]
     Aborted(Box<Error>),
@@ -143,6 +154,16 @@ impl Error {
         match self {
             Error::Aborted(inner) => inner.root_cause(),
             other => other,
+        }
+    }
+
+    /// The peer this failure says is gone (died, was killed, closed its connection), as
+    /// opposed to one that is alive and aborted the group because of another failure: what a
+    /// regrouping reports so that the survivors need not wait out the membership window.
+    pub fn lost_peer(&self) -> Option<usize> {
+        match self.root_cause() {
+            Error::PeerFailed { peer, reason, .. } if !reason.starts_with("aborted") => Some(*peer),
+            _ => None,
         }
     }
 }

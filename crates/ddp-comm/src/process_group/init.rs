@@ -108,6 +108,8 @@ pub(crate) struct GroupPlan {
     pub global_ranks: Vec<usize>,
     /// The store server, when this process hosts it.
     pub server: Option<Arc<StoreServer>>,
+    /// Where the group's regroupings meet (default groups only; see [`super::regroup`]).
+    pub regroup: Option<super::regroup::RegroupBase>,
 }
 
 /// Where the rendezvous happens, resolved from the options and the environment.
@@ -124,15 +126,37 @@ struct Rendezvous {
 
 /// Start the default process group (see [`InitOptions`]).
 pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
+    let backend = match opts.backend {
+        Some(b) => b,
+        None => Backend::from_env()?,
+    };
+    if backend == Backend::Mpi {
+        return init_mpi(&opts, warn_after(&opts)?);
+    }
+    ProcessGroup::connect(plan_default_group(&opts, backend, true)?)
+}
+
+/// `opts.warn_after`, else the environment's (`None`: off).
+fn warn_after(opts: &InitOptions) -> Result<Option<Duration>> {
+    match opts.warn_after {
+        Some(d) => Ok((!d.is_zero()).then_some(d)),
+        None => warn_after_from_env(),
+    }
+}
+
+/// The plan of the default group of a store-based backend: the rendezvous resolved, the store
+/// hosted (when `may_host` and this is rank 0 of a job whose launcher does not host it) or
+/// joined. A process joining a running job ([`super::regroup`]) never hosts.
+pub(super) fn plan_default_group(
+    opts: &InitOptions,
+    backend: Backend,
+    may_host: bool,
+) -> Result<GroupPlan> {
     let secret = opts.secret.clone().or_else(|| {
         std::env::var(crate::store::SECRET_ENV)
             .ok()
             .filter(|s| !s.is_empty())
     });
-    let backend = match opts.backend {
-        Some(b) => b,
-        None => Backend::from_env()?,
-    };
     let host_id = opts.host_id.clone().unwrap_or_else(crate::host::host_id);
     let algorithm = match opts.allreduce_algorithm {
         Some(a) => a,
@@ -145,14 +169,8 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
             Err(_) => AllReduceAlgorithm::Auto,
         },
     };
-    let warn_after = match opts.warn_after {
-        Some(d) => (!d.is_zero()).then_some(d),
-        None => warn_after_from_env()?,
-    };
-    if backend == Backend::Mpi {
-        return init_mpi(&opts, warn_after);
-    }
-    let rdzv = rendezvous(&opts, secret)?;
+    let warn_after = warn_after(opts)?;
+    let rdzv = rendezvous(opts, secret, may_host)?;
     let ifname = opts.socket_ifname.clone().or_else(|| {
         std::env::var(SOCKET_IFNAME_ENV)
             .ok()
@@ -166,9 +184,9 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         format!("attempt{}/default", rdzv.restart),
         rdzv.store,
     ));
-    ProcessGroup::connect(GroupPlan {
+    Ok(GroupPlan {
         backend: BackendPlan {
-            store,
+            store: store.clone(),
             rank: rdzv.rank,
             size: rdzv.size,
             local_ip,
@@ -180,6 +198,10 @@ pub fn init_process_group(opts: InitOptions) -> Result<ProcessGroup> {
         },
         global_ranks: (0..rdzv.size).collect(),
         server: rdzv.server,
+        regroup: Some(super::regroup::RegroupBase {
+            store,
+            generation: 0,
+        }),
     })
 }
 
@@ -216,7 +238,7 @@ struct StoreAddr {
 
 /// Resolve rank, world size and the store from `opts` and the environment; host the store on
 /// rank 0 unless a launcher does, and connect to it.
-fn rendezvous(opts: &InitOptions, secret: Option<String>) -> Result<Rendezvous> {
+fn rendezvous(opts: &InitOptions, secret: Option<String>, may_host: bool) -> Result<Rendezvous> {
     let env_num = |name: &str| -> Result<Option<usize>> {
         std::env::var(name)
             .ok()
@@ -286,7 +308,7 @@ fn rendezvous(opts: &InitOptions, secret: Option<String>) -> Result<Rendezvous> 
         }
     };
     let (host, port) = (&at.host, at.port);
-    let server = if at.rank == 0 && !at.hosted {
+    let server = if at.rank == 0 && !at.hosted && may_host {
         let bind_host = if is_loopback(host) {
             host.as_str()
         } else {

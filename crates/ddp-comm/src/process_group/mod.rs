@@ -18,11 +18,13 @@ mod chain;
 mod collectives;
 mod engine;
 mod init;
+pub mod regroup;
 
 pub use crate::backend::{Backend, Topology};
 pub use chain::Chain;
 pub use collectives::Placement;
 pub use init::{exited_key, init_process_group, InitOptions, DEFAULT_TIMEOUT, SOCKET_IFNAME_ENV};
+pub use regroup::{join_process_group, RegroupOptions, Regrouped};
 
 use crate::backend::{select, BackendPlan, CollectiveBackend};
 use crate::dtype::{DType, ReduceOp};
@@ -65,6 +67,9 @@ struct Inner {
     direct_gather_min: Option<usize>,
     /// Who sees this group's collectives (see [`ProcessGroup::set_observer`]).
     observer: ObserverSlot,
+    /// Where this default group regroups, and its generation ([`regroup`]); `None` for
+    /// subgroups and MPI.
+    regroup: Option<regroup::RegroupBase>,
 }
 
 impl Drop for Inner {
@@ -100,6 +105,7 @@ impl ProcessGroup {
             backend: plan,
             global_ranks,
             server,
+            regroup,
         } = plan;
         let (rank, size) = (plan.rank, plan.size);
         check_membership(&*plan.store, rank, size, plan.timeout, server.is_some())?;
@@ -116,10 +122,12 @@ impl ProcessGroup {
             timeout,
             Some(plan),
             server,
+            regroup,
         )
     }
 
     /// Start the engine thread of a connected `backend` and wrap it as a group.
+    #[allow(clippy::too_many_arguments)] // the group's parts, each kept as given
     fn start(
         backend: Box<dyn CollectiveBackend>,
         kind: Backend,
@@ -128,6 +136,7 @@ impl ProcessGroup {
         timeout: Duration,
         plan: Option<BackendPlan>,
         server: Option<Arc<StoreServer>>,
+        regroup: Option<regroup::RegroupBase>,
     ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         let topology = backend.topology();
@@ -156,6 +165,7 @@ impl ProcessGroup {
                 topology,
                 direct_gather_min,
                 observer,
+                regroup,
             }),
             timeout,
         })
@@ -172,6 +182,7 @@ impl ProcessGroup {
             rank,
             (0..size).collect(),
             p.timeout,
+            None,
             None,
             None,
         )
@@ -282,7 +293,7 @@ impl ProcessGroup {
             return match (sub, my) {
                 (Some(b), Some(my)) => {
                     let (kind, timeout) = (self.inner.backend, self.timeout);
-                    ProcessGroup::start(b, kind, my, global, timeout, None, None).map(Some)
+                    ProcessGroup::start(b, kind, my, global, timeout, None, None, None).map(Some)
                 }
                 _ => Ok(None),
             };
@@ -306,6 +317,7 @@ impl ProcessGroup {
             },
             global_ranks: global,
             server: None,
+            regroup: None,
         })
         .map(Some)
     }

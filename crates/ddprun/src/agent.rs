@@ -2,6 +2,10 @@
 //! supervise them until they all succeed, one fails, a signal arrives or another node reports a
 //! failure; stop them (the signal, or SIGTERM, then SIGKILL after the grace period); print the
 //! root-cause summary; restart the whole group while `--max-restarts` allows.
+//!
+//! With `--fault-tolerance` a failed worker does not stop the others: it is reported at once
+//! and the survivors go on (they regroup in place through the store); the attempt ends when
+//! every worker has exited (`tolerated_outcome` says how it is judged).
 
 use crate::cli::{available_cores, Config};
 use crate::guard::{self, Guard};
@@ -12,9 +16,11 @@ use crate::signals::{self, signal_group, signal_name};
 use crate::summary::{format_summary, Failure, SummaryContext};
 use crate::worker_env::{worker_env, JobInfo, Placement};
 use std::fs::File;
+use std::os::unix::process::ExitStatusExt;
+use std::process::ExitStatus;
 use std::sync::mpsc::{self, Receiver, RecvTimeoutError};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 /// How long to wait for SIGKILLed workers to be reaped before giving up on them.
 const KILL_WAIT: Duration = Duration::from_secs(10);
@@ -392,6 +398,7 @@ fn supervise_workers(
         max_restarts: cfg.max_restarts,
         run_id: cfg.run_id.clone(),
         cores: available_cores(),
+        fault_tolerance: cfg.fault_tolerance,
     };
     let started = match start_workers(cfg, launch, &job, guard) {
         Ok(s) => s,
@@ -409,6 +416,8 @@ fn supervise_workers(
         }
     }
     let mut failed: Vec<usize> = Vec::new();
+    // --fault-tolerance: how many of `failed` were reported.
+    let mut announced = 0;
     loop {
         match rx.recv_timeout(cfg.monitor_interval) {
             Ok(ev) => record_exit(workers, ev, Some(&mut failed)),
@@ -424,7 +433,15 @@ fn supervise_workers(
                 note_exit(w.placement.rank, &process::describe_status(&status));
             }
         }
-        if !failed.is_empty() {
+        if cfg.fault_tolerance {
+            let running = workers.iter().filter(|w| w.exit.is_none()).count();
+            for &i in &failed[announced..] {
+                announce_tolerated(&workers[i], running);
+                // What the failed worker left running in its process group goes now.
+                signal_group(workers[i].pid, libc::SIGKILL);
+            }
+            announced = failed.len();
+        } else if !failed.is_empty() {
             stop_workers(workers, &rx, libc::SIGTERM, cfg.stop_grace_period);
             let mut failures: Vec<Failure> = failed
                 .iter()
@@ -444,6 +461,20 @@ fn supervise_workers(
         if workers.iter().all(|w| w.exit.is_some()) {
             // No orphans: whatever a worker left running in its process group goes too.
             stop_workers(workers, &rx, libc::SIGKILL, Duration::ZERO);
+            if cfg.fault_tolerance {
+                let exits: Vec<_> = workers
+                    .iter()
+                    .map(|w| w.exit.expect("every worker exited"))
+                    .collect();
+                if let Some(report) = tolerated_outcome(&exits) {
+                    return Outcome::Failed(
+                        report
+                            .iter()
+                            .map(|&i| failure_of(&workers[i], host))
+                            .collect(),
+                    );
+                }
+            }
             return Outcome::Success;
         }
         if let Some(sig) = signals::take_pending() {
@@ -460,6 +491,60 @@ fn supervise_workers(
             return Outcome::Stopped(stop);
         }
     }
+}
+
+/// `--fault-tolerance`: say at once that worker `w` failed and that the `running` others go on.
+fn announce_tolerated(w: &Worker, running: usize) {
+    let Some((status, _)) = w.exit else { return };
+    let how = match status.signal() {
+        Some(sig) => format!(
+            "killed by signal {sig} ({}){}",
+            signal_name(sig),
+            if status.core_dumped() {
+                ", core dumped"
+            } else {
+                ""
+            }
+        ),
+        None => process::describe_status(&status),
+    };
+    let rest = match running {
+        0 => "no other worker is running".to_string(),
+        1 => "the other worker goes on".to_string(),
+        n => format!("the other {n} workers go on"),
+    };
+    eprintln!(
+        "ddprun: worker rank {} (pid {}) failed: {how}; --fault-tolerance: {rest}",
+        w.placement.rank, w.pid
+    );
+}
+
+/// How an attempt under `--fault-tolerance` ended, once every worker has exited (`exits[i]`:
+/// worker `i`'s status and time). `None` (success) when the job finished on survivors: at least
+/// one worker exited with status 0, and every worker that failed did so strictly before the
+/// first exit with status 0. Otherwise the workers for the summary: those that failed, by time
+/// (the root cause, the first failure, first), then those that exited with status 0 before the
+/// last failure (peers still waiting for them fail).
+pub(crate) fn tolerated_outcome(exits: &[(ExitStatus, SystemTime)]) -> Option<Vec<usize>> {
+    let first_success = exits
+        .iter()
+        .filter(|(st, _)| st.success())
+        .map(|&(_, at)| at)
+        .min();
+    let mut failed: Vec<usize> = (0..exits.len())
+        .filter(|&i| !exits[i].0.success())
+        .collect();
+    let last = failed.iter().map(|&i| exits[i].1).max()?;
+    if first_success.is_some_and(|first| last < first) {
+        return None;
+    }
+    failed.sort_by_key(|&i| exits[i].1);
+    let mut early: Vec<usize> = (0..exits.len())
+        .filter(|&i| exits[i].0.success() && exits[i].1 <= last)
+        .collect();
+    early.sort_by_key(|&i| exits[i].1);
+    failed.extend(early);
+    Some(failed)
 }
 
 /// Start every worker of this node, each watched by `guard`, before any of their threads
@@ -649,6 +734,7 @@ mod tests {
             max_restarts: 0,
             run_id: "t".into(),
             cores: 1,
+            fault_tolerance: false,
         };
         let started = start_workers(&cfg, &launch, &job, None).unwrap();
         assert_eq!(started.len(), N);
@@ -671,5 +757,42 @@ mod tests {
         );
         stop_workers(&mut workers, &rx, libc::SIGKILL, Duration::ZERO);
         assert!(workers.iter().all(|w| w.exit.is_some()));
+    }
+
+    #[test]
+    fn fault_tolerance_succeeds_only_on_survivors() {
+        let t0 = SystemTime::UNIX_EPOCH + Duration::from_secs(1_000);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        let ok = ExitStatus::from_raw(0);
+        let code3 = ExitStatus::from_raw(3 << 8);
+        let killed = ExitStatus::from_raw(libc::SIGKILL);
+        // Every worker succeeded.
+        assert_eq!(tolerated_outcome(&[(ok, at(1)), (ok, at(2))]), None);
+        // Rank 2 died, then the survivors finished.
+        assert_eq!(
+            tolerated_outcome(&[(ok, at(5)), (ok, at(6)), (killed, at(1))]),
+            None
+        );
+        // Two failures, both before the first success.
+        assert_eq!(
+            tolerated_outcome(&[(ok, at(5)), (code3, at(2)), (killed, at(1))]),
+            None
+        );
+        // Rank 2 died, rank 0 finished, then rank 1 failed: rank 2 is the root cause, rank 1
+        // also failed, and rank 0 had exited before that.
+        assert_eq!(
+            tolerated_outcome(&[(ok, at(5)), (code3, at(6)), (killed, at(1))]),
+            Some(vec![2, 1, 0])
+        );
+        // A failure at the very moment of the first success is not before it.
+        assert_eq!(
+            tolerated_outcome(&[(ok, at(5)), (code3, at(5))]),
+            Some(vec![1, 0])
+        );
+        // Nobody succeeded.
+        assert_eq!(
+            tolerated_outcome(&[(code3, at(3)), (killed, at(1))]),
+            Some(vec![1, 0])
+        );
     }
 }

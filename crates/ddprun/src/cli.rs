@@ -42,10 +42,12 @@ Examples:
 Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR,
 MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
 DDP_RDZV_ROUND and DDP_STORE_HOSTED=1 (the launcher on node 0 hosts the rendezvous store), plus OMP_NUM_THREADS and
-RAYON_NUM_THREADS = max(1, cores / local workers) unless already set. DDP_STORE_SECRET, when set,
-is the shared secret of the store (set it to the same value on every node).
+RAYON_NUM_THREADS = max(1, cores / local workers) unless already set, and DDP_FAULT_TOLERANCE=1
+with --fault-tolerance. DDP_STORE_SECRET, when set, is the shared secret of the store (set it to
+the same value on every node).
 
-Exit status: 0 when every worker of every node succeeded; 1 when a worker failed (after the
+Exit status: 0 when every worker of every node succeeded (with --fault-tolerance: when the
+workers that failed did so before the first one finished); 1 when a worker failed (after the
 restarts allowed by --max-restarts) or the rendezvous failed; 128+N when the launcher was stopped
 by signal N (it is forwarded to the workers first); 2 for command-line errors.";
 
@@ -148,6 +150,16 @@ pub struct Args {
         value_name = "K"
     )]
     pub max_restarts: u32,
+
+    /// A worker that fails no longer stops the others: the survivors regroup in place (the
+    /// workers must support it: ddp-rs's `--fault-tolerance` training loops do), and the job
+    /// succeeds when the last workers finish with status 0 (it fails when a worker fails after
+    /// one has finished, or none finishes). Workers get DDP_FAULT_TOLERANCE=1. Only failures
+    /// inside a round change: a node that fails, leaves or joins (--nnodes MIN:MAX) is handled
+    /// as without it.
+    #[arg(long = "fault-tolerance", alias = "fault_tolerance", env = "DDP_FAULT_TOLERANCE",
+          value_parser = clap::builder::BoolishValueParser::new())]
+    pub fault_tolerance: bool,
 
     /// Seconds between checks of the workers, signals and the other nodes.
     #[arg(long = "monitor-interval", alias = "monitor_interval", env = "PET_MONITOR_INTERVAL",
@@ -390,6 +402,8 @@ pub struct Config {
     pub master_port: u16,
     pub run_id: String,
     pub max_restarts: u32,
+    /// `--fault-tolerance`: a failed worker does not stop the others; the survivors go on.
+    pub fault_tolerance: bool,
     pub monitor_interval: Duration,
     pub rdzv_timeout: Duration,
     pub stop_grace_period: Duration,
@@ -513,6 +527,7 @@ impl Args {
             master_port,
             run_id,
             max_restarts: self.max_restarts,
+            fault_tolerance: self.fault_tolerance,
             monitor_interval: Duration::from_secs_f64(self.monitor_interval),
             rdzv_timeout: Duration::from_secs_f64(self.rdzv_timeout),
             stop_grace_period: Duration::from_secs_f64(self.stop_grace_period),

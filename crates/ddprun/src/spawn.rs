@@ -32,7 +32,9 @@
 //! - SIGINT, SIGTERM, SIGHUP and SIGQUIT sent to the launcher forwarded to every worker, SIGKILL
 //!   after the grace period;
 //! - the first failure stops the others and is summarized (rank, exit code or signal, stderr
-//!   tail), with restarts if [`SpawnOptions::max_restarts`] allows;
+//!   tail), with restarts if [`SpawnOptions::max_restarts`] allows; or, with
+//!   [`SpawnOptions::fault_tolerance`] (`ddprun --fault-tolerance`), the others go on without
+//!   the failed worker;
 //! - `ddprun`'s exit status: 0, 1 when a worker failed, 128+N when the launcher got signal N, 2
 //!   for invalid options.
 //!
@@ -60,6 +62,12 @@ pub struct SpawnOptions {
     pub master_port: u16,
     /// Restart the whole group up to this many times after a failure (default 0).
     pub max_restarts: u32,
+    /// `ddprun --fault-tolerance` (default off): a worker that fails no longer stops the others;
+    /// the survivors regroup in place (the workers must support it: ddp-rs's
+    /// `--fault-tolerance` training loops do) and get `DDP_FAULT_TOLERANCE=1`. The launcher
+    /// exits with 0 when the workers that failed did so before the first one finished with
+    /// status 0, else 1 with the summary.
+    pub fault_tolerance: bool,
     /// Between SIGTERM and SIGKILL when stopping workers (default 5 s).
     pub stop_grace_period: Duration,
     /// Between checks of the workers and signals (default 100 ms).
@@ -130,6 +138,7 @@ impl SpawnOptions {
             master_port: self.master_port,
             run_id,
             max_restarts: self.max_restarts,
+            fault_tolerance: self.fault_tolerance,
             monitor_interval: self.monitor_interval,
             rdzv_timeout: Duration::from_secs(900),
             stop_grace_period: self.stop_grace_period,
@@ -152,6 +161,7 @@ impl Default for SpawnOptions {
             master_addr: "127.0.0.1".into(),
             master_port: 0,
             max_restarts: 0,
+            fault_tolerance: false,
             stop_grace_period: Duration::from_secs(5),
             monitor_interval: Duration::from_millis(100),
             console: ConsoleStyle::Prefixed,
@@ -205,6 +215,14 @@ mod tests {
             std::env::current_exe().unwrap().to_string_lossy()
         );
         assert!(!c.tee.any());
+        assert!(!c.fault_tolerance, "off unless asked for");
+        let c = SpawnOptions {
+            fault_tolerance: true,
+            ..SpawnOptions::new(2)
+        }
+        .to_config()
+        .unwrap();
+        assert!(c.fault_tolerance);
         let c = SpawnOptions {
             log_dir: Some("/tmp/l".into()),
             program: Some(vec!["w".into()]),

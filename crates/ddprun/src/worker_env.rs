@@ -1,6 +1,6 @@
 //! The environment contract between `ddprun` and its workers: torchrun's variable names (so job
-//! scripts and `ddp_comm::env::EnvConfig` work unchanged), `DDP_STORE_HOSTED=1`, and the
-//! per-worker thread-count defaults.
+//! scripts and `ddp_comm::env::EnvConfig` work unchanged), `DDP_STORE_HOSTED=1`,
+//! `DDP_FAULT_TOLERANCE=1` under `--fault-tolerance`, and the per-worker thread-count defaults.
 
 /// Where one worker sits in the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -34,10 +34,14 @@ pub struct JobInfo {
     pub run_id: String,
     /// CPU cores available on this node.
     pub cores: usize,
+    /// `--fault-tolerance`: workers get `DDP_FAULT_TOLERANCE=1` (the launcher lets the survivors
+    /// of a failure go on, so they may regroup in place).
+    pub fault_tolerance: bool,
 }
 
 /// Variables to set for the worker at `p`. `inherited` looks up the launcher's own environment:
-/// `OMP_NUM_THREADS` and `RAYON_NUM_THREADS` are only added when the user has not set them.
+/// `OMP_NUM_THREADS` and `RAYON_NUM_THREADS` are only added when the user has not set them;
+/// `DDP_FAULT_TOLERANCE=1` only when [`JobInfo::fault_tolerance`] is on.
 pub fn worker_env(
     p: &Placement,
     job: &JobInfo,
@@ -65,6 +69,9 @@ pub fn worker_env(
     .into_iter()
     .map(|(k, v)| (k.to_string(), v))
     .collect();
+    if job.fault_tolerance {
+        env.push(("DDP_FAULT_TOLERANCE".to_string(), "1".to_string()));
+    }
     let threads = (job.cores / p.local_world_size.max(1)).max(1).to_string();
     for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS"] {
         if inherited(var).is_none() {
@@ -89,6 +96,7 @@ mod tests {
             max_restarts: 3,
             run_id: "job7".into(),
             cores: 8,
+            fault_tolerance: false,
         }
     }
 
@@ -118,6 +126,35 @@ mod tests {
         assert!(c.store_hosted);
         assert_eq!(c.restart_count, 2);
         assert_eq!(c.rdzv_round, 5, "store keys are namespaced by the round");
+        assert!(
+            !env.contains_key("DDP_FAULT_TOLERANCE"),
+            "only with --fault-tolerance"
+        );
+    }
+
+    #[test]
+    fn fault_tolerance_is_passed_on_only_when_on() {
+        let p = Placement {
+            rank: 1,
+            local_rank: 1,
+            world_size: 3,
+            local_world_size: 3,
+            node_rank: 0,
+            nnodes: 1,
+        };
+        let on = JobInfo {
+            fault_tolerance: true,
+            ..job()
+        };
+        let vars = |job: &JobInfo| -> Vec<String> {
+            worker_env(&p, job, |_| None)
+                .into_iter()
+                .filter(|(k, _)| k == "DDP_FAULT_TOLERANCE")
+                .map(|(_, v)| v)
+                .collect()
+        };
+        assert_eq!(vars(&on), ["1"]);
+        assert!(vars(&job()).is_empty());
     }
 
     #[test]

@@ -24,6 +24,7 @@ use crate::error::Result;
 use crate::join::{Join, JoinStep};
 use crate::reducer::{CommHook, Reducer, StepStats, TotalStats};
 use crate::sampler::SamplerState;
+use ddp_comm::process_group::{RegroupOptions, Regrouped};
 use ddp_comm::ProcessGroup;
 use std::ops::{Deref, DerefMut};
 use std::path::{Path, PathBuf};
@@ -255,6 +256,87 @@ impl<P: ParamAccess> DdpCore<P> {
             }
             Ok(ckpt)
         })))
+    }
+}
+
+/// What [`DdpCore::sync_state`] did: whose state every member now has, at which step, and the
+/// state this rank must load (`None` when it already had it).
+#[derive(Debug)]
+pub struct StateSync {
+    /// The rank whose state was taken: the most advanced survivor (the lowest rank among equals).
+    pub source: usize,
+    /// The number of steps that state has taken.
+    pub step: u64,
+    /// The source's state, on every rank that must load it (a newcomer, or a survivor one step
+    /// behind the source); `None` on the source and on ranks already equal to it.
+    pub received: Option<Checkpoint>,
+}
+
+impl<P: ParamAccess> DdpCore<P> {
+    /// In-place recovery, first half: form the new group with the processes still here
+    /// ([`ProcessGroup::regroup`]; `cause` is the failed step's error, `None` when regrouping to
+    /// take newcomers in) and move the reducer onto it, dropping the failed step's partial
+    /// gradients ([`Reducer::regroup`]). Then call [`sync_state`](Self::sync_state). A
+    /// collective over the survivors (and newcomers, who build their wrapper on the new group).
+    pub fn regroup(
+        &mut self,
+        cause: Option<&ddp_comm::Error>,
+        opts: &RegroupOptions,
+    ) -> Result<Regrouped> {
+        let regrouped = self.pg.regroup(cause, opts)?;
+        self.reducer.regroup(&regrouped.group)?;
+        self.pg = regrouped.group.clone();
+        Ok(regrouped)
+    }
+
+    /// In-place recovery, second half (and a newcomer's first step): every member agrees on the
+    /// most advanced state and gets it. `step` is the number of optimizer steps this rank has
+    /// completed (`None` for a newcomer, which has none of its own). A survivor whose last step
+    /// completed everywhere before the failure is one step ahead of one whose step failed; the
+    /// most advanced survivor's state is the true one (its all-reduce had every rank's
+    /// gradient), so it is `snapshot()` taken on that rank and broadcast (the parameters,
+    /// optimizer state and position, as a checkpoint would hold them) to every rank that
+    /// differs. When all survivors are at the same step and no newcomer came, nothing is sent.
+    /// A collective.
+    pub fn sync_state(
+        &self,
+        step: Option<u64>,
+        snapshot: impl FnOnce() -> Result<Checkpoint>,
+    ) -> Result<StateSync> {
+        let mine = [step.map_or(-1, |s| s as i64)];
+        let mut all = vec![0i64; self.pg.size()];
+        self.pg.all_gather(&mine, &mut all)?;
+        let steps: Vec<Option<u64>> = all.iter().map(|&s| (s >= 0).then_some(s as u64)).collect();
+        let Some(best) = steps.iter().flatten().max().copied() else {
+            return Err(crate::Error::InvalidArgument(
+                "sync_state: no member of the group has a state to give (every one is a newcomer)"
+                    .into(),
+            ));
+        };
+        let source = steps.iter().position(|s| *s == Some(best)).unwrap();
+        if steps.iter().all(|s| *s == Some(best)) {
+            return Ok(StateSync {
+                source,
+                step: best,
+                received: None,
+            });
+        }
+        let local = match self.pg.rank() == source {
+            true => Some(snapshot()?),
+            false => None,
+        };
+        let got = crate::checkpoint::broadcast(&self.pg, local.as_ref(), source)?;
+        let received = match self.pg.rank() == source || step == Some(best) {
+            true => None,
+            false => Some(got.ok_or_else(|| {
+                crate::Error::Checkpoint(format!("sync_state: rank {source} sent no state"))
+            })?),
+        };
+        Ok(StateSync {
+            source,
+            step: best,
+            received,
+        })
     }
 }
 

@@ -32,7 +32,7 @@
 
 pub mod core;
 
-pub use self::core::{DdpCore, DdpWrapper, Deferred, NoSync};
+pub use self::core::{DdpCore, DdpWrapper, Deferred, NoSync, StateSync};
 
 use crate::error::Result;
 use crate::reducer::{DeviceSlice, HostBuffer, HostSlice, ParamSpec, Reducer};

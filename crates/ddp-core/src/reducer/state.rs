@@ -39,6 +39,7 @@ use std::time::{Duration, Instant};
 mod alive;
 mod finite;
 mod handover;
+mod regroup;
 use handover::reallocate_released;
 
 /// Timing of one backward + gradient synchronization.

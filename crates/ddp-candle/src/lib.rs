@@ -110,6 +110,17 @@ pub enum Error {
     Unsupported(String),
 }
 
+impl Error {
+    /// The communication failure this error is, if it is one (a lost peer, a timeout, ...):
+    /// what in-place recovery regroups on.
+    pub fn comm(&self) -> Option<&ddp_comm::Error> {
+        match self {
+            Error::Ddp(e) => e.comm(),
+            _ => None,
+        }
+    }
+}
+
 impl From<ddp_comm::Error> for Error {
     fn from(e: ddp_comm::Error) -> Self {
         Error::Ddp(ddp_core::Error::Comm(e))

@@ -54,6 +54,17 @@ pub enum Error {
     },
 }
 
+impl Error {
+    /// The communication failure this error is, if it is one (e.g. to regroup after a lost
+    /// rank: `ddp_comm::Error::lost_peer`).
+    pub fn comm(&self) -> Option<&ddp_comm::Error> {
+        match self {
+            Error::Comm(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
 fn describe_non_finite(rank: &Option<usize>, parameter: &str, ranks: &[usize]) -> String {
     match rank {
         Some(r) => format!(

@@ -112,6 +112,22 @@ pub struct Args {
     /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none).
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
+
+    /// Opt-in in-place recovery: when a rank is lost, the others regroup through the job's
+    /// store, drop the failed step, take the most advanced survivor's state and go on at the
+    /// smaller world size, the data re-sharded by the windows consumed; processes started with
+    /// --join are taken in at step boundaries. Also on with DDP_FAULT_TOLERANCE=1 (set by
+    /// `ddprun --fault-tolerance`). Window of the regrouping: DDP_FT_WINDOW_MS (default 1000).
+    /// candle, --zero 0, no --hook.
+    #[arg(long)]
+    pub fault_tolerance: bool,
+
+    /// Join a running --fault-tolerance job (its store found as a worker's is: MASTER_ADDR,
+    /// MASTER_PORT) instead of starting one: this process enters at the job's next step boundary
+    /// with the live ranks' model, optimizer state and data position, received from them (no
+    /// checkpoint is read).
+    #[arg(long, conflicts_with = "resume")]
+    pub join: bool,
     /// One JSON line per evaluation (step, train loss, validation loss, tokens/s) to this file
     /// (rank 0).
     #[arg(long)]
@@ -227,12 +243,37 @@ impl Args {
                 self.zero
             ));
         }
+        if self.fault_tolerant() {
+            let why = if self.framework != Framework::Candle {
+                Some("--framework candle")
+            } else if self.zero != 0 {
+                Some("--zero 0")
+            } else if self.hook.hook().ok().flatten().is_some() {
+                Some("--hook none")
+            } else {
+                None
+            };
+            if let Some(need) = why {
+                return Err(format!(
+                    "--fault-tolerance (or --join, or DDP_FAULT_TOLERANCE=1) recovers plain DDP \
+                     on candle without a comm hook for now: use {need}"
+                ));
+            }
+        }
         if self.stop_after.is_some() && self.checkpoint_dir.is_none() {
             return Err(
                 "--stop-after needs --checkpoint-dir (the run it stops resumes from there)".into(),
             );
         }
         Ok(())
+    }
+
+    /// Whether in-place recovery is on (`--fault-tolerance`, `--join`, or
+    /// `DDP_FAULT_TOLERANCE=1` from `ddprun --fault-tolerance`).
+    pub fn fault_tolerant(&self) -> bool {
+        self.fault_tolerance
+            || self.join
+            || ddprs::comm::process_group::regroup::fault_tolerance_from_env()
     }
 
     /// Whether to evaluate after `done` of `end` steps.

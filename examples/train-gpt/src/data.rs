@@ -87,6 +87,9 @@ pub fn batch(data: &[u32], starts: &[usize], block_size: usize) -> (Vec<u32>, Ve
 /// A rank's stream of training windows: its sampler shard, epoch after epoch.
 pub struct Windows {
     sampler: DistributedSampler,
+    /// Number of windows and the shuffling seed (to re-shard over another group).
+    count: usize,
+    seed: u64,
     world: usize,
     indices: Vec<usize>,
     /// Positions of the epoch all ranks together had consumed when `indices` began (not 0 in
@@ -104,6 +107,8 @@ impl Windows {
         let indices = sampler.indices();
         Ok(Windows {
             sampler,
+            count,
+            seed,
             world,
             indices,
             base: 0,
@@ -128,6 +133,19 @@ impl Windows {
             self.consumed = 0;
         }
         Ok(())
+    }
+
+    /// Continues as rank `rank` of `world` (a regrouped job, `--fault-tolerance`) from the
+    /// global position of `meta` ([`Windows::meta_global`]): what a checkpoint written at the
+    /// old world size and resumed at the new one continues from.
+    pub fn reshard(
+        &mut self,
+        world: usize,
+        rank: usize,
+        meta: &CheckpointMeta,
+    ) -> ddprs::Result<()> {
+        *self = Windows::new(self.count, world, rank, self.seed)?;
+        self.resume(meta)
     }
 
     /// The next `b` window starts of this rank (a new epoch when this one runs out).
@@ -165,6 +183,16 @@ impl Windows {
             world_size: self.world,
             extra,
         }
+    }
+}
+
+impl Windows {
+    /// [`meta`](Self::meta) with the global position always written (the windows all ranks
+    /// consumed): a state handed to the ranks of a regrouped job, which re-shard from it.
+    pub fn meta_global(&self, step: u64, seed: u64, extra: serde_json::Value) -> CheckpointMeta {
+        let mut meta = self.meta(step, seed, extra);
+        meta.extra[GLOBAL_CONSUMED_KEY] = (self.base + self.consumed * self.world).into();
+        meta
     }
 }
 
@@ -206,6 +234,32 @@ pub fn restore<P: ddprs::adapter::ParamAccess>(
     }
     core.reducer_mut().set_step(meta.step);
     restore_windows(rank, core.world_size(), meta, windows, dir)
+}
+
+/// Whether the plain (`--zero 0`) checkpoint `ck` can resume at `world`: at any world size
+/// (every rank holds the whole model and optimizer state; [`restore`] re-shards the windows by
+/// the global position), except when its comm hook state is per rank (e.g. PowerSGD's
+/// residuals): then only at the world size it was written at.
+pub fn check_plain_world(
+    ck: &ddprs::Checkpoint,
+    world: usize,
+    reducer: &ddprs::reducer::Reducer,
+) -> Result<(), Box<dyn std::error::Error>> {
+    let kind = reducer.comm_hook_state().kind;
+    if ck.meta.world_size == world || kind.is_empty() {
+        return Ok(());
+    }
+    let state = ck.hook_state(&kind)?;
+    if !state.tensors.keys().any(|k| k.starts_with("rank")) {
+        return Ok(());
+    }
+    Err(format!(
+        "the checkpoint was written at world size {} and this run has world size {world}: the \
+         comm hook's per-rank state ({kind}) cannot be re-sharded; resume it with {} processes, \
+         or without --hook",
+        ck.meta.world_size, ck.meta.world_size
+    )
+    .into())
 }
 
 /// The windows' part of [`restore`] (ZeRO-3 has no reducer).

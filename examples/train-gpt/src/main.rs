@@ -11,6 +11,7 @@
 
 mod config;
 mod data;
+mod fault;
 mod gpt_burn;
 mod gpt_candle;
 mod report;
@@ -20,6 +21,7 @@ mod train_candle;
 
 use clap::Parser;
 use config::{Args, Framework};
+use ddprs::comm::process_group::RegroupOptions;
 use ddprs::launcher::output::ConsoleStyle;
 use ddprs::launcher::spawn::{spawn, SpawnOptions};
 
@@ -30,8 +32,17 @@ fn main() {
         std::process::exit(2);
     }
     if ddprs::comm::env::EnvConfig::from_env().is_err() {
+        if args.join {
+            eprintln!(
+                "train-gpt: error: --join needs the running job's store: set MASTER_ADDR, \
+                 MASTER_PORT, RANK and WORLD_SIZE as for a worker (RANK and WORLD_SIZE are \
+                 not used: the job assigns them)"
+            );
+            std::process::exit(2);
+        }
         std::process::exit(spawn(&SpawnOptions {
             console: ConsoleStyle::Rank0Stdout,
+            fault_tolerance: args.fault_tolerance,
             ..SpawnOptions::new(args.nproc)
         }));
     }
@@ -43,10 +54,16 @@ fn main() {
 }
 
 fn worker(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let pg = ddprs::init_process_group(Default::default())?;
+    let mut pg = match args.join {
+        true => {
+            let opts = RegroupOptions::from_env()?;
+            ddprs::comm::process_group::join_process_group(Default::default(), &opts)?.group
+        }
+        false => ddprs::init_process_group(Default::default())?,
+    };
     ddprs::trace::start_from_env(&pg, args.trace.as_deref())?;
     let report = match args.framework {
-        Framework::Candle => train_candle::run(args, &pg)?,
+        Framework::Candle => train_candle::run(args, &mut pg, args.join)?,
         Framework::Burn => train_burn::run(args, &pg)?,
     };
     if let Some(path) = ddprs::trace::finish(&pg)? {

@@ -40,6 +40,11 @@ pub struct Summary {
     /// Mean time a checkpoint save stalled the step on rank 0 (ms; absent without saves).
     pub checkpoint_stall_ms: Option<f64>,
     pub checkpoint_async: bool,
+    /// `--fault-tolerance`: each regrouping (absent when there was none).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub regroups: Vec<crate::fault::RegroupRecord>,
+    /// `--fault-tolerance`: steps that failed and were dropped (trained again).
+    pub failed_steps: u64,
 }
 
 pub struct Report {
@@ -52,6 +57,10 @@ pub struct Report {
     args: Args,
     world: usize,
     tied: bool,
+    /// See [`Summary::regroups`].
+    pub regroups: Vec<crate::fault::RegroupRecord>,
+    /// See [`Summary::failed_steps`].
+    pub failed_steps: u64,
 }
 
 /// This process's peak resident memory (`VmHWM`), in bytes.
@@ -79,7 +88,15 @@ impl Report {
             args: args.clone(),
             world,
             tied,
+            regroups: Vec::new(),
+            failed_steps: 0,
         }
+    }
+
+    /// This process's place after a regrouping.
+    pub fn set_group(&mut self, rank: usize, world: usize) {
+        self.rank = rank;
+        self.world = world;
     }
 
     /// Records the evaluation after step `step` (`val_loss` on rank 0), with the throughput of
@@ -165,6 +182,8 @@ impl Report {
             batch_size: a.batch_size,
             checkpoint_stall_ms: None,
             checkpoint_async: a.checkpoint_async.is_some(),
+            regroups: self.regroups.clone(),
+            failed_steps: self.failed_steps,
         });
         Ok(())
     }

@@ -98,7 +98,7 @@ impl Engine {
         })
     }
 
-    /// See `train_candle`'s `Engine::load`: plain at `--zero 0` (this world size), a save set
+    /// See `train_candle`'s `Engine::load`: plain at `--zero 0` (any world size without a comm hook), a save set
     /// (any world size) or an imported plain checkpoint at stages 1 and 2.
     fn load(&mut self, dir: &Path, world: usize) -> Result<Option<(CheckpointMeta, Loaded)>> {
         let set = ddprs::sharding::latest_set(dir)?.is_some();
@@ -110,7 +110,7 @@ impl Engine {
                         false => Ok(None),
                     };
                 };
-                ck.meta.check_world_size(world)?;
+                data::check_plain_world(&ck, world, ddp.reducer())?;
                 let taken = std::mem::replace(optim, AdamWConfig::new().build().into());
                 *optim = ddp.load_records(&ck, taken)?;
                 Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))))

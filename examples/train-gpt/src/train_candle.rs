@@ -6,14 +6,17 @@
 
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
+use crate::fault::{self, RegroupRecord};
 use crate::gpt_candle::{self, cross_entropy, decays, Dropout, Gpt, UnitCtx};
 use crate::report::Report;
 use crate::saver::Saver;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW, VarMap};
 use ddprs::candle::checkpoint::load_vars;
+use ddprs::candle::checkpoint::save_vars;
 use ddprs::candle::optim::AdamW;
-use ddprs::candle::{Ddp, Fsdp, ShardOptimizer, ZeroDdp};
+use ddprs::candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
+use ddprs::comm::process_group::{RegroupOptions, Regrouped};
 use ddprs::sharding::ZeroStage;
 use ddprs::{CheckpointMeta, ProcessGroup};
 use std::path::Path;
@@ -56,7 +59,15 @@ enum Engine {
 }
 
 impl Engine {
-    fn new(args: &Args, pg: &ProcessGroup, model: Gpt, varmap: &VarMap) -> Result<Engine> {
+    /// `init_sync`: copy rank 0's parameters to every rank (not for a newcomer, which gets
+    /// the live ranks' state from `sync_state`).
+    fn new(
+        args: &Args,
+        pg: &ProcessGroup,
+        model: Gpt,
+        varmap: &VarMap,
+        init_sync: bool,
+    ) -> Result<Engine> {
         let params = ParamsAdamW {
             lr: args.lr,
             beta1: 0.9,
@@ -67,7 +78,11 @@ impl Engine {
         let stage = zero_stage(args.zero);
         Ok(match stage {
             ZeroStage::Ddp => {
-                let mut ddp = Ddp::new(varmap, pg, Default::default())?;
+                let opts = DdpOptions {
+                    init_sync,
+                    ..Default::default()
+                };
+                let mut ddp = Ddp::new(varmap, pg, opts)?;
                 if let Some(hook) = args.hook.hook()? {
                     ddp.register_comm_hook(hook)?;
                 }
@@ -198,7 +213,7 @@ impl Engine {
                     false => Ok(None),
                 };
             };
-            ck.meta.check_world_size(world)?;
+            data::check_plain_world(&ck, world, ddp.reducer())?;
             load_vars(&ck, ddp.named_vars())?;
             ck.load_optimizer(opt)?;
             return Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))));
@@ -220,6 +235,51 @@ impl Engine {
             Engine::Ddp { .. } => unreachable!("handled above"),
         };
         Ok(meta.map(|m| (m, Loaded::Set)))
+    }
+
+    /// `--fault-tolerance`: form the new group and move the DDP onto it, dropping the failed
+    /// step's partial gradients (see [`crate::fault`]).
+    fn regroup(
+        &mut self,
+        cause: Option<&ddprs::comm::Error>,
+        opts: &RegroupOptions,
+    ) -> Result<Regrouped> {
+        match self {
+            Engine::Ddp { ddp, .. } => Ok(ddp.regroup(cause, opts)?),
+            _ => Err("--fault-tolerance needs --zero 0".into()),
+        }
+    }
+
+    /// `--fault-tolerance`: every member takes the most advanced one's parameters, optimizer
+    /// state and position (`meta`: this rank's own, at `step` completed steps; `None` for a
+    /// newcomer). Returns the steps completed, the position to re-shard the windows from, and
+    /// whether a state was sent.
+    fn sync_state(
+        &mut self,
+        step: Option<u64>,
+        meta: CheckpointMeta,
+    ) -> Result<(u64, CheckpointMeta, bool)> {
+        let Engine::Ddp { ddp, opt, .. } = self else {
+            return Err("--fault-tolerance needs --zero 0".into());
+        };
+        let failed = |e: &dyn std::fmt::Display| ddprs::Error::Checkpoint(e.to_string());
+        let sync = ddp.sync_state(step, || {
+            let mut ck = ddprs::Checkpoint::new(meta.clone());
+            save_vars(&mut ck, ddp.named_vars()).map_err(|e| failed(&e))?;
+            ck.save_optimizer(&*opt).map_err(|e| failed(&e))?;
+            Ok(ck)
+        })?;
+        let sent = sync.sent;
+        let meta = match sync.received {
+            Some(ck) => {
+                load_vars(&ck, ddp.named_vars())?;
+                ck.load_optimizer(opt)?;
+                ck.meta
+            }
+            None => meta,
+        };
+        ddp.reducer_mut().set_step(sync.step);
+        Ok((sync.step, meta, sent))
     }
 
     /// Whether the replicas are bit-identical (a collective).
@@ -290,7 +350,62 @@ fn evaluate(engine: &Engine, corpus: &Corpus, args: &Args) -> Result<f64> {
     Ok(total / starts.chunks(args.batch_size).len() as f64)
 }
 
-pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
+/// `--fault-tolerance`: regroup after `cause` (or to take newcomers in when `None`), agree on
+/// the state, re-shard the windows by what all ranks consumed; returns the steps completed by
+/// the state training goes on from. `position`: this rank's windows at the start of the step
+/// that failed (its batch is not consumed: the step is dropped).
+#[allow(clippy::too_many_arguments)]
+fn regroup(
+    engine: &mut Engine,
+    group: &mut ProcessGroup,
+    windows: &mut Windows,
+    position: CheckpointMeta,
+    done: u64,
+    cause: Option<&ddprs::comm::Error>,
+    ropts: &RegroupOptions,
+    report: &mut Report,
+) -> Result<u64> {
+    let t = Instant::now();
+    let detected = fault::unix_ms();
+    let old_world = group.size();
+    let r = engine.regroup(cause, ropts)?;
+    *group = r.group.clone();
+    let (rank, world) = (group.rank(), group.size());
+    let (step, meta, sent) = engine.sync_state(Some(done), position)?;
+    windows.reshard(world, rank, &meta)?;
+    report.set_group(rank, world);
+    if rank == 0 {
+        let why = match cause {
+            Some(e) => format!("after: {e}"),
+            None => format!("to take in {} newcomer(s)", r.joined),
+        };
+        eprintln!(
+            "train-gpt: regrouped (generation {}) {why}: world {old_world} -> {world}, lost \
+             {:?}; going on from step {step} ({:.2} s)",
+            r.generation,
+            r.lost,
+            t.elapsed().as_secs_f64()
+        );
+    }
+    report.regroups.push(RegroupRecord {
+        generation: r.generation,
+        cause: if cause.is_some() { "lost" } else { "joined" },
+        step,
+        world_size: world,
+        lost: r.lost,
+        joined: r.joined,
+        state_sent: sent,
+        regroup_s: t.elapsed().as_secs_f64(),
+        detected_unix_ms: detected,
+        first_step_unix_ms: None,
+    });
+    Ok(step)
+}
+
+/// Trains on `group` (replaced by the regrouped one under `--fault-tolerance`); `newcomer`: this
+/// process joined a running job (`--join`) and takes its state from the live ranks.
+pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Report> {
+    let pg = group.clone();
     let (rank, world) = (pg.rank(), pg.size());
     let corpus = Corpus::load();
     let mut cfg = args.model(corpus.vocab_size());
@@ -304,7 +419,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     let varmap = VarMap::new();
     let model = Gpt::new(&cfg, &varmap, &Device::Cpu, args.seed)?;
     let tied = model.tied();
-    let mut engine = Engine::new(args, pg, model, &varmap)?;
+    let mut engine = Engine::new(args, &pg, model, &varmap, !newcomer)?;
     drop(varmap);
     let count = data::windows(&corpus.train, args.block_size);
     let mut windows = Windows::new(count, world, rank, args.seed)?;
@@ -332,7 +447,56 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     let t0 = Instant::now();
     let mut train_time = 0.0;
     let mut steps = 0u64;
-    for it in start..end {
+    let ft = args.fault_tolerant();
+    let ropts = RegroupOptions::from_env()?;
+    fault::write_pid_file(rank);
+    let mut it = start;
+    if newcomer {
+        let t = Instant::now();
+        let detected = fault::unix_ms();
+        let own = windows.meta_global(0, args.seed, serde_json::json!({}));
+        let (step, meta, _) = engine.sync_state(None, own)?;
+        windows.reshard(world, rank, &meta)?;
+        it = step;
+        report.regroups.push(RegroupRecord {
+            generation: pg.generation(),
+            cause: "joined",
+            step,
+            world_size: world,
+            lost: Vec::new(),
+            joined: 1,
+            state_sent: true,
+            regroup_s: t.elapsed().as_secs_f64(),
+            detected_unix_ms: detected,
+            first_step_unix_ms: None,
+        });
+    }
+    let mut awaiting_first_step = newcomer;
+    while it < end {
+        // Where this step starts, for a regrouping (its batch is not consumed if it fails).
+        let position = ft.then(|| windows.meta_global(it, args.seed, serde_json::json!({})));
+        if let Some(pos) = position.clone() {
+            let cause = match group.joiners_waiting() {
+                Ok(false) => None,
+                Ok(true) => Some(None),
+                Err(e) => Some(Some(e)),
+            };
+            if let Some(cause) = cause {
+                let (g, r) = (&mut *group, &mut report);
+                it = regroup(
+                    &mut engine,
+                    g,
+                    &mut windows,
+                    pos,
+                    it,
+                    cause.as_ref(),
+                    &ropts,
+                    r,
+                )?;
+                awaiting_first_step = true;
+                continue;
+            }
+        }
         let step_start = Instant::now();
         let (x, y) = data::batch(
             &corpus.train,
@@ -340,14 +504,44 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             args.block_size,
         );
         let (x, y) = tensors(x, y, args.batch_size, args.block_size)?;
-        let seed = dropout_seed(args.seed, rank, it);
-        let train_loss = engine.step(args, &x, &y, args.lr_at(it), seed)?;
+        let seed = dropout_seed(args.seed, group.rank(), it);
+        let train_loss = match engine.step(args, &x, &y, args.lr_at(it), seed) {
+            Ok(loss) => loss,
+            Err(e) => {
+                // Under --fault-tolerance a failed collective drops this step and regroups;
+                // anything else (or without the flag) ends the run.
+                let (Some(pos), Some(cause)) = (position, fault::comm_error(&*e)) else {
+                    return Err(e);
+                };
+                report.failed_steps += 1;
+                let (g, r) = (&mut *group, &mut report);
+                it = regroup(
+                    &mut engine,
+                    g,
+                    &mut windows,
+                    pos,
+                    it,
+                    Some(&cause),
+                    &ropts,
+                    r,
+                )?;
+                awaiting_first_step = true;
+                continue;
+            }
+        };
         train_time += step_start.elapsed().as_secs_f64();
         steps += 1;
+        if std::mem::take(&mut awaiting_first_step) {
+            if let Some(last) = report.regroups.last_mut() {
+                last.first_step_unix_ms = Some(fault::unix_ms());
+            }
+        }
         if args.check_replicas && !engine.replicas_identical()? {
             return Err(format!("replicas differ after step {}", it + 1).into());
         }
         let done = it + 1;
+        it = done;
+        let rank = group.rank();
         if args.eval_due(done, end) {
             let val = match rank == 0 || engine.collective_eval() {
                 true => Some(evaluate(&engine, &corpus, args)?),
@@ -374,8 +568,9 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     let identical = engine.replicas_identical()?;
     let (sum, l2) = engine.param_sum_l2()?;
     saver.finish()?;
-    report.finish(pg, end, sum, l2, identical, train_time, steps)?;
+    report.finish(group, end, sum, l2, identical, train_time, steps)?;
     report.checkpoint_stall(saver.stall_ms());
+    let rank = group.rank();
     if args.sample > 0 && (rank == 0 || engine.collective_eval()) {
         let prompt = corpus.encode("\n");
         let logits = |x: &Tensor| engine.logits(x);

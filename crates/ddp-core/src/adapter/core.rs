@@ -270,6 +270,8 @@ pub struct StateSync {
     /// The source's state, on every rank that must load it (a newcomer, or a survivor one step
     /// behind the source); `None` on the source and on ranks already equal to it.
     pub received: Option<Checkpoint>,
+    /// Whether the state was sent at all (some member differed from the source).
+    pub sent: bool,
 }
 
 impl<P: ParamAccess> DdpCore<P> {
@@ -319,6 +321,7 @@ impl<P: ParamAccess> DdpCore<P> {
                 source,
                 step: best,
                 received: None,
+                sent: false,
             });
         }
         let local = match self.pg.rank() == source {
@@ -336,6 +339,7 @@ impl<P: ParamAccess> DdpCore<P> {
             source,
             step: best,
             received,
+            sent: true,
         })
     }
 }

@@ -157,9 +157,10 @@ impl Error {
         }
     }
 
-    /// The peer this failure says is gone (died, was killed, closed its connection), as
-    /// opposed to one that is alive and aborted the group because of another failure: what a
-    /// regrouping reports so that the survivors need not wait out the membership window.
+    /// The peer this failure says is gone (died, was killed, closed its connection, or did not
+    /// answer within the timeout), as opposed to one that is alive and aborted the group because
+    /// of another failure: what a regrouping reports so that the survivors need not wait out
+    /// the membership window.
     pub fn lost_peer(&self) -> Option<usize> {
         match self.root_cause() {
             Error::PeerFailed { peer, reason, .. } if !reason.starts_with("aborted") => Some(*peer),

@@ -122,6 +122,12 @@ pub struct Args {
     #[arg(long)]
     pub fault_tolerance: bool,
 
+    /// Timeout of the rendezvous and of every collective, in seconds (torch.distributed's
+    /// `timeout`, 1800 by default). Under --fault-tolerance it is how long a silent rank (cut off
+    /// by the network rather than dead) is waited for before the others regroup without it.
+    #[arg(long, default_value_t = 1800.0, value_parser = positive_secs)]
+    pub timeout: f64,
+
     /// Join a running --fault-tolerance job (its store found as a worker's is: MASTER_ADDR,
     /// MASTER_PORT) instead of starting one: this process enters at the job's next step boundary
     /// with the live ranks' model, optimizer state and data position, received from them (no
@@ -272,8 +278,14 @@ impl Args {
     /// `DDP_FAULT_TOLERANCE=1` from `ddprun --fault-tolerance`).
     pub fn fault_tolerant(&self) -> bool {
         self.fault_tolerance
-            || self.join
+            || self.joining()
             || ddprs::comm::process_group::regroup::fault_tolerance_from_env()
+    }
+
+    /// Whether this process joins a running job: `--join`, or `DDP_FT_JOIN=1` (what `ddprun
+    /// --fault-tolerance` sets for the workers of a node admitted into a running job).
+    pub fn joining(&self) -> bool {
+        self.join || std::env::var("DDP_FT_JOIN").is_ok_and(|v| v.trim() == "1")
     }
 
     /// Whether to evaluate after `done` of `end` steps.
@@ -299,5 +311,13 @@ impl Args {
         let ratio = (it - self.warmup_iters) as f64 / span;
         let coeff = 0.5 * (1.0 + (std::f64::consts::PI * ratio).cos());
         self.min_lr + coeff * (self.lr - self.min_lr)
+    }
+}
+
+/// A number of seconds above zero (`--timeout`).
+fn positive_secs(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("{s:?} is not a positive number of seconds")),
     }
 }

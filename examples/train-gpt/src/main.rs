@@ -32,7 +32,7 @@ fn main() {
         std::process::exit(2);
     }
     if ddprs::comm::env::EnvConfig::from_env().is_err() {
-        if args.join {
+        if args.joining() {
             eprintln!(
                 "train-gpt: error: --join needs the running job's store: set MASTER_ADDR, \
                  MASTER_PORT, RANK and WORLD_SIZE as for a worker (RANK and WORLD_SIZE are \
@@ -54,16 +54,20 @@ fn main() {
 }
 
 fn worker(args: &Args) -> Result<(), Box<dyn std::error::Error>> {
-    let mut pg = match args.join {
+    let init = ddprs::InitOptions {
+        timeout: std::time::Duration::from_secs_f64(args.timeout),
+        ..Default::default()
+    };
+    let mut pg = match args.joining() {
         true => {
             let opts = RegroupOptions::from_env()?;
-            ddprs::comm::process_group::join_process_group(Default::default(), &opts)?.group
+            ddprs::comm::process_group::join_process_group(init, &opts)?.group
         }
-        false => ddprs::init_process_group(Default::default())?,
+        false => ddprs::init_process_group(init)?,
     };
     ddprs::trace::start_from_env(&pg, args.trace.as_deref())?;
     let report = match args.framework {
-        Framework::Candle => train_candle::run(args, &mut pg, args.join)?,
+        Framework::Candle => train_candle::run(args, &mut pg, args.joining())?,
         Framework::Burn => train_burn::run(args, &pg)?,
     };
     if let Some(path) = ddprs::trace::finish(&pg)? {

@@ -45,6 +45,10 @@ pub struct Summary {
     pub regroups: Vec<crate::fault::RegroupRecord>,
     /// `--fault-tolerance`: steps that failed and were dropped (trained again).
     pub failed_steps: u64,
+    /// The step this process started training at (0, or a resumed checkpoint's).
+    pub start_step: u64,
+    /// When this process completed its first step (Unix time, ms).
+    pub first_step_unix_ms: Option<u64>,
 }
 
 pub struct Report {
@@ -61,6 +65,10 @@ pub struct Report {
     pub regroups: Vec<crate::fault::RegroupRecord>,
     /// See [`Summary::failed_steps`].
     pub failed_steps: u64,
+    /// See [`Summary::start_step`].
+    pub start_step: u64,
+    /// See [`Summary::first_step_unix_ms`].
+    pub first_step_unix_ms: Option<u64>,
 }
 
 /// This process's peak resident memory (`VmHWM`), in bytes.
@@ -90,6 +98,8 @@ impl Report {
             tied,
             regroups: Vec::new(),
             failed_steps: 0,
+            start_step: 0,
+            first_step_unix_ms: None,
         }
     }
 
@@ -184,6 +194,8 @@ impl Report {
             checkpoint_async: a.checkpoint_async.is_some(),
             regroups: self.regroups.clone(),
             failed_steps: self.failed_steps,
+            start_step: self.start_step,
+            first_step_unix_ms: self.first_step_unix_ms,
         });
         Ok(())
     }

@@ -175,6 +175,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         .stop_after
         .map_or(args.max_iters, |s| s.min(args.max_iters));
     let mut report = Report::new(args, rank, world, tied);
+    report.start_step = start;
     let mut saver = Saver::new(args);
     let t0 = Instant::now();
     let (mut train_time, mut steps) = (0.0, 0u64);
@@ -213,6 +214,9 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         }
         train_time += step_start.elapsed().as_secs_f64();
         steps += 1;
+        if report.first_step_unix_ms.is_none() {
+            report.first_step_unix_ms = Some(crate::fault::unix_ms());
+        }
         if args.check_replicas && !replicas(&engine)? {
             return Err(format!("replicas differ after step {}", it + 1).into());
         }

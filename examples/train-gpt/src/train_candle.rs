@@ -368,7 +368,10 @@ fn regroup(
     let t = Instant::now();
     let detected = fault::unix_ms();
     let old_world = group.size();
-    let r = engine.regroup(cause, ropts)?;
+    let r = engine.regroup(cause, ropts).map_err(|e| match cause {
+        Some(c) => format!("could not regroup after the failure ({c}): {e}"),
+        None => format!("could not regroup to take newcomers in: {e}"),
+    })?;
     *group = r.group.clone();
     let (rank, world) = (group.rank(), group.size());
     let (step, meta, sent) = engine.sync_state(Some(done), position)?;
@@ -451,6 +454,7 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
     let ropts = RegroupOptions::from_env()?;
     fault::write_pid_file(rank);
     let mut it = start;
+    report.start_step = start;
     if newcomer {
         let t = Instant::now();
         let detected = fault::unix_ms();
@@ -458,6 +462,7 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
         let (step, meta, _) = engine.sync_state(None, own)?;
         windows.reshard(world, rank, &meta)?;
         it = step;
+        report.start_step = step;
         report.regroups.push(RegroupRecord {
             generation: pg.generation(),
             cause: "joined",
@@ -511,7 +516,7 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
                 // Under --fault-tolerance a failed collective drops this step and regroups;
                 // anything else (or without the flag) ends the run.
                 let (Some(pos), Some(cause)) = (position, fault::comm_error(&*e)) else {
-                    return Err(e);
+                    return Err(format!("step {} failed: {e}", it + 1).into());
                 };
                 report.failed_steps += 1;
                 let (g, r) = (&mut *group, &mut report);
@@ -531,6 +536,9 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
         };
         train_time += step_start.elapsed().as_secs_f64();
         steps += 1;
+        if report.first_step_unix_ms.is_none() {
+            report.first_step_unix_ms = Some(fault::unix_ms());
+        }
         if std::mem::take(&mut awaiting_first_step) {
             if let Some(last) = report.regroups.last_mut() {
                 last.first_step_unix_ms = Some(fault::unix_ms());

@@ -50,13 +50,26 @@ impl Hosts {
 
     /// `ddprun ARGS` on host `i`, in its own mount namespace with a fresh `/dev/shm`.
     fn ddprun(&self, i: usize, ddprun: &Path, args: &[&str]) -> std::process::Child {
+        self.run(i, ddprun, args, &[])
+    }
+
+    /// `program ARGS` with `env` added on host `i`, in its own mount namespace with a fresh
+    /// `/dev/shm`.
+    fn run(
+        &self,
+        i: usize,
+        program: &Path,
+        args: &[&str],
+        env: &[(&str, String)],
+    ) -> std::process::Child {
         Command::new("ip")
             .args([
                 "netns", "exec", &self.0[i], "unshare", "--mount", "sh", "-c",
             ])
             .arg(r#"mount -t tmpfs tmpfs /dev/shm && exec "$0" "$@""#)
-            .arg(ddprun)
+            .arg(program)
             .args(args)
+            .envs(env.iter().map(|(k, v)| (*k, v.as_str())))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -178,4 +191,106 @@ fn nnodes_2_over_two_network_namespaces_is_the_one_host_run() {
             );
         }
     }
+}
+
+/// `--fault-tolerance` when a rank is cut off rather than killed: ranks 0 and 1 on host 0, rank
+/// 2 on host 1 (the store on rank 0), then host 1's link goes down mid-training. Ranks 0 and 1
+/// wait out the collective timeout, regroup without rank 2 and finish at world 2 with identical
+/// replicas; rank 2 cannot reach the store to regroup and exits with an error saying so.
+#[test]
+fn a_rank_cut_off_by_a_partition_is_left_behind_and_exits_with_a_clear_error() {
+    if let Some(why) = missing() {
+        assert!(
+            std::env::var("DDP_TEST_REQUIRE_ALL").map_or(true, |v| v != "1"),
+            "cannot run: {why} (DDP_TEST_REQUIRE_ALL=1)"
+        );
+        return eprintln!("SKIPPED a_rank_cut_off_by_a_partition: {why}");
+    }
+    let hosts = Hosts::new().unwrap();
+    let port = (29_000 + (std::process::id() % 1000) as u16 + 1).to_string();
+    let pid_dir = tempfile::tempdir().unwrap();
+    let timeout = 3.0;
+    let gpt = [
+        common::SMALL_MODEL,
+        &[
+            "--framework",
+            "candle",
+            "--batch-size",
+            "4",
+            "--max-iters",
+            "100000",
+            "--stop-after",
+            "1500",
+            "--eval-interval",
+            "1000000",
+            "--json",
+            "--fault-tolerance",
+            "--timeout",
+            "3",
+        ],
+    ]
+    .concat();
+    // --stop-after needs a checkpoint directory; it is written at the end only.
+    let ck = tempfile::tempdir().unwrap();
+    let gpt = [&gpt[..], &["--checkpoint-dir", ck.path().to_str().unwrap()]].concat();
+    let workers: Vec<_> = [0usize, 0, 1]
+        .iter()
+        .enumerate()
+        .map(|(rank, &host)| {
+            let env = [
+                ("RANK", rank.to_string()),
+                ("LOCAL_RANK", if rank == 2 { 0 } else { rank }.to_string()),
+                ("WORLD_SIZE", "3".to_string()),
+                ("MASTER_ADDR", ADDRS[0].to_string()),
+                ("MASTER_PORT", port.clone()),
+                ("RAYON_NUM_THREADS", "1".to_string()),
+                (
+                    "TRAIN_GPT_DEBUG_PID_DIR",
+                    pid_dir.path().display().to_string(),
+                ),
+            ];
+            hosts.run(host, Path::new(BIN), &gpt, &env)
+        })
+        .collect();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while (0..3).any(|r| !pid_dir.path().join(format!("rank{r}.pid")).exists()) {
+        assert!(
+            std::time::Instant::now() < until,
+            "the workers did not start"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    std::thread::sleep(std::time::Duration::from_millis(700));
+    let cut = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    ip(&["-n", &hosts.0[1], "link", "set", "veth1", "down"]).unwrap();
+    let outs: Vec<Output> = workers
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect();
+    let j = json(&outs[0], "rank 0");
+    assert!(
+        outs[1].status.success(),
+        "rank 1: {}",
+        String::from_utf8_lossy(&outs[1].stderr)
+    );
+    assert_eq!(j["world_size"], 2, "{j}");
+    assert_eq!(j["replicas_identical"], true, "{j}");
+    let r = &j["regroups"][0];
+    assert_eq!(r["lost"], serde_json::json!([2]), "{j}");
+    assert_eq!(r["cause"], "lost", "{j}");
+    let detected = r["detected_unix_ms"].as_u64().unwrap();
+    assert!(
+        detected >= cut && detected - cut <= (timeout * 1000.0) as u64 + 2000,
+        "detected {} ms after the cut (timeout {timeout} s): {j}",
+        detected as i64 - cut as i64
+    );
+    let err = String::from_utf8_lossy(&outs[2].stderr);
+    assert!(!outs[2].status.success(), "rank 2 should fail:\n{err}");
+    assert!(
+        err.contains("could not regroup") && err.contains("store") && err.contains("unreachable"),
+        "rank 2's error:\n{err}"
+    );
 }

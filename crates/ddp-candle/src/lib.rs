@@ -152,6 +152,8 @@ pub mod book_doctests {
     pub struct Candle;
     #[doc = include_str!("../../../docs/checkpoints.md")]
     pub struct Checkpoints;
+    #[doc = include_str!("../../../docs/fault_tolerance.md")]
+    pub struct FaultTolerance;
     #[doc = include_str!("../../../docs/hooks.md")]
     pub struct Hooks;
     #[doc = include_str!("../../../docs/zero.md")]

@@ -576,6 +576,23 @@ impl<M: Module, O: Optimizer> ZeroDdp<M, O> {
         )?)
     }
 
+    /// [`save`](Self::save) in the background (PyTorch DCP's `async_save`): this rank's shard is
+    /// copied now (the only stall) and written by `saver`'s thread; the set becomes current when
+    /// `saver` commits it, at the next save or at `saver.wait(pg)` (collectives). Returns the
+    /// committed set's outcome (`None` when none was in flight). See
+    /// `ddp_core::sharding::AsyncSetSaver`.
+    pub fn save_async(
+        &self,
+        saver: &mut ddp_core::sharding::AsyncSetSaver,
+        dir: &Path,
+        meta: &CheckpointMeta,
+    ) -> Result<Option<ddp_core::Result<PathBuf>>> {
+        self.require_sharded("save")?;
+        let state = self.shard_state().map_err(Error::into_ddp);
+        let (pg, specs) = (self.ddp.process_group(), self.ddp.reducer().specs());
+        Ok(saver.save(pg, dir, self.layout(), specs, state, meta)?)
+    }
+
     /// Loads the current sharded set of `dir` (saved at any world size, by Burn's ZeRO), re-cut
     /// for this one (a collective). `Ok(None)` when there is none. On any error on any rank,
     /// nothing is changed on any rank.

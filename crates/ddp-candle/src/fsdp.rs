@@ -802,6 +802,18 @@ impl Fsdp {
             .save(&self.pg, &*self.opt, &self.specs, dir, meta)
     }
 
+    /// [`save`](Self::save) in the background (see `ZeroDdp::save_async` and
+    /// `ddp_core::sharding::AsyncSetSaver`).
+    pub fn save_async(
+        &self,
+        saver: &mut ddp_core::sharding::AsyncSetSaver,
+        dir: &Path,
+        meta: &CheckpointMeta,
+    ) -> Result<Option<ddp_core::Result<PathBuf>>> {
+        self.shard
+            .save_async(saver, &self.pg, &*self.opt, &self.specs, dir, meta)
+    }
+
     /// Loads the current sharded set of `dir` (saved at any world size by any sharded stage),
     /// re-cut for this layout (a collective). `Ok(None)` when there is none; on any error on any
     /// rank nothing is changed on any rank.

@@ -335,6 +335,21 @@ impl Shard {
         )?)
     }
 
+    /// [`save`](Self::save) written in the background by `saver` (see
+    /// `ddp_core::sharding::AsyncSetSaver`): returns the outcome of the set it committed first.
+    pub fn save_async(
+        &self,
+        saver: &mut ddp_core::sharding::AsyncSetSaver,
+        pg: &ProcessGroup,
+        opt: &dyn DynOptimizer,
+        specs: &[ParamSpec],
+        dir: &Path,
+        meta: &CheckpointMeta,
+    ) -> Result<Option<ddp_core::Result<PathBuf>>> {
+        let state = self.state(opt).map_err(Error::into_ddp);
+        Ok(saver.save(pg, dir, &self.layout, specs, state, meta)?)
+    }
+
     /// This rank's cut of the current sharded set of `dir` (any world size, any stage), agreed
     /// over the ranks: an error on one is an error on all. Reads only.
     pub fn load(

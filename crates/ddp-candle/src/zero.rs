@@ -532,6 +532,29 @@ impl ZeroDdp {
             .save(self.ddp.process_group(), self.opt.get(), specs, dir, meta)
     }
 
+    /// [`save`](Self::save) in the background (PyTorch DCP's `async_save`): this rank's shard is
+    /// copied now (the only stall) and written by `saver`'s thread; the set becomes current when
+    /// `saver` commits it, at the next save or at `saver.wait(pg)` (collectives). Returns the
+    /// committed set's outcome (`None` when none was in flight); a failed write leaves the
+    /// previous set current. See `ddp_core::sharding::AsyncSetSaver`.
+    pub fn save_async(
+        &self,
+        saver: &mut ddp_core::sharding::AsyncSetSaver,
+        dir: &Path,
+        meta: &CheckpointMeta,
+    ) -> Result<Option<ddp_core::Result<PathBuf>>> {
+        self.require_sharded("save")?;
+        let specs = self.ddp.reducer().specs();
+        self.shard.save_async(
+            saver,
+            self.ddp.process_group(),
+            self.opt.get(),
+            specs,
+            dir,
+            meta,
+        )
+    }
+
     /// Loads the current sharded set of `dir`, saved at any world size and stage (1, 2 or 3),
     /// re-cut for this one (a collective). `Ok(None)` when there is none. On any error on any
     /// rank nothing is changed on any rank.

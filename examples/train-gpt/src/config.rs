@@ -105,7 +105,9 @@ pub struct Args {
     /// thread serializes and writes it atomically. At most one write runs: `wait` (the default)
     /// makes the next save wait for it, `skip` skips that save with a warning. A failed write
     /// is a warning and training goes on (the previous checkpoint stays current); the final
-    /// one failing is an error. Plain DDP (--zero 0) only.
+    /// one failing is an error. With --zero 1-3 each rank's shard of the save set is written in
+    /// the background and the set becomes current at the next save (or at the end), after every
+    /// rank's shard landed (`wait` only).
     #[arg(long, num_args = 0..=1, default_missing_value = "wait", requires = "checkpoint_dir",
           value_name = "wait|skip")]
     pub checkpoint_async: Option<ddprs::checkpoint::WhenBusy>,
@@ -242,29 +244,13 @@ impl Args {
                 self.zero
             ));
         }
-        if self.zero > 0 && self.checkpoint_async.is_some() {
+        if self.zero > 0 && self.checkpoint_async == Some(ddprs::checkpoint::WhenBusy::Skip) {
             return Err(format!(
-                "--checkpoint-async writes plain DDP checkpoints (--zero 0); ZeRO save sets \
-                 (--zero {}) are written synchronously",
+                "--checkpoint-async skip applies to plain checkpoints (--zero 0); a ZeRO save \
+                 set (--zero {}) in the background always waits for the previous one: use \
+                 --checkpoint-async (or --checkpoint-async wait)",
                 self.zero
             ));
-        }
-        if self.fault_tolerant() {
-            let why = if self.framework != Framework::Candle {
-                Some("--framework candle")
-            } else if self.zero != 0 {
-                Some("--zero 0")
-            } else if self.hook.hook().ok().flatten().is_some() {
-                Some("--hook none")
-            } else {
-                None
-            };
-            if let Some(need) = why {
-                return Err(format!(
-                    "--fault-tolerance (or --join, or DDP_FAULT_TOLERANCE=1) recovers plain DDP \
-                     on candle without a comm hook for now: use {need}"
-                ));
-            }
         }
         if self.stop_after.is_some() && self.checkpoint_dir.is_none() {
             return Err(

@@ -52,15 +52,34 @@ pub fn comm_error(e: &(dyn std::error::Error + 'static)) -> Option<ddprs::comm::
     e.downcast_ref::<ddprs::comm::Error>().cloned()
 }
 
-/// Debug hook of the fault-tolerance tests: with `TRAIN_GPT_DEBUG_PID_DIR=DIR`, each worker
-/// writes its pid to `DIR/rank{RANK}.pid` once it has joined the group (so that a test can
-/// SIGKILL a chosen rank at a random moment of its training).
-pub fn write_pid_file(rank: usize) {
-    if let Ok(dir) = std::env::var("TRAIN_GPT_DEBUG_PID_DIR") {
-        let path = std::path::Path::new(&dir).join(format!("rank{rank}.pid"));
+/// Debug hook of the fault-tolerance tests and `bench/ft.sh`: with
+/// `TRAIN_GPT_DEBUG_PID_DIR=DIR`, each worker writes its pid to `DIR/rank{RANK}.pid` once it has
+/// joined the group (so that a test can SIGKILL a chosen rank at a random moment of its
+/// training) and the number of steps it has completed to `DIR/rank{RANK}.step` after each step.
+pub struct Beacon {
+    step_file: Option<std::path::PathBuf>,
+}
+
+impl Beacon {
+    pub fn from_env(rank: usize) -> Beacon {
+        let Ok(dir) = std::env::var("TRAIN_GPT_DEBUG_PID_DIR") else {
+            return Beacon { step_file: None };
+        };
+        let dir = std::path::Path::new(&dir);
+        let path = dir.join(format!("rank{rank}.pid"));
         let tmp = path.with_extension("tmp");
         if std::fs::write(&tmp, std::process::id().to_string()).is_ok() {
             let _ = std::fs::rename(tmp, path);
+        }
+        Beacon {
+            step_file: Some(dir.join(format!("rank{rank}.step"))),
+        }
+    }
+
+    /// `done` steps completed.
+    pub fn step(&self, done: u64) {
+        if let Some(f) = &self.step_file {
+            let _ = std::fs::write(f, done.to_string());
         }
     }
 }

@@ -1,8 +1,12 @@
-//! How a run writes its checkpoints: synchronously, or through an `AsyncCheckpointer`
-//! (`--checkpoint-async`), and what each save stalled the step (rank 0's time in the save).
+//! How a run writes its checkpoints: synchronously, or in the background (`--checkpoint-async`:
+//! an `AsyncCheckpointer` for plain checkpoints, an `AsyncSetSaver` for ZeRO save sets), and
+//! what each save stalled the step (rank 0's time in the save).
 
 use crate::config::Args;
 use ddprs::checkpoint::{AsyncCheckpointer, Submitted};
+use ddprs::sharding::AsyncSetSaver;
+use ddprs::ProcessGroup;
+use std::path::PathBuf;
 use std::time::Instant;
 
 type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
@@ -10,6 +14,8 @@ type Result<T> = std::result::Result<T, Box<dyn std::error::Error>>;
 pub struct Saver {
     /// `Some` with `--checkpoint-async`.
     pub background: Option<AsyncCheckpointer>,
+    /// `Some` with `--checkpoint-async` (ZeRO save sets).
+    sets: Option<AsyncSetSaver>,
     stall_s: f64,
     saves: u64,
 }
@@ -18,6 +24,7 @@ impl Saver {
     pub fn new(args: &Args) -> Saver {
         Saver {
             background: args.checkpoint_async.map(AsyncCheckpointer::new),
+            sets: args.checkpoint_async.map(|_| AsyncSetSaver::new()),
             stall_s: 0.0,
             saves: 0,
         }
@@ -49,9 +56,30 @@ impl Saver {
         Ok(())
     }
 
-    /// Waits for the last background write: an error if it failed (the run asked for a
-    /// checkpoint at its end and has none newer than the previous one).
-    pub fn finish(&mut self) -> Result<()> {
+    /// Runs one save of a ZeRO save set (`save(sets)`: synchronous when `sets` is `None`),
+    /// timing its stall; a failed earlier background set is a warning (training goes on, the
+    /// set before it stays current).
+    pub fn save_set(
+        &mut self,
+        save: impl FnOnce(Option<&mut AsyncSetSaver>) -> Result<Option<ddprs::Result<PathBuf>>>,
+    ) -> Result<()> {
+        let t0 = Instant::now();
+        let committed = save(self.sets.as_mut())?;
+        self.stall_s += t0.elapsed().as_secs_f64();
+        self.saves += 1;
+        if let Some(Err(e)) = committed {
+            eprintln!("train-gpt: warning: {e}");
+        }
+        Ok(())
+    }
+
+    /// Waits for the last background write (and commits a background set: a collective on
+    /// `pg`): an error if it failed (the run asked for a checkpoint at its end and has none
+    /// newer than the previous one).
+    pub fn finish(&mut self, pg: &ProcessGroup) -> Result<()> {
+        if let Some(Err(e)) = self.sets.as_mut().and_then(|s| s.wait(pg)) {
+            return Err(e.into());
+        }
         match self.background.as_mut().and_then(AsyncCheckpointer::wait) {
             Some(Err(e)) => Err(e.into()),
             _ => Ok(()),

@@ -81,6 +81,12 @@ impl Engine {
     }
 
     fn save(&self, saver: &mut Saver, dir: &Path, meta: CheckpointMeta) -> Result<()> {
+        if let Engine::Zero(z) = self {
+            return saver.save_set(|sets| match sets {
+                Some(s) => Ok(z.save_async(s, dir, &meta)?),
+                None => z.save(dir, &meta).map(|_| None).map_err(Into::into),
+            });
+        }
         saver.save(meta.step, |background| {
             Ok(match (self, background) {
                 (Engine::Ddp(ddp, optim), Some(b)) => {
@@ -90,10 +96,7 @@ impl Engine {
                     ddp.save_checkpoint_with(dir, Some(optim), meta)?;
                     None
                 }
-                (Engine::Zero(z), _) => {
-                    z.save(dir, &meta)?;
-                    None
-                }
+                (Engine::Zero(_), _) => unreachable!("save sets above"),
             })
         })
     }
@@ -239,7 +242,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         Engine::Ddp(ddp, _) => ddp.param_sum_l2()?,
         Engine::Zero(z) => z.ddp().param_sum_l2()?,
     };
-    saver.finish()?;
+    saver.finish(pg)?;
     report.finish(pg, end, sum, l2, identical, train_time, steps)?;
     report.checkpoint_stall(saver.stall_ms());
     if args.sample > 0 && rank == 0 {

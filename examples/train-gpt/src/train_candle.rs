@@ -180,6 +180,21 @@ impl Engine {
     }
 
     fn save(&self, saver: &mut Saver, dir: &Path, meta: CheckpointMeta) -> Result<()> {
+        match self {
+            Engine::Zero { zero, .. } => {
+                return saver.save_set(|sets| match sets {
+                    Some(s) => Ok(zero.save_async(s, dir, &meta)?),
+                    None => zero.save(dir, &meta).map(|_| None).map_err(Into::into),
+                })
+            }
+            Engine::Fsdp { fsdp, .. } => {
+                return saver.save_set(|sets| match sets {
+                    Some(s) => Ok(fsdp.save_async(s, dir, &meta)?),
+                    None => fsdp.save(dir, &meta).map(|_| None).map_err(Into::into),
+                })
+            }
+            Engine::Ddp { .. } => {}
+        }
         saver.save(meta.step, |background| {
             Ok(match (self, background) {
                 (Engine::Ddp { ddp, opt, .. }, Some(b)) => {
@@ -189,14 +204,7 @@ impl Engine {
                     ddp.save_checkpoint_with(dir, Some(opt), meta)?;
                     None
                 }
-                (Engine::Zero { zero, .. }, _) => {
-                    zero.save(dir, &meta)?;
-                    None
-                }
-                (Engine::Fsdp { fsdp, .. }, _) => {
-                    fsdp.save(dir, &meta)?;
-                    None
-                }
+                (Engine::Zero { .. } | Engine::Fsdp { .. }, _) => unreachable!("save sets above"),
             })
         })
     }
@@ -452,7 +460,7 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
     let mut steps = 0u64;
     let ft = args.fault_tolerant();
     let ropts = RegroupOptions::from_env()?;
-    fault::write_pid_file(rank);
+    let beacon = fault::Beacon::from_env(rank);
     let mut it = start;
     report.start_step = start;
     if newcomer {
@@ -549,6 +557,7 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
         }
         let done = it + 1;
         it = done;
+        beacon.step(done);
         let rank = group.rank();
         if args.eval_due(done, end) {
             let val = match rank == 0 || engine.collective_eval() {
@@ -575,7 +584,7 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
     }
     let identical = engine.replicas_identical()?;
     let (sum, l2) = engine.param_sum_l2()?;
-    saver.finish()?;
+    saver.finish(group)?;
     report.finish(group, end, sum, l2, identical, train_time, steps)?;
     report.checkpoint_stall(saver.stall_ms());
     let rank = group.rank();

@@ -40,6 +40,7 @@
 //! `ddp_candle::Fsdp` (stage 3); Burn's is `ddp_burn::ZeroDdp` (stages 0-2, Burn's own
 //! optimizers stepping each chunk as one tensor; its save sets are these).
 
+pub mod async_sets;
 mod hook;
 pub mod layout;
 pub mod sets;
@@ -50,6 +51,7 @@ pub mod zero;
 #[doc(hidden)]
 pub use sets as checkpoint;
 
+pub use async_sets::AsyncSetSaver;
 pub use hook::{
     bytes_per_step, clip_grad_norm, gather_params, gather_params_into, shard_params,
     take_shard_grads, Gather, Lend, ReduceScatterHook, ShardGrads,

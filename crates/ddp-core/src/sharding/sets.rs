@@ -423,62 +423,83 @@ pub fn save_sharded(
     state: &ShardState,
     meta: &CheckpointMeta,
 ) -> Result<PathBuf> {
-    let id = if pg.rank() == 0 {
-        format!("{:016x}", rand::random::<u64>())
-    } else {
-        String::new()
-    };
-    let run_id = String::from_utf8(pg.broadcast_bytes(id.as_bytes(), 0)?)
-        .map_err(|_| Error::Checkpoint("run id is not UTF-8".into()))?;
-    let set_name = format!("{SET_PREFIX}{:010}-{run_id}", meta.step);
-    let set = dir.join(&set_name);
-    let rank = pg.rank();
-    let mine = (|| -> Result<()> {
-        if state.chunks.len() != layout.chunks().len() {
-            return Err(Error::InvalidArgument(format!(
-                "save_sharded on rank {rank}: {} chunk states for {} chunks",
-                state.chunks.len(),
-                layout.chunks().len()
-            )));
-        }
-        let mut shard_meta = meta.clone();
-        shard_meta.world_size = layout.world_size();
-        shard_meta.extra = serde_json::json!({ "run_id": run_id, "rank": rank });
-        let mut ck = Checkpoint::new(shard_meta);
-        for (c, cs) in layout.chunks().iter().zip(&state.chunks) {
-            for p in layout.pieces(c) {
-                let name = &specs[p.param].name;
-                let seg = |v: &[f32]| v[p.chunk_offset..p.chunk_offset + p.len].to_vec();
+    let set = NewSet::start(pg, dir, layout, specs, state, meta)?;
+    let (shard_meta, shard_dir) = set.shard_target();
+    let written = shard_checkpoint(shard_meta, layout, specs, state).and_then(|ck| {
+        checkpoint::save_atomic(&shard_dir, &ck)?;
+        Ok(())
+    });
+    set.commit(pg, written)
+}
+
+/// A rank's shard as a checkpoint of `meta`: its segments of every parameter and optimizer slot.
+pub(super) fn shard_checkpoint(
+    meta: CheckpointMeta,
+    layout: &ShardLayout,
+    specs: &[ParamSpec],
+    state: &ShardState,
+) -> Result<Checkpoint> {
+    if state.chunks.len() != layout.chunks().len() {
+        return Err(Error::InvalidArgument(format!(
+            "saving a shard: {} chunk states for {} chunks",
+            state.chunks.len(),
+            layout.chunks().len()
+        )));
+    }
+    let mut ck = Checkpoint::new(meta);
+    for (c, cs) in layout.chunks().iter().zip(&state.chunks) {
+        for p in layout.pieces(c) {
+            let name = &specs[p.param].name;
+            let seg = |v: &[f32]| v[p.chunk_offset..p.chunk_offset + p.len].to_vec();
+            ck.insert(
+                seg_key(name, p.param_offset, None),
+                vec![p.len],
+                seg(&cs.params),
+            )?;
+            for (slot, v) in &cs.slots {
                 ck.insert(
-                    seg_key(name, p.param_offset, None),
+                    seg_key(name, p.param_offset, Some(slot)),
                     vec![p.len],
-                    seg(&cs.params),
+                    seg(v),
                 )?;
-                for (slot, v) in &cs.slots {
-                    ck.insert(
-                        seg_key(name, p.param_offset, Some(slot)),
-                        vec![p.len],
-                        seg(v),
-                    )?;
-                }
             }
         }
-        checkpoint::save_atomic(&set.join(format!("rank{rank}")), &ck)?;
-        Ok(())
-    })();
-    if let Err(e) = agree(pg, "saving the shards", mine) {
-        if rank == 0 {
-            remove_partial_set(dir, &set);
-        }
-        return Err(e);
     }
-    let index = (|| -> Result<()> {
-        if rank != 0 {
-            return Ok(());
-        }
+    Ok(ck)
+}
+
+/// A set being written: its name, its index, where this rank's shard goes. `save_sharded`
+/// writes it at once; `AsyncSetSaver` writes the shard in the background and commits it later.
+pub(super) struct NewSet {
+    dir: PathBuf,
+    set: PathBuf,
+    set_name: String,
+    rank: usize,
+    index: Index,
+}
+
+impl NewSet {
+    /// Names the set (rank 0 draws the run id and sends it: a collective) and prepares its
+    /// index from `state` (the optimizer record) and `specs`.
+    pub(super) fn start(
+        pg: &ProcessGroup,
+        dir: &Path,
+        layout: &ShardLayout,
+        specs: &[ParamSpec],
+        state: &ShardState,
+        meta: &CheckpointMeta,
+    ) -> Result<NewSet> {
+        let id = if pg.rank() == 0 {
+            format!("{:016x}", rand::random::<u64>())
+        } else {
+            String::new()
+        };
+        let run_id = String::from_utf8(pg.broadcast_bytes(id.as_bytes(), 0)?)
+            .map_err(|_| Error::Checkpoint("run id is not UTF-8".into()))?;
+        let set_name = format!("{SET_PREFIX}{:010}-{run_id}", meta.step);
         let index = Index {
             format: FORMAT.into(),
-            run_id: run_id.clone(),
+            run_id,
             world_size: layout.world_size(),
             meta: CheckpointMeta {
                 world_size: layout.world_size(),
@@ -493,22 +514,59 @@ pub fn save_sharded(
                 })
                 .collect(),
         };
-        let json = serde_json::to_vec_pretty(&index)
-            .map_err(|e| Error::Checkpoint(format!("cannot encode the index: {e}")))?;
-        write_atomic(&set.join(INDEX_FILE), &json)?;
-        write_atomic(&dir.join(LATEST_FILE), set_name.as_bytes())?;
-        // The new set is current: older sets of this directory can go (only sets identified
-        // as written here: never what a pointer file says).
-        remove_old_sets(dir, &set);
-        Ok(())
-    })();
-    if let Err(e) = agree(pg, "writing the index", index) {
-        if rank == 0 {
-            remove_partial_set(dir, &set);
-        }
-        return Err(e);
+        Ok(NewSet {
+            dir: dir.to_path_buf(),
+            set: dir.join(&set_name),
+            set_name,
+            rank: pg.rank(),
+            index,
+        })
     }
-    Ok(set)
+
+    /// The step the set was taken at.
+    pub(super) fn step(&self) -> u64 {
+        self.index.meta.step
+    }
+
+    /// What the writer of this rank's shard needs: the shard's metadata and its directory.
+    pub(super) fn shard_target(&self) -> (CheckpointMeta, PathBuf) {
+        let mut shard_meta = self.index.meta.clone();
+        shard_meta.extra = serde_json::json!({ "run_id": self.index.run_id, "rank": self.rank });
+        (shard_meta, self.set.join(format!("rank{}", self.rank)))
+    }
+    /// Makes the set current once every rank wrote its shard (`written`: this rank's outcome;
+    /// a collective): rank 0 writes the index and `zero_latest`, and removes older sets. On any
+    /// rank's failure every rank gets an error, the partial set is removed and the previous set
+    /// stays current.
+    pub(super) fn commit(self, pg: &ProcessGroup, written: Result<()>) -> Result<PathBuf> {
+        let (dir, set) = (&self.dir, &self.set);
+        if let Err(e) = agree(pg, "saving the shards", written) {
+            if self.rank == 0 {
+                remove_partial_set(dir, set);
+            }
+            return Err(e);
+        }
+        let index = (|| -> Result<()> {
+            if self.rank != 0 {
+                return Ok(());
+            }
+            let json = serde_json::to_vec_pretty(&self.index)
+                .map_err(|e| Error::Checkpoint(format!("cannot encode the index: {e}")))?;
+            write_atomic(&set.join(INDEX_FILE), &json)?;
+            write_atomic(&dir.join(LATEST_FILE), self.set_name.as_bytes())?;
+            // The new set is current: older sets of this directory can go (only sets identified
+            // as written here: never what a pointer file says).
+            remove_old_sets(dir, set);
+            Ok(())
+        })();
+        if let Err(e) = agree(pg, "writing the index", index) {
+            if self.rank == 0 {
+                remove_partial_set(dir, set);
+            }
+            return Err(e);
+        }
+        Ok(self.set)
+    }
 }
 
 /// The metadata (training position) of the current save set of `dir`, read from its index

@@ -84,6 +84,8 @@ pub(crate) struct Launch {
     pub world_size: usize,
     pub node_rank: usize,
     pub nnodes: usize,
+    /// The workers join a running job (`DDP_FT_JOIN=1`, elastic `--fault-tolerance`).
+    pub ft_join: bool,
 }
 
 /// Run a static (non-elastic) job: `cfg` after [`crate::launch::run`]'s set-up, on `host`, with
@@ -182,6 +184,7 @@ fn run_round(
         world_size: round.world_size,
         node_rank: cfg.node_rank,
         nnodes: cfg.nnodes,
+        ft_join: false,
     };
     let mut poll = || match rdzv.failure(round.attempt) {
         Ok(None) => None,
@@ -399,6 +402,7 @@ fn supervise_workers(
         run_id: cfg.run_id.clone(),
         cores: available_cores(),
         fault_tolerance: cfg.fault_tolerance,
+        ft_join: launch.ft_join,
     };
     let started = match start_workers(cfg, launch, &job, guard) {
         Ok(s) => s,
@@ -725,6 +729,7 @@ mod tests {
             world_size: OFFSET + N,
             node_rank: 0,
             nnodes: 1,
+            ft_join: false,
         };
         let job = JobInfo {
             master_addr: launch.master_addr.clone(),
@@ -735,6 +740,7 @@ mod tests {
             run_id: "t".into(),
             cores: 1,
             fault_tolerance: false,
+            ft_join: false,
         };
         let started = start_workers(&cfg, &launch, &job, None).unwrap();
         assert_eq!(started.len(), N);

@@ -43,7 +43,8 @@ Each worker gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK, MAS
 MASTER_PORT, TORCHELASTIC_RESTART_COUNT, TORCHELASTIC_MAX_RESTARTS, TORCHELASTIC_RUN_ID,
 DDP_RDZV_ROUND and DDP_STORE_HOSTED=1 (the launcher on node 0 hosts the rendezvous store), plus OMP_NUM_THREADS and
 RAYON_NUM_THREADS = max(1, cores / local workers) unless already set, and DDP_FAULT_TOLERANCE=1
-with --fault-tolerance. DDP_STORE_SECRET, when set, is the shared secret of the store (set it to
+with --fault-tolerance (plus DDP_FT_JOIN=1, and placeholder ranks, for the workers of a node
+that joins a running elastic round: they call join_process_group). DDP_STORE_SECRET, when set, is the shared secret of the store (set it to
 the same value on every node).
 
 Exit status: 0 when every worker of every node succeeded (with --fault-tolerance: when the
@@ -154,9 +155,11 @@ pub struct Args {
     /// A worker that fails no longer stops the others: the survivors regroup in place (the
     /// workers must support it: ddp-rs's `--fault-tolerance` training loops do), and the job
     /// succeeds when the last workers finish with status 0 (it fails when a worker fails after
-    /// one has finished, or none finishes). Workers get DDP_FAULT_TOLERANCE=1. Only failures
-    /// inside a round change: a node that fails, leaves or joins (--nnodes MIN:MAX) is handled
-    /// as without it.
+    /// one has finished, or none finishes). Workers get DDP_FAULT_TOLERANCE=1. Elastic jobs
+    /// (--nnodes MIN:MAX, the flag on every node): a lost node no longer starts a new round
+    /// while MIN nodes remain, and a node that arrives while a round runs joins it in place
+    /// (its workers get DDP_FT_JOIN=1) while fewer than MAX run. A node whose workers fail is
+    /// handled as without the flag.
     #[arg(long = "fault-tolerance", alias = "fault_tolerance", env = "DDP_FAULT_TOLERANCE",
           value_parser = clap::builder::BoolishValueParser::new())]
     pub fault_tolerance: bool,

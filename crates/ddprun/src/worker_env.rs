@@ -1,6 +1,7 @@
 //! The environment contract between `ddprun` and its workers: torchrun's variable names (so job
 //! scripts and `ddp_comm::env::EnvConfig` work unchanged), `DDP_STORE_HOSTED=1`,
-//! `DDP_FAULT_TOLERANCE=1` under `--fault-tolerance`, and the per-worker thread-count defaults.
+//! `DDP_FAULT_TOLERANCE=1` under `--fault-tolerance`, `DDP_FT_JOIN=1` for the workers of a node
+//! admitted into a running elastic round, and the per-worker thread-count defaults.
 
 /// Where one worker sits in the job.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -37,11 +38,18 @@ pub struct JobInfo {
     /// `--fault-tolerance`: workers get `DDP_FAULT_TOLERANCE=1` (the launcher lets the survivors
     /// of a failure go on, so they may regroup in place).
     pub fault_tolerance: bool,
+    /// The workers join a running job (`DDP_FT_JOIN=1`: they call
+    /// `ddp_comm::process_group::join_process_group`, not `init_process_group`): this node was
+    /// admitted into a running elastic round under `--fault-tolerance`. Their `RANK`,
+    /// `WORLD_SIZE`, `GROUP_RANK` and `GROUP_WORLD_SIZE` are placeholders; the job assigns the
+    /// rank when it takes them in.
+    pub ft_join: bool,
 }
 
 /// Variables to set for the worker at `p`. `inherited` looks up the launcher's own environment:
 /// `OMP_NUM_THREADS` and `RAYON_NUM_THREADS` are only added when the user has not set them;
-/// `DDP_FAULT_TOLERANCE=1` only when [`JobInfo::fault_tolerance`] is on.
+/// `DDP_FAULT_TOLERANCE=1` only when [`JobInfo::fault_tolerance`] is on, `DDP_FT_JOIN=1` only
+/// with [`JobInfo::ft_join`].
 pub fn worker_env(
     p: &Placement,
     job: &JobInfo,
@@ -72,6 +80,9 @@ pub fn worker_env(
     if job.fault_tolerance {
         env.push(("DDP_FAULT_TOLERANCE".to_string(), "1".to_string()));
     }
+    if job.ft_join {
+        env.push(("DDP_FT_JOIN".to_string(), "1".to_string()));
+    }
     let threads = (job.cores / p.local_world_size.max(1)).max(1).to_string();
     for var in ["OMP_NUM_THREADS", "RAYON_NUM_THREADS"] {
         if inherited(var).is_none() {
@@ -97,6 +108,7 @@ mod tests {
             run_id: "job7".into(),
             cores: 8,
             fault_tolerance: false,
+            ft_join: false,
         }
     }
 
@@ -155,6 +167,35 @@ mod tests {
         };
         assert_eq!(vars(&on), ["1"]);
         assert!(vars(&job()).is_empty());
+    }
+
+    #[test]
+    fn a_joining_worker_gets_ft_join_and_a_parsable_placeholder_rank() {
+        // Admitted into round 4 after nodes with 3 workers in all: placeholder rank 3 of 4.
+        let p = Placement {
+            rank: 3,
+            local_rank: 0,
+            world_size: 4,
+            local_world_size: 1,
+            node_rank: 3,
+            nnodes: 4,
+        };
+        let joining = JobInfo {
+            fault_tolerance: true,
+            ft_join: true,
+            rdzv_round: 4,
+            ..job()
+        };
+        let env: HashMap<_, _> = worker_env(&p, &joining, |_| None).into_iter().collect();
+        assert_eq!(env["DDP_FT_JOIN"], "1");
+        assert_eq!(env["DDP_FAULT_TOLERANCE"], "1");
+        assert_eq!(env["DDP_STORE_HOSTED"], "1");
+        // What join_process_group parses: the running round's store namespace.
+        let c = EnvConfig::from_lookup(|k| env.get(k).cloned()).unwrap();
+        assert_eq!((c.rank, c.world_size, c.rdzv_round), (3, 4, 4));
+        assert!(c.store_hosted);
+        let plain: HashMap<_, _> = worker_env(&p, &job(), |_| None).into_iter().collect();
+        assert!(!plain.contains_key("DDP_FT_JOIN"));
     }
 
     #[test]

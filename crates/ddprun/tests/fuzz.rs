@@ -138,6 +138,7 @@ fn elastic_store_entries_decode_or_are_refused() {
                 min: n / 2,
                 max: n,
                 max_restarts: r,
+                ft: r % 2 == 1,
                 pid: r,
                 host,
             };

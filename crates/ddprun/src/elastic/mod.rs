@@ -2,7 +2,33 @@
 //! same flags, ranks are assigned at each rendezvous round ([`rdzv`]), a lost node (dead, or
 //! silent past `--heartbeat-timeout`: [`heartbeat`]) makes the others go on at the smaller world
 //! size while at least MIN remain, and a node that arrives while a round runs is admitted at the
-//! next one (the running workers are stopped, as torchrun does, and restarted with it).
+//! next one (the running workers are stopped, as torchrun does, and restarted with it). With
+//! `--fault-tolerance` neither starts a new round: the workers change membership in place.
+//!
+//! With `--fault-tolerance` (on every node: it is checked like `--nnodes`) the workers regroup
+//! themselves through the job's store (`ddp_comm::process_group::regroup`), so:
+//!
+//! - **A lost node** (declared dead by its heartbeat, or stopped by a signal) does not end the
+//!   round: every other launcher says so once (`node id 2 (...) lost: no heartbeat ...;
+//!   --fault-tolerance: the workers go on in place`) and keeps its workers running; no new
+//!   round, no restart used. Only when fewer than MIN live nodes remain does the round end as
+//!   without the flag.
+//! - **An arriving node** joins the running round `R` itself: the round's `r/R/closed` entry in
+//!   the rendezvous store (its member list) existing while `r/R/end` does not is what "round `R`
+//!   runs" means, so the arriving launcher appends its node id to that list (compare-and-set)
+//!   if fewer than MAX of the listed nodes are live and none is done yet. It then starts its
+//!   workers with `DDP_FT_JOIN=1`, `DDP_RDZV_ROUND=R` and the usual `MASTER_ADDR`/`MASTER_PORT`
+//!   (the running workers' store is the rendezvous store itself, which every launcher reaches
+//!   at its `--rdzv-endpoint`, so no address needs recording), with placeholder ranks: its slot
+//!   after every node listed before it (lost ones included), so that they stay unique within
+//!   the round (log directories, exit notes). The workers call `join_process_group` and get
+//!   their rank when the running job takes them in at a step boundary. The running launchers do
+//!   nothing but report the arrival and, from then on, watch the new node's heartbeat and wait
+//!   for its workers at the end. A node that would exceed MAX waits as a spare for the next
+//!   round, and is admitted in place as soon as a node is lost.
+//!
+//! A node whose own workers fail still ends the round (`--max-restarts` decides), as does the
+//! loss of the node serving the store: the store goes with it.
 //!
 //! `--max-restarts` counts failures as torchrun does: a worker failure or a lost node uses one,
 //! a round started for arriving nodes does not.
@@ -99,19 +125,35 @@ fn run_round(
         Err(stop) => return after_stop(cfg, rdzv, round, None, stop),
     };
     let last = r.rank_offset + cfg.nproc_per_node - 1;
-    eprintln!(
-        "ddprun: round {}: node {} of {} ({host}): ranks {}..={last} of world size {}, store {}, \
-         run id {}, restart count {}{}",
-        r.round,
-        r.node_rank,
-        r.members.len(),
-        r.rank_offset,
-        r.world_size,
-        rdzv.endpoint,
-        cfg.run_id,
-        r.restarts,
-        logs_note(cfg)
-    );
+    if r.joined {
+        eprintln!(
+            "ddprun: round {}: node id {} ({host}) joins the running round in place \
+             (--fault-tolerance): its {} worker(s) get DDP_FT_JOIN=1 and their ranks from the job \
+             (placeholders {}..={last}), store {}, run id {}, restart count {}{}",
+            r.round,
+            rdzv.me.id,
+            cfg.nproc_per_node,
+            r.rank_offset,
+            rdzv.endpoint,
+            cfg.run_id,
+            r.restarts,
+            logs_note(cfg)
+        );
+    } else {
+        eprintln!(
+            "ddprun: round {}: node {} of {} ({host}): ranks {}..={last} of world size {}, store \
+             {}, run id {}, restart count {}{}",
+            r.round,
+            r.node_rank,
+            r.members.len(),
+            r.rank_offset,
+            r.world_size,
+            rdzv.endpoint,
+            cfg.run_id,
+            r.restarts,
+            logs_note(cfg)
+        );
+    }
     let launch = Launch {
         master_addr: rdzv.master_addr.clone(),
         master_port: rdzv.master_port,
@@ -121,13 +163,19 @@ fn run_round(
         world_size: r.world_size,
         node_rank: r.node_rank,
         nnodes: r.members.len(),
+        ft_join: r.joined,
     };
     let mut poll = || match rdzv.poll(&r) {
         Ok(None) => None,
         Ok(Some(end)) => Some(end_stop(&r, end)),
         Err(stop) => Some(stop),
     };
-    let mut note = |rank: usize, how: &str| rdzv.note_exit(r.round, rank, how);
+    let mut note = |rank: usize, how: &str| {
+        // A joining worker's rank is a placeholder: nobody waits for it under that number.
+        if !r.joined {
+            rdzv.note_exit(r.round, rank, how)
+        }
+    };
     let outcome = supervise(
         cfg,
         &launch,
@@ -225,8 +273,12 @@ fn wait_for_members(cfg: &Config, rdzv: &ElasticRdzv, r: &Round) -> Result<(), S
     let mut announced = false;
     loop {
         let mut missing = Vec::new();
-        for (rank, m) in r.members.iter().enumerate() {
-            if !rdzv.is_done(r.round, m.id)? {
+        for (rank, m) in rdzv.members_now(r)?.iter().enumerate() {
+            if rdzv.is_done(r.round, m.id)? {
+                continue;
+            }
+            // --fault-tolerance: a lost node is not waited for (the others went on without it).
+            if !(rdzv.fault_tolerance && rdzv.gone(m.id)?) {
                 missing.push(rank.to_string());
             }
         }
@@ -259,7 +311,11 @@ fn after_stop(cfg: &Config, rdzv: &ElasticRdzv, round: u32, r: Option<&Round>, s
                 rdzv.me.describe(),
                 signal_name(sig)
             );
-            if let Some(r) = r {
+            if let (Some(_), true) = (r, rdzv.fault_tolerance) {
+                // The others go on in place without this node (they end the round themselves
+                // if fewer than MIN remain).
+                rdzv.leave_in_place(&what);
+            } else if let Some(r) = r {
                 // The others go on without this node if restarts and MIN allow.
                 let _ = rdzv.end_round(
                     r.round,

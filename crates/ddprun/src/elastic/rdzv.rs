@@ -5,13 +5,20 @@
 //!
 //! - `ids`: a counter giving each launcher its node id; `node/ID`: its worker count, `--nnodes`
 //!   range, `--max-restarts`, host and pid; `hb/ID`: its heartbeat counter ([`super::heartbeat`]).
-//! - `dead/ID`: why node `ID` was declared dead (first writer wins); `left/ID`: it exited.
+//! - `dead/ID`: why node `ID` was declared dead (first writer wins; under `--fault-tolerance`
+//!   also a node stopped by a signal, which leaves without ending the round); `left/ID`: it
+//!   exited.
 //! - `r/R/tickets`, `r/R/t/K`: nodes joining round `R` take ticket `K` (their order in the round).
 //! - `r/R/closed`: the round's members in ticket order and its restart count (first writer
 //!   wins: whoever closes it decides who is in; a node not listed waits for round `R + 1`).
 //!   A round closes once `min` live nodes joined and then `max` did, the last call passed, or
 //!   (after round 0) every live member of the round before rejoined; never before round `R - 1`
-//!   has ended, so nodes waiting to join cannot start a job of their own.
+//!   has ended, so nodes waiting to join cannot start a job of their own. Under
+//!   `--fault-tolerance` the list grows while the round runs: a node that arrives appends itself
+//!   (compare-and-set on the whole value) when the round has fewer than `max` live members and
+//!   no member's workers are done, and its workers join the running ones in place. A closed,
+//!   not ended `r/R/closed` is thus "round `R` is running": its number is `DDP_RDZV_ROUND`, and
+//!   its workers' store is this store (the `--rdzv-endpoint` every launcher connects to).
 //! - `r/R/end`: why round `R` ended (first writer wins): `restart`/`final` for a failure (a
 //!   worker, a lost node; restarts counted as torchrun does) or `join` (nodes wait in `R + 1`:
 //!   membership grows, not counted). `r/R/done/ID`: node `ID`'s workers all succeeded.
@@ -21,7 +28,8 @@ use super::heartbeat::{Beater, Watch};
 use crate::cli::{Config, Elastic};
 use crate::rendezvous::{addresses, connect_store, join_host_port, RemoteFailure, Stop};
 use ddp_comm::store::{Store, StoreServer, TcpStore, SECRET_ENV};
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
+use std::collections::{HashMap, HashSet};
 use std::net::ToSocketAddrs;
 use std::time::{Duration, Instant};
 
@@ -33,6 +41,8 @@ pub struct Member {
     pub min: usize,
     pub max: usize,
     pub max_restarts: u32,
+    /// `--fault-tolerance` (every node needs the same).
+    pub ft: bool,
     pub pid: u32,
     pub host: String,
 }
@@ -41,8 +51,14 @@ impl Member {
     /// The store value of the entry.
     pub fn encode(&self) -> String {
         format!(
-            "nproc={};min={};max={};max_restarts={};pid={};host={}",
-            self.nproc, self.min, self.max, self.max_restarts, self.pid, self.host
+            "nproc={};min={};max={};max_restarts={};ft={};pid={};host={}",
+            self.nproc,
+            self.min,
+            self.max,
+            self.max_restarts,
+            u8::from(self.ft),
+            self.pid,
+            self.host
         )
     }
 
@@ -54,16 +70,18 @@ impl Member {
             min: 0,
             max: 0,
             max_restarts: 0,
+            ft: false,
             pid: 0,
             host: String::new(),
         };
-        for part in s.splitn(6, ';') {
+        for part in s.splitn(7, ';') {
             let (k, v) = part.split_once('=')?;
             match k {
                 "nproc" => m.nproc = v.parse().ok()?,
                 "min" => m.min = v.parse().ok()?,
                 "max" => m.max = v.parse().ok()?,
                 "max_restarts" => m.max_restarts = v.parse().ok()?,
+                "ft" => m.ft = v == "1",
                 "pid" => m.pid = v.parse().ok()?,
                 "host" => m.host = v.to_string(),
                 _ => return None,
@@ -178,6 +196,10 @@ pub struct Round {
     pub node_rank: usize,
     pub rank_offset: usize,
     pub world_size: usize,
+    /// `--fault-tolerance`: this node was admitted into the round while it ran (its workers
+    /// join the running job: `DDP_FT_JOIN=1`); its ranks are placeholders, its slot after every
+    /// node listed in the round before it.
+    pub joined: bool,
 }
 
 /// A launcher's side of the elastic rendezvous.
@@ -196,9 +218,18 @@ pub struct ElasticRdzv {
     pub conf: Elastic,
     max_restarts: u32,
     rdzv_timeout: Duration,
+    /// `--fault-tolerance`: lost nodes do not end the round, arriving nodes join it in place.
+    pub fault_tolerance: bool,
     watch: RefCell<Watch>,
     /// Members of the latest round this node was in (the store's host waits for them to leave).
     last_members: RefCell<Vec<Member>>,
+    /// That round (`--fault-tolerance`: its membership is read again, it may have grown).
+    last_round: Cell<Option<u32>>,
+    /// Node entries read so far (they never change).
+    known: RefCell<HashMap<u64, Member>>,
+    /// `--fault-tolerance`: nodes whose loss, or arrival in place, this node has reported.
+    reported_lost: RefCell<HashSet<u64>>,
+    reported_joined: RefCell<HashSet<u64>>,
 }
 
 /// Try to serve the store on the endpoint's own address: succeeds on the endpoint's host for the
@@ -278,6 +309,7 @@ impl ElasticRdzv {
             min: conf.min_nodes,
             max: conf.max_nodes,
             max_restarts: cfg.max_restarts,
+            ft: cfg.fault_tolerance,
             pid: std::process::id(),
             host: host.to_string(),
         };
@@ -312,8 +344,13 @@ impl ElasticRdzv {
             conf: conf.clone(),
             max_restarts: cfg.max_restarts,
             rdzv_timeout: cfg.rdzv_timeout,
+            fault_tolerance: cfg.fault_tolerance,
             watch: RefCell::new(Watch::default()),
             last_members: RefCell::new(Vec::new()),
+            last_round: Cell::new(None),
+            known: RefCell::new(HashMap::new()),
+            reported_lost: RefCell::new(HashSet::new()),
+            reported_joined: RefCell::new(HashSet::new()),
         })
     }
 
@@ -357,12 +394,19 @@ impl ElasticRdzv {
         Ok(String::from_utf8_lossy(&now).into_owned())
     }
 
+    /// Node `id`'s entry (read once: entries never change).
     pub fn member(&self, id: u64) -> Result<Member, Stop> {
+        if let Some(m) = self.known.borrow().get(&id) {
+            return Ok(m.clone());
+        }
         let v = self.read(&format!("node/{id}"))?.ok_or_else(|| {
             Stop::Error(format!("node id {id} joined but never published its entry"))
         })?;
-        Member::decode(id, &v)
-            .ok_or_else(|| Stop::Error(format!("node id {id} published an unreadable entry `{v}`")))
+        let m = Member::decode(id, &v).ok_or_else(|| {
+            Stop::Error(format!("node id {id} published an unreadable entry `{v}`"))
+        })?;
+        self.known.borrow_mut().insert(id, m.clone());
+        Ok(m)
     }
 
     pub fn closed(&self, round: u32) -> Result<Option<Closed>, Stop> {
@@ -507,6 +551,16 @@ impl ElasticRdzv {
                 _ => 0,
             };
             self.check_alive()?;
+            if let Some((Some(c), None)) = &prev {
+                // Round `round - 1` runs: this node arrives. Its flags must match the running
+                // nodes' (a mismatch stops this node only).
+                for &id in &c.members {
+                    self.check_compatible(&self.member(id)?)?;
+                }
+                if let Some(r) = self.admit_in_place(round - 1)? {
+                    return Ok(r);
+                }
+            }
             let t = self
                 .store
                 .add(&self.key(&format!("r/{round}/tickets")), 1)
@@ -526,23 +580,8 @@ impl ElasticRdzv {
                     ));
                 }
                 if let Some(c) = self.closed(round)? {
-                    if let Some(node_rank) = c.members.iter().position(|&id| id == self.me.id) {
-                        let all: Vec<Member> = c
-                            .members
-                            .iter()
-                            .map(|&id| self.member(id))
-                            .collect::<Result<_, _>>()?;
-                        let rank_offset = all[..node_rank].iter().map(|m| m.nproc).sum();
-                        let world_size = all.iter().map(|m| m.nproc).sum();
-                        *self.last_members.borrow_mut() = all.clone();
-                        return Ok(Round {
-                            round,
-                            restarts: c.restarts,
-                            members: all,
-                            node_rank,
-                            rank_offset,
-                            world_size,
-                        });
+                    if let Some(r) = self.place(round, &c, false)? {
+                        return Ok(r);
                     }
                     eprintln!(
                         "ddprun: round {round} started without this node ({} of at most {} \
@@ -553,6 +592,12 @@ impl ElasticRdzv {
                     );
                     round += 1;
                     continue 'rounds;
+                }
+                if matches!(prev, Some((Some(_), None))) {
+                    // A node lost meanwhile may have made room in the running round.
+                    if let Some(r) = self.admit_in_place(round - 1)? {
+                        return Ok(r);
+                    }
                 }
                 members = self.joined(round, &members)?;
                 let live = members.len();
@@ -612,6 +657,110 @@ impl ElasticRdzv {
         }
     }
 
+    /// This node's place in `round`, closed as `c` (`None` when it is not listed).
+    fn place(&self, round: u32, c: &Closed, joined: bool) -> Result<Option<Round>, Stop> {
+        let Some(node_rank) = c.members.iter().position(|&id| id == self.me.id) else {
+            return Ok(None);
+        };
+        let all: Vec<Member> = c
+            .members
+            .iter()
+            .map(|&id| self.member(id))
+            .collect::<Result<_, _>>()?;
+        let rank_offset = all[..node_rank].iter().map(|m| m.nproc).sum();
+        let world_size = all.iter().map(|m| m.nproc).sum();
+        *self.last_members.borrow_mut() = all.clone();
+        self.last_round.set(Some(round));
+        Ok(Some(Round {
+            round,
+            restarts: c.restarts,
+            members: all,
+            node_rank,
+            rank_offset,
+            world_size,
+            joined,
+        }))
+    }
+
+    /// `--fault-tolerance`: admit this arriving node into round `running` while it runs, if it
+    /// still runs (closed, not ended, no member's workers done yet) and has fewer than MAX
+    /// live members (and at least MIN: below, it is about to end). Admission appends this
+    /// node to the round's `closed` list (compare-and-set, so two arriving nodes never both
+    /// take the last place); nothing else changes for the running nodes.
+    fn admit_in_place(&self, running: u32) -> Result<Option<Round>, Stop> {
+        if !self.fault_tolerance {
+            return Ok(None);
+        }
+        let key = self.key(&format!("r/{running}/closed"));
+        loop {
+            let Some(raw) = self.read(&format!("r/{running}/closed"))? else {
+                return Ok(None);
+            };
+            if self.check(&format!("r/{running}/end"))? || self.check("finished")? {
+                return Ok(None);
+            }
+            let c = Closed::decode(&raw).ok_or_else(|| {
+                Stop::Error(format!("round {running} has an unreadable entry `{raw}`"))
+            })?;
+            if c.members.contains(&self.me.id) {
+                return Ok(None);
+            }
+            let mut live = 0;
+            let mut gone = Vec::new();
+            for &id in &c.members {
+                self.check_compatible(&self.member(id)?)?;
+                if self.is_done(running, id)? {
+                    // The job is finishing: its workers would not take this node's in.
+                    return Ok(None);
+                }
+                if self.gone(id)? {
+                    gone.push(id);
+                } else {
+                    live += 1;
+                }
+            }
+            if live >= self.conf.max_nodes || live < self.conf.min_nodes {
+                return Ok(None);
+            }
+            let mut grown = c.clone();
+            grown.members.push(self.me.id);
+            let want = grown.encode();
+            let now = self
+                .store
+                .compare_set(&key, raw.as_bytes(), want.as_bytes())
+                .map_err(|e| self.lost(e))?;
+            if now == want.as_bytes() {
+                // Lost before this node came: not this node's news.
+                self.reported_lost.borrow_mut().extend(gone);
+                return self.place(running, &grown, true);
+            }
+            // Another node joined (or the round changed) meanwhile: look again.
+        }
+    }
+
+    /// The members of the running round `r`: with `--fault-tolerance` as the store lists them
+    /// now (nodes admitted in place included, lost ones too), else those it closed with.
+    pub fn members_now(&self, r: &Round) -> Result<Vec<Member>, Stop> {
+        if !self.fault_tolerance {
+            return Ok(r.members.clone());
+        }
+        let Some(c) = self.closed(r.round)? else {
+            return Ok(r.members.clone());
+        };
+        c.members.iter().map(|&id| self.member(id)).collect()
+    }
+
+    /// Whether node `id` is gone from the job: declared dead, or its launcher left.
+    pub fn gone(&self, id: u64) -> Result<bool, Stop> {
+        Ok(self.dead(id)?.is_some() || self.left(id)?)
+    }
+
+    /// `--fault-tolerance`: this node leaves the running round (`what`: why) without ending it;
+    /// the others see it as lost and go on in place.
+    pub fn leave_in_place(&self, what: &str) {
+        let _ = self.first_writer(&format!("dead/{}", self.me.id), what);
+    }
+
     /// The live nodes that joined `round`, in ticket order (`known`: those read before).
     fn joined(&self, round: u32, known: &[Member]) -> Result<Vec<Member>, Stop> {
         let n = self
@@ -626,6 +775,10 @@ impl ElasticRdzv {
             let id: u64 = id
                 .parse()
                 .map_err(|_| Stop::Error(format!("round {round} ticket {t} is `{id}`")))?;
+            if out.iter().any(|m: &Member| m.id == id) {
+                // A second ticket: taken again after it was admitted in place (--fault-tolerance).
+                continue;
+            }
             let m = match known.iter().find(|m| m.id == id) {
                 Some(m) => m.clone(),
                 None => {
@@ -642,19 +795,23 @@ impl ElasticRdzv {
     }
 
     fn check_compatible(&self, m: &Member) -> Result<(), Stop> {
-        if (m.min, m.max, m.max_restarts) == (self.me.min, self.me.max, self.me.max_restarts) {
+        let flags = |m: &Member| (m.min, m.max, m.max_restarts, m.ft);
+        if flags(m) == flags(&self.me) {
             return Ok(());
         }
+        let ft = |m: &Member| if m.ft { " --fault-tolerance" } else { "" };
         Err(Stop::Error(format!(
-            "{} was started with --nnodes {}:{} --max-restarts {} but this node with --nnodes \
-             {}:{} --max-restarts {}; every node needs the same values",
+            "{} was started with --nnodes {}:{} --max-restarts {}{} but this node with --nnodes \
+             {}:{} --max-restarts {}{}; every node needs the same values",
             m.describe(),
             m.min,
             m.max,
             m.max_restarts,
+            ft(m),
             self.me.min,
             self.me.max,
-            self.me.max_restarts
+            self.me.max_restarts,
+            ft(&self.me)
         )))
     }
 
@@ -705,6 +862,9 @@ impl ElasticRdzv {
         if let Some(end) = self.end(r.round)? {
             return Ok(Some(end));
         }
+        if self.fault_tolerance {
+            return self.poll_in_place(r);
+        }
         let mut any_done = false;
         for m in &r.members {
             if m.id == self.me.id {
@@ -739,6 +899,71 @@ impl ElasticRdzv {
         Ok(None)
     }
 
+    /// [`ElasticRdzv::poll`] under `--fault-tolerance`: a lost node (dead, or its launcher
+    /// left before its workers were done) is reported once and does not end the round while at
+    /// least MIN nodes remain; a node admitted in place is reported once; nodes waiting for the
+    /// next round admit themselves ([`ElasticRdzv::join`]), so they do not end it either.
+    fn poll_in_place(&self, r: &Round) -> Result<Option<End>, Stop> {
+        let members = self.members_now(r)?;
+        let mut live = 0;
+        let mut last_lost: Option<(u64, String)> = None;
+        let mut lost_now = Vec::new();
+        let mut joined_now = Vec::new();
+        for m in &members {
+            if m.id != self.me.id
+                && !r.members.iter().any(|k| k.id == m.id)
+                && self.reported_joined.borrow_mut().insert(m.id)
+            {
+                joined_now.push(m.describe());
+            }
+            if m.id == self.me.id || self.is_done(r.round, m.id)? {
+                live += 1;
+                continue;
+            }
+            let why = match self.dead(m.id)? {
+                Some(why) => Some(why),
+                None if self.left(m.id)? => Some(format!("{} left the job", m.describe())),
+                None => self.stale(m)?,
+            };
+            let Some(why) = why else {
+                live += 1;
+                continue;
+            };
+            if self.reported_lost.borrow_mut().insert(m.id) {
+                lost_now.push(why.clone());
+            }
+            last_lost = Some((m.id, why));
+        }
+        let (min, max) = (self.conf.min_nodes, self.conf.max_nodes);
+        if live < min {
+            let (node, why) = last_lost.unwrap_or((self.me.id, "nodes were lost".into()));
+            let end = End::Failure {
+                restart: r.restarts < self.max_restarts,
+                node,
+                what: format!(
+                    "{why}; {live} live node(s) remain, fewer than the minimum {min} of --nnodes \
+                     {min}:{max}"
+                ),
+            };
+            return self.end_round(r.round, &end).map(Some);
+        }
+        for what in joined_now {
+            eprintln!(
+                "ddprun: round {}: {what} joined the running round in place (--fault-tolerance): \
+                 the workers take it in ({live} of at most {max} nodes run)",
+                r.round
+            );
+        }
+        for why in lost_now {
+            eprintln!(
+                "ddprun: round {}: {why}; --fault-tolerance: the workers go on in place ({live} \
+                 of at most {max} nodes run, no new round)",
+                r.round
+            );
+        }
+        Ok(None)
+    }
+
     /// Leave the job: stop beating, say so, and (serving the store) keep it up until every
     /// member of the latest round has left or `linger` passes.
     pub fn finish(mut self, linger: Duration) {
@@ -750,7 +975,20 @@ impl ElasticRdzv {
             return;
         }
         let deadline = Instant::now() + linger;
-        for m in self.last_members.take() {
+        let mut members = self.last_members.take();
+        if let (true, Some(round)) = (self.fault_tolerance, self.last_round.get()) {
+            // The round may have grown since this node joined it.
+            if let Ok(Some(c)) = self.closed(round) {
+                members.extend(
+                    c.members
+                        .iter()
+                        .filter(|&&id| !members.iter().any(|m| m.id == id))
+                        .filter_map(|&id| self.member(id).ok())
+                        .collect::<Vec<_>>(),
+                );
+            }
+        }
+        for m in members {
             while Instant::now() < deadline {
                 match self.store.check(&self.key(&format!("left/{}", m.id))) {
                     Ok(false) => {
@@ -779,10 +1017,13 @@ mod tests {
             min: 1,
             max: 4,
             max_restarts: 2,
+            ft: false,
             pid: 77,
             host: "h;x=y".into(),
         };
-        assert_eq!(Member::decode(3, &m.encode()), Some(m));
+        assert_eq!(Member::decode(3, &m.encode()), Some(m.clone()));
+        let ft = Member { ft: true, ..m };
+        assert_eq!(Member::decode(3, &ft.encode()), Some(ft));
         assert_eq!(Member::decode(3, "junk"), None);
         let c = Closed {
             restarts: 1,

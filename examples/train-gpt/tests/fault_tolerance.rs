@@ -314,3 +314,137 @@ fn a_joined_process_gets_the_live_state_and_no_checkpoint_is_read() {
         );
     }
 }
+
+/// An elastic `ddprun --nnodes 2:3 --fault-tolerance` agent on 127.0.0.1 (one worker), its
+/// output in `log`.
+fn elastic_node(port: u16, pid_dir: &Path, log: &Path, gpt: &[String]) -> Child {
+    let ddprun = ddprun().expect("checked by the caller");
+    let out = std::fs::File::create(log).unwrap();
+    Command::new(ddprun)
+        .args([
+            "--nnodes",
+            "2:3",
+            "--nproc-per-node",
+            "1",
+            "--fault-tolerance",
+        ])
+        .args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")])
+        .args([
+            "--run-id",
+            &format!("gpt-ft-{port}"),
+            "--heartbeat-timeout",
+            "2",
+        ])
+        .args(["--rdzv-last-call", "2", "--monitor-interval", "0.05", BIN])
+        .args(gpt)
+        .env("TRAIN_GPT_DEBUG_PID_DIR", pid_dir)
+        .env_remove("DDP_FAULT_TOLERANCE")
+        .stdout(out.try_clone().unwrap())
+        .stderr(out)
+        .spawn()
+        .unwrap()
+}
+
+/// The parent pid of `pid`.
+fn ppid(pid: i32) -> i32 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    after.split_whitespace().nth(1).unwrap().parse().unwrap()
+}
+
+/// A node of an elastic `--nnodes 2:3` job dies (its agent and worker SIGKILLed): the other two
+/// go on in place at world 2. Restarted — after the checkpoint directory is removed — it joins
+/// the running job from its live peers: world 3 again, replicas identical, and the run equals,
+/// bit for bit, world 3 up to the loss, world 2 up to the join, world 3 after.
+#[test]
+fn a_restarted_node_rejoins_an_elastic_job_from_its_live_peers() {
+    if ddprun().is_none() {
+        return eprintln!("skipped: the ddprun binary is not built");
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tmp = tempfile::tempdir().unwrap();
+    let (pid_dir, ck) = (tmp.path().join("pids"), tmp.path().join("ck"));
+    std::fs::create_dir_all(&pid_dir).unwrap();
+    let iters = 2500;
+    let mut gpt = run_args(iters);
+    gpt.extend(["--checkpoint-dir".into(), ck.display().to_string()]);
+    gpt.extend(["--checkpoint-every".into(), "100".into()]);
+    let log = |n: &str| tmp.path().join(format!("{n}.log"));
+    let a = elastic_node(port, &pid_dir, &log("a"), &gpt);
+    std::thread::sleep(Duration::from_millis(300)); // A hosts the rendezvous store
+    let b = elastic_node(port, &pid_dir, &log("b"), &gpt);
+    let c = elastic_node(port, &pid_dir, &log("c"), &gpt);
+    let mut c = c;
+    let workers = pids(&pid_dir, 3, &mut c);
+    let c_rank = workers
+        .iter()
+        .position(|&p| ppid(p) == c.id() as i32)
+        .expect("node C's worker");
+    std::thread::sleep(Duration::from_millis(800));
+    // Node C dies: its agent and its worker.
+    assert!(unsafe_free_kill(c.id() as i32));
+    assert!(unsafe_free_kill(workers[c_rank]));
+    c.wait().unwrap();
+    // The others go on at world 2 (the loss is seen at once, the window is 1 s).
+    std::thread::sleep(Duration::from_millis(2500));
+    // No checkpoint to read: the restarted node can only get its state from its peers.
+    std::fs::remove_dir_all(&ck).ok();
+    let c2 = elastic_node(port, &pid_dir, &log("c2"), &gpt);
+    let outs: Vec<_> = [a, b, c2]
+        .into_iter()
+        .map(|mut ch| ch.wait().unwrap())
+        .collect();
+    let text = |n: &str| std::fs::read_to_string(log(n)).unwrap_or_default();
+    let all = format!("A:\n{}\nB:\n{}\nC2:\n{}", text("a"), text("b"), text("c2"));
+    assert!(outs.iter().all(|s| s.success()), "{all}");
+    let line = ["a", "b", "c2"]
+        .iter()
+        .flat_map(|n| text(n).lines().map(str::to_string).collect::<Vec<_>>())
+        .find(|l| l.contains("{\"framework\""))
+        .unwrap_or_else(|| panic!("no JSON line:\n{all}"));
+    let j: Value = serde_json::from_str(&line[line.find('{').unwrap()..]).unwrap();
+    assert_eq!(j["world_size"], 3, "{j}\n{all}");
+    assert_eq!(j["replicas_identical"], true, "{j}");
+    let r = j["regroups"].as_array().cloned().unwrap_or_default();
+    assert_eq!(r.len(), 2, "{j}\n{all}");
+    assert_eq!(r[0]["cause"], "lost", "{j}");
+    assert_eq!(r[0]["lost"], serde_json::json!([c_rank]), "{j}");
+    assert_eq!(r[1]["cause"], "joined", "{j}");
+    assert_eq!(r[1]["state_sent"], true, "{j}");
+    let (k1, k2) = (
+        r[0]["step"].as_u64().unwrap(),
+        r[1]["step"].as_u64().unwrap(),
+    );
+    assert!(k1 < k2 && k2 < iters, "{j}");
+    // The reference: world 3 to k1, world 2 to k2, world 3 to the end.
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path().to_str().unwrap();
+    plain(
+        3,
+        iters,
+        &["--checkpoint-dir", d, "--stop-after", &k1.to_string()],
+    );
+    plain(
+        2,
+        iters,
+        &[
+            "--checkpoint-dir",
+            d,
+            "--resume",
+            "--stop-after",
+            &k2.to_string(),
+        ],
+    );
+    let reference = plain(3, iters, &["--checkpoint-dir", d, "--resume"]);
+    for key in ["param_sum", "param_l2", "val_loss"] {
+        assert_eq!(
+            bits(&j, key),
+            bits(&reference, key),
+            "{key}:\n{j}\n{reference}"
+        );
+    }
+}

@@ -43,6 +43,14 @@ fn ok(out: &Output, what: &str) -> String {
     stdout
 }
 
+/// The same run, bit for bit: parameters' sum and norm, validation loss.
+fn assert_same_run(a: &serde_json::Value, b: &serde_json::Value, what: &str) {
+    for key in ["param_sum", "param_l2", "val_loss"] {
+        let bits = |v: &serde_json::Value| v[key].as_f64().unwrap().to_bits();
+        assert_eq!(bits(a), bits(b), "{what}: {key} differs:\n{a}\n{b}");
+    }
+}
+
 fn step_of(dir: &Path) -> u64 {
     ddprs::checkpoint::load(dir)
         .unwrap()
@@ -100,14 +108,7 @@ fn an_async_checkpoint_saves_what_the_synchronous_one_saves() {
                 .unwrap()
         };
         let (a, b) = (resumed(&sync), resumed(&bg));
-        for key in ["param_sum", "param_l2", "val_loss"] {
-            let bits = |v: &serde_json::Value| v[key].as_f64().unwrap().to_bits();
-            assert_eq!(
-                bits(&a),
-                bits(&b),
-                "{fw} {key}: resumed from sync {a}, async {b}"
-            );
-        }
+        assert_same_run(&a, &b, &format!("{fw}: resumed from sync, from async"));
     }
 }
 
@@ -281,14 +282,8 @@ fn an_async_save_set_saves_what_the_synchronous_one_saves() {
         assert_eq!(j["checkpoint_async"], true, "{j}");
         assert_eq!(set_step(&bg), 6, "{fw} --zero {stage}");
         let (a, b) = (run(&sync, 8, &["--resume"]), run(&bg, 8, &["--resume"]));
-        for key in ["param_sum", "param_l2", "val_loss"] {
-            let bits = |v: &serde_json::Value| v[key].as_f64().unwrap().to_bits();
-            assert_eq!(
-                bits(&a),
-                bits(&b),
-                "{fw} --zero {stage} {key}: resumed from sync {a}, async {b}"
-            );
-        }
+        let what = format!("{fw} --zero {stage}: resumed from sync, from async");
+        assert_same_run(&a, &b, &what);
     }
 }
 

@@ -61,6 +61,30 @@ fn bits(v: &Value, key: &str) -> u64 {
         .to_bits()
 }
 
+/// `ddprun LAUNCHER BIN GPT` with the workers' pids written to `pid_dir`, its output piped.
+fn launch(launcher: &[&str], gpt: &[String], pid_dir: &Path) -> Child {
+    Command::new(ddprun().expect("checked by the caller"))
+        .args(launcher)
+        .arg(BIN)
+        .args(gpt)
+        .env("TRAIN_GPT_DEBUG_PID_DIR", pid_dir)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
+/// The same run, bit for bit: parameters' sum and norm, validation loss.
+fn assert_same_run(a: &Value, b: &Value, what: &str) {
+    for key in ["param_sum", "param_l2", "val_loss"] {
+        assert_eq!(
+            bits(a, key),
+            bits(b, key),
+            "{what}: {key} differs:\n{a}\n{b}"
+        );
+    }
+}
+
 /// A small deterministic generator (splitmix64) for the trials' choices.
 fn mix(seed: u64) -> u64 {
     let mut z = seed.wrapping_add(0x9e37_79b9_7f4a_7c15);
@@ -135,24 +159,11 @@ fn reference(k: u64, iters: u64) -> Value {
 /// One trial: ddprun --fault-tolerance with 3 workers, rank `victim` SIGKILLed `delay` after
 /// every worker started.
 fn trial(seed: u64, iters: u64) {
-    let ddprun = ddprun().expect("checked by the caller");
     let victim = (mix(seed) % 3) as usize;
     let delay = Duration::from_millis(mix(seed ^ 1) % 1000);
     let pid_dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(&ddprun)
-        .args([
-            "--standalone",
-            "--fault-tolerance",
-            "--nproc-per-node",
-            "3",
-            BIN,
-        ])
-        .args(run_args(iters))
-        .env("TRAIN_GPT_DEBUG_PID_DIR", pid_dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let launcher = ["--standalone", "--fault-tolerance", "--nproc-per-node", "3"];
+    let mut child = launch(&launcher, &run_args(iters), pid_dir.path());
     let pids = pids(pid_dir.path(), 3, &mut child);
     std::thread::sleep(delay);
     let killed = unsafe_free_kill(pids[victim]);
@@ -191,14 +202,8 @@ fn trial(seed: u64, iters: u64) {
     );
     let k = r["step"].as_u64().unwrap();
     let reference = reference(k, iters);
-    for key in ["param_sum", "param_l2", "val_loss"] {
-        assert_eq!(
-            bits(&ft, key),
-            bits(&reference, key),
-            "{what}: went on from step {k}; {key} differs from world 3 to step {k} then world \
-             2:\n{ft}\n{reference}"
-        );
-    }
+    let why = format!("{what}: went on from step {k}, against world 3 to {k} then world 2");
+    assert_same_run(&ft, &reference, &why);
     eprintln!("{what}: went on from step {k} at world 2, equal to the reference");
 }
 
@@ -232,16 +237,12 @@ fn a_rank_killed_at_a_random_moment_is_survived_in_place_and_equals_the_referenc
 
 #[test]
 fn without_fault_tolerance_a_killed_rank_still_fails_the_job() {
-    let Some(ddprun) = ddprun() else { return };
+    if ddprun().is_none() {
+        return;
+    }
     let pid_dir = tempfile::tempdir().unwrap();
-    let mut child = Command::new(&ddprun)
-        .args(["--standalone", "--nproc-per-node", "3", BIN])
-        .args(run_args(100_000))
-        .env("TRAIN_GPT_DEBUG_PID_DIR", pid_dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let launcher = ["--standalone", "--nproc-per-node", "3"];
+    let mut child = launch(&launcher, &run_args(100_000), pid_dir.path());
     let pids = pids(pid_dir.path(), 3, &mut child);
     std::thread::sleep(Duration::from_millis(300));
     assert!(unsafe_free_kill(pids[1]));
@@ -253,7 +254,9 @@ fn without_fault_tolerance_a_killed_rank_still_fails_the_job() {
 
 #[test]
 fn a_joined_process_gets_the_live_state_and_no_checkpoint_is_read() {
-    let Some(ddprun) = ddprun() else { return };
+    if ddprun().is_none() {
+        return;
+    }
     // Two workers under ddprun; a third process joins by hand through the job's store.
     let port = std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
@@ -263,15 +266,14 @@ fn a_joined_process_gets_the_live_state_and_no_checkpoint_is_read() {
         .to_string();
     let pid_dir = tempfile::tempdir().unwrap();
     let iters = 400;
-    let job = Command::new(&ddprun)
-        .args(["--fault-tolerance", "--nproc-per-node", "2"])
-        .args(["--master-addr", "127.0.0.1", "--master-port", &port, BIN])
-        .args(run_args(iters))
-        .env("TRAIN_GPT_DEBUG_PID_DIR", pid_dir.path())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let launcher = [
+        "--fault-tolerance",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+    ];
+    let launcher = [&launcher[..], &["127.0.0.1", "--master-port", &port]].concat();
+    let job = launch(&launcher, &run_args(iters), pid_dir.path());
     let mut job = job;
     pids(pid_dir.path(), 2, &mut job);
     let joiner = Command::new(BIN)
@@ -306,13 +308,7 @@ fn a_joined_process_gets_the_live_state_and_no_checkpoint_is_read() {
         &["--checkpoint-dir", d, "--stop-after", &k.to_string()],
     );
     let reference = plain(3, iters, &["--checkpoint-dir", d, "--resume"]);
-    for key in ["param_sum", "param_l2", "val_loss"] {
-        assert_eq!(
-            bits(&j, key),
-            bits(&reference, key),
-            "{key}:\n{j}\n{reference}"
-        );
-    }
+    assert_same_run(&j, &reference, "joined, against world 2 then 3");
 }
 
 /// An elastic `ddprun --nnodes 2:3 --fault-tolerance` agent on 127.0.0.1 (one worker), its
@@ -440,11 +436,5 @@ fn a_restarted_node_rejoins_an_elastic_job_from_its_live_peers() {
         ],
     );
     let reference = plain(3, iters, &["--checkpoint-dir", d, "--resume"]);
-    for key in ["param_sum", "param_l2", "val_loss"] {
-        assert_eq!(
-            bits(&j, key),
-            bits(&reference, key),
-            "{key}:\n{j}\n{reference}"
-        );
-    }
+    assert_same_run(&j, &reference, "against world 3, then 2, then 3");
 }

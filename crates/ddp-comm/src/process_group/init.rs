@@ -108,8 +108,8 @@ pub(crate) struct GroupPlan {
     pub global_ranks: Vec<usize>,
     /// The store server, when this process hosts it.
     pub server: Option<Arc<StoreServer>>,
-    /// Where the group's regroupings meet (default groups only; see [`super::regroup`]).
-    pub regroup: Option<super::regroup::RegroupBase>,
+    /// Where the group's regroupings meet (default groups only; see `ProcessGroup::regroup`).
+    pub regroup: Option<super::RegroupBase>,
 }
 
 /// Where the rendezvous happens, resolved from the options and the environment.
@@ -198,7 +198,7 @@ pub(super) fn plan_default_group(
         },
         global_ranks: (0..rdzv.size).collect(),
         server: rdzv.server,
-        regroup: Some(super::regroup::RegroupBase {
+        regroup: Some(super::RegroupBase {
             store,
             generation: 0,
         }),

@@ -41,6 +41,13 @@ use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+/// Where a default group regroups (its store) and its generation ([`regroup`]).
+#[derive(Clone)]
+pub(crate) struct RegroupBase {
+    pub store: Arc<dyn Store>,
+    pub generation: u64,
+}
+
 struct Inner {
     rank: usize,
     size: usize,
@@ -69,7 +76,7 @@ struct Inner {
     observer: ObserverSlot,
     /// Where this default group regroups, and its generation ([`regroup`]); `None` for
     /// subgroups and MPI.
-    regroup: Option<regroup::RegroupBase>,
+    regroup: Option<RegroupBase>,
 }
 
 impl Drop for Inner {
@@ -136,7 +143,7 @@ impl ProcessGroup {
         timeout: Duration,
         plan: Option<BackendPlan>,
         server: Option<Arc<StoreServer>>,
-        regroup: Option<regroup::RegroupBase>,
+        regroup: Option<RegroupBase>,
     ) -> Result<ProcessGroup> {
         let size = global_ranks.len();
         let topology = backend.topology();

@@ -35,7 +35,7 @@
 //! is the training loop's: `ddp-core`'s `fault` module.
 
 use super::init::{plan_default_group, GroupPlan};
-use super::{InitOptions, ProcessGroup};
+use super::{InitOptions, ProcessGroup, RegroupBase};
 use crate::backend::{Backend, BackendPlan};
 use crate::store::{PrefixStore, Store};
 use crate::{Error, Result};
@@ -57,13 +57,6 @@ pub fn fault_tolerance_from_env() -> bool {
     std::env::var(FAULT_TOLERANCE_ENV)
         .map(|v| matches!(v.trim(), "1" | "true"))
         .unwrap_or(false)
-}
-
-/// Where a default group regroups (its store) and its generation.
-#[derive(Clone)]
-pub(crate) struct RegroupBase {
-    pub store: Arc<dyn Store>,
-    pub generation: u64,
 }
 
 /// How a regrouping waits and what it accepts.

@@ -78,7 +78,7 @@ pub struct CommonArgs {
     /// (compressed all-reduce), `powersgd[:RANK[:START_ITER]]` (PowerSGD, default rank 1 from
     /// step 1000), `localsgd[:PERIOD[:WARMUP]]` (post-local SGD, parameters averaged every PERIOD
     /// steps after WARMUP; default 4 and 100). Hook state is saved in checkpoints.
-    #[arg(long, default_value = "none")]
+    #[arg(long, default_value = "none", value_parser = ddprs::hooks::HookSpec::parse_without_diloco)]
     pub hook: ddprs::hooks::HookSpec,
     /// Stop once rank 0's held-out accuracy, evaluated after every epoch, reaches this
     /// (reports `time_to_target_s`, training time excluding evaluations).

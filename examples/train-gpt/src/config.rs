@@ -91,7 +91,10 @@ pub struct Args {
     pub zero: u8,
     /// Communication hook (PyTorch's DDP comm hooks): none (all-reduce), fp16 / bf16
     /// (compressed all-reduce), `powersgd[:RANK[:START_ITER]]` (post-local SGD is refused
-    /// here: train-digits has it). Hook state is saved in checkpoints.
+    /// here: train-digits has it), `diloco:H[:OUTER_LR[:MOMENTUM]]` (DiLoCo: H local steps,
+    /// then the averaged pseudo-gradient stepped by Nesterov SGD, lr 0.7 and momentum 0.9 by
+    /// default), `streaming-diloco:H:F[:TAU]` (F fragments in turn, each all-reduce overlapping
+    /// TAU steps, bf16). Hook and DiLoCo state are saved in checkpoints.
     #[arg(long, default_value = "none")]
     pub hook: ddprs::hooks::HookSpec,
     /// Save checkpoints here.
@@ -234,6 +237,12 @@ impl Args {
             return Err(format!(
                 "--hook {}: post-local SGD is not available in train-gpt yet (train-digits \
                  has it); use none, fp16, bf16 or powersgd",
+                self.hook
+            ));
+        }
+        if self.framework == Framework::Burn && self.hook.diloco().is_some() {
+            return Err(format!(
+                "--hook {}: DiLoCo runs on --framework candle in train-gpt for now",
                 self.hook
             ));
         }

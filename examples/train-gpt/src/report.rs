@@ -14,6 +14,8 @@ pub struct Eval {
     pub val_loss: Option<f64>,
     pub elapsed_s: f64,
     pub tokens_per_s: f64,
+    /// Payload bytes this rank had sent to collectives by then (gradients, pseudo-gradients).
+    pub comm_bytes: u64,
 }
 
 /// The final JSON line.
@@ -49,6 +51,8 @@ pub struct Summary {
     pub start_step: u64,
     /// When this process completed its first step (Unix time, ms).
     pub first_step_unix_ms: Option<u64>,
+    /// Payload bytes rank 0 sent to collectives (gradients, pseudo-gradients).
+    pub comm_bytes: u64,
 }
 
 pub struct Report {
@@ -67,6 +71,8 @@ pub struct Report {
     pub failed_steps: u64,
     /// See [`Summary::start_step`].
     pub start_step: u64,
+    /// Payload bytes this rank has sent to collectives so far (set by the training loop).
+    pub comm_bytes: u64,
     /// See [`Summary::first_step_unix_ms`].
     pub first_step_unix_ms: Option<u64>,
 }
@@ -100,6 +106,7 @@ impl Report {
             failed_steps: 0,
             start_step: 0,
             first_step_unix_ms: None,
+            comm_bytes: 0,
         }
     }
 
@@ -128,6 +135,7 @@ impl Report {
             val_loss,
             elapsed_s: t0.elapsed().as_secs_f64(),
             tokens_per_s: tokens / train_time,
+            comm_bytes: self.comm_bytes,
         });
     }
 
@@ -196,6 +204,7 @@ impl Report {
             failed_steps: self.failed_steps,
             start_step: self.start_step,
             first_step_unix_ms: self.first_step_unix_ms,
+            comm_bytes: self.comm_bytes,
         });
         Ok(())
     }

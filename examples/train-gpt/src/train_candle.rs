@@ -17,6 +17,7 @@ use ddprs::candle::checkpoint::save_vars;
 use ddprs::candle::optim::AdamW;
 use ddprs::candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
 use ddprs::comm::process_group::{RegroupOptions, Regrouped};
+use ddprs::hooks::DiLoCo;
 use ddprs::sharding::ZeroStage;
 use ddprs::{CheckpointMeta, ProcessGroup};
 use std::path::Path;
@@ -41,12 +42,17 @@ fn tensors(x: Vec<u32>, y: Vec<u32>, rows: usize, cols: usize) -> Result<(Tensor
     ))
 }
 
+/// The checkpoint blob of rank R's own state under DiLoCo (`diloco_rank{R}`).
+const DILOCO_LOCAL: &str = "diloco_rank";
+
 /// The model and what trains it, by ZeRO stage.
 enum Engine {
     Ddp {
         ddp: Box<Ddp>,
         opt: AdamW,
         model: Gpt,
+        /// `--hook diloco` / `streaming-diloco`: the outer loop after each inner step.
+        outer: Option<Box<DiLoCo>>,
     },
     Zero {
         zero: Box<ZeroDdp>,
@@ -88,10 +94,15 @@ impl Engine {
                 }
                 let vars = ddp.named_vars().to_vec();
                 let opt = AdamW::new_named_with_decay(vars, params, |n, v| decays(n, v.dims()))?;
+                let outer = match args.hook.diloco() {
+                    Some(cfg) => Some(Box::new(DiLoCo::new(cfg, ddp.params())?)),
+                    None => None,
+                };
                 Engine::Ddp {
                     ddp: Box::new(ddp),
                     opt,
                     model,
+                    outer,
                 }
             }
             ZeroStage::One | ZeroStage::Two => {
@@ -126,7 +137,12 @@ impl Engine {
         let mut drop = Dropout::new(args.dropout, seed);
         let clip = args.grad_clip;
         let loss = match self {
-            Engine::Ddp { ddp, opt, model } => {
+            Engine::Ddp {
+                ddp,
+                opt,
+                model,
+                outer,
+            } => {
                 opt.set_learning_rate(lr);
                 let loss = model.loss(x, y, &mut drop, true)?;
                 let mut grads = ddp.backward(&loss)?;
@@ -134,6 +150,9 @@ impl Engine {
                     ddp.clip_grad_norm(&mut grads, clip)?;
                 }
                 opt.step(&grads)?;
+                if let Some(d) = outer {
+                    d.step(ddp.process_group(), ddp.params())?;
+                }
                 loss
             }
             Engine::Zero { zero, model } => {
@@ -179,7 +198,45 @@ impl Engine {
         matches!(self, Engine::Fsdp { .. })
     }
 
-    fn save(&self, saver: &mut Saver, dir: &Path, meta: CheckpointMeta) -> Result<()> {
+    fn save(&mut self, saver: &mut Saver, dir: &Path, meta: CheckpointMeta) -> Result<()> {
+        if let Engine::Ddp {
+            ddp,
+            opt,
+            outer: Some(d),
+            ..
+        } = self
+        {
+            // DiLoCo's outer state goes with the model (its in-flight fragments completed), and
+            // so does every rank's inner state: between synchronizations each rank has its own
+            // parameters and AdamW moments (a collective gathers them).
+            let state = d.state_dict()?;
+            let (ddp, opt) = (&**ddp, &*opt);
+            let mut local = ddprs::Checkpoint::new(meta.clone());
+            save_vars(&mut local, ddp.named_vars())?;
+            local.save_optimizer(opt)?;
+            let locals = ddp.process_group().all_gather_bytes(&local.to_bytes()?)?;
+            let fill = |ck: &mut ddprs::Checkpoint| -> ddprs::Result<()> {
+                let failed = |e: &dyn std::fmt::Display| ddprs::Error::Checkpoint(e.to_string());
+                save_vars(ck, ddp.named_vars()).map_err(|e| failed(&e))?;
+                ck.save_optimizer(opt).map_err(|e| failed(&e))?;
+                for (r, bytes) in locals.into_iter().enumerate() {
+                    ck.insert_blob(format!("{DILOCO_LOCAL}{r}"), bytes);
+                }
+                ck.save_hook_state(&state)
+            };
+            return saver.save(meta.step, |background| {
+                Ok(match background {
+                    Some(b) => ddp.write_checkpoint_async(b, dir, meta, |ck| {
+                        fill(ck)?;
+                        Ok(None)
+                    })?,
+                    None => {
+                        ddp.write_checkpoint(dir, meta, fill)?;
+                        None
+                    }
+                })
+            });
+        }
         match self {
             Engine::Zero { zero, .. } => {
                 return saver.save_set(|sets| match sets {
@@ -214,7 +271,10 @@ impl Engine {
     /// returning its metadata and, when plain, the checkpoint (hook state).
     fn load(&mut self, dir: &Path, world: usize) -> Result<Option<(CheckpointMeta, Loaded)>> {
         let set = ddprs::sharding::latest_set(dir)?.is_some();
-        if let Engine::Ddp { ddp, opt, .. } = self {
+        if let Engine::Ddp {
+            ddp, opt, outer, ..
+        } = self
+        {
             let Some(ck) = ddprs::checkpoint::load(dir)? else {
                 return match set {
                     true => Err(sharded_set_at_zero0(dir).into()),
@@ -224,6 +284,25 @@ impl Engine {
             data::check_plain_world(&ck, world, ddp.reducer())?;
             load_vars(&ck, ddp.named_vars())?;
             ck.load_optimizer(opt)?;
+            if let Some(d) = outer {
+                if ck.meta.world_size != world {
+                    return Err(format!(
+                        "{}: a DiLoCo checkpoint holds each rank's own parameters and optimizer \
+                         state (the ranks train apart between synchronizations): resume it with \
+                         {} processes",
+                        dir.display(),
+                        ck.meta.world_size
+                    )
+                    .into());
+                }
+                let rank = ddp.rank();
+                let what = format!("rank {rank}'s DiLoCo inner state");
+                let blob = ck.require_blob(&format!("{DILOCO_LOCAL}{rank}"))?;
+                let local = ddprs::Checkpoint::from_bytes(blob, &what)?;
+                load_vars(&local, ddp.named_vars())?;
+                local.load_optimizer(opt)?;
+                d.load_state_dict(&ck.hook_state("diloco")?)?;
+            }
             return Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))));
         }
         if !set {
@@ -288,6 +367,36 @@ impl Engine {
         };
         ddp.reducer_mut().set_step(sync.step);
         Ok((sync.step, meta, sent))
+    }
+
+    /// Whether DiLoCo runs (the replicas differ between synchronizations).
+    fn local_steps(&self) -> bool {
+        matches!(self, Engine::Ddp { outer: Some(_), .. })
+    }
+
+    /// DiLoCo at the end of the run: a last synchronization, so that every replica holds the
+    /// same model (a collective).
+    fn finish_outer(&mut self) -> Result<()> {
+        if let Engine::Ddp {
+            ddp,
+            outer: Some(d),
+            ..
+        } = self
+        {
+            d.finish(ddp.process_group(), ddp.params())?;
+        }
+        Ok(())
+    }
+
+    /// Payload bytes this rank has sent: gradient buckets and DiLoCo's pseudo-gradients.
+    fn comm_bytes(&self) -> u64 {
+        match self {
+            Engine::Ddp { ddp, outer, .. } => {
+                ddp.reducer().bytes_sent() + outer.as_ref().map_or(0, |d| d.bytes_sent())
+            }
+            Engine::Zero { zero, .. } => zero.ddp().reducer().bytes_sent(),
+            Engine::Fsdp { .. } => 0,
+        }
     }
 
     /// Whether the replicas are bit-identical (a collective).
@@ -552,13 +661,18 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
                 last.first_step_unix_ms = Some(fault::unix_ms());
             }
         }
-        if args.check_replicas && !engine.replicas_identical()? {
+        if args.check_replicas && !engine.local_steps() && !engine.replicas_identical()? {
             return Err(format!("replicas differ after step {}", it + 1).into());
         }
         let done = it + 1;
         it = done;
         beacon.step(done);
+        if done == args.max_iters {
+            // DiLoCo ends synchronized: the last evaluation and checkpoint see one model.
+            engine.finish_outer()?;
+        }
         let rank = group.rank();
+        report.comm_bytes = engine.comm_bytes();
         if args.eval_due(done, end) {
             let val = match rank == 0 || engine.collective_eval() {
                 true => Some(evaluate(&engine, &corpus, args)?),

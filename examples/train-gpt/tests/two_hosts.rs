@@ -12,7 +12,7 @@ use std::process::{Command, Output, Stdio};
 const BIN: &str = env!("CARGO_BIN_EXE_train-gpt");
 const ADDRS: [&str; 2] = ["10.79.0.1", "10.79.0.2"];
 
-/// Two namespaces `gpt-PID-0/1` with `veth0`/`veth1` between them, deleted on drop.
+/// Two namespaces `gpt-PID-TAG-0/1` with `veth0`/`veth1` between them, deleted on drop.
 struct Hosts([String; 2]);
 
 fn ip(args: &[&str]) -> Result<(), String> {
@@ -30,9 +30,10 @@ fn ip(args: &[&str]) -> Result<(), String> {
 }
 
 impl Hosts {
-    fn new() -> Result<Hosts, String> {
+    /// `tag` keeps the namespaces of tests running at once in this process apart.
+    fn new(tag: &str) -> Result<Hosts, String> {
         let id = std::process::id();
-        let hosts = Hosts([format!("gpt-{id}-0"), format!("gpt-{id}-1")]);
+        let hosts = Hosts([format!("gpt-{id}-{tag}-0"), format!("gpt-{id}-{tag}-1")]);
         let [a, b] = &hosts.0;
         ip(&["netns", "add", a])?;
         ip(&["netns", "add", b])?;
@@ -149,7 +150,7 @@ fn nnodes_2_over_two_network_namespaces_is_the_one_host_run() {
             .output()
             .unwrap();
         let one = json(&one, "the one-host run");
-        let hosts = Hosts::new().unwrap();
+        let hosts = Hosts::new(fw).unwrap();
         let port = 29_000 + (std::process::id() % 1000) as u16;
         let port = port.to_string();
         let nodes: Vec<_> = (0..2)
@@ -206,7 +207,7 @@ fn a_rank_cut_off_by_a_partition_is_left_behind_and_exits_with_a_clear_error() {
         );
         return eprintln!("SKIPPED a_rank_cut_off_by_a_partition: {why}");
     }
-    let hosts = Hosts::new().unwrap();
+    let hosts = Hosts::new("cut").unwrap();
     let port = (29_000 + (std::process::id() % 1000) as u16 + 1).to_string();
     let pid_dir = tempfile::tempdir().unwrap();
     let timeout = 3.0;

@@ -9,6 +9,7 @@
 //! | [`PowerSgdHook::new`] | `powerSGD_hook` | 4·Σ(n+m)·r for the compressed n×m gradients, 4N for the rest |
 //! | [`PowerSgdHook::batched`] | `batched_powerSGD_hook` | 4·2·⌈√N⌉·r |
 //! | [`PostLocalSgdHook`] + [`PeriodicModelAverager`] | `post_localSGD_hook` + `PeriodicModelAverager` | 4N until the warm-up ends, then 0 (parameters averaged every `period` steps) |
+//! | [`PostLocalSgdHook::new(0)`](PostLocalSgdHook) + [`DiLoCo`] | torchft's `DiLoCo`, `StreamingDiLoCo` | 0 (pseudo-gradients all-reduced every `H` steps, by fragment) |
 //!
 //! ```text
 //!   bucket (f32) ──÷ divisor──► bf16 ──all_reduce(Sum)──► bf16 ──cast──► bucket     (CompressHook)
@@ -35,12 +36,14 @@
 //! `none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]`.
 
 mod compress;
+pub mod diloco;
 mod local_sgd;
 mod powersgd;
 mod spec;
 pub(crate) mod state;
 
 pub use compress::{CompressHook, Compressed, Precision};
+pub use diloco::{DiLoCo, DiLoCoConfig, PseudoGradDtype};
 pub use local_sgd::{PeriodicModelAverager, PostLocalSgdHook};
 pub use powersgd::{PowerSgdHook, PowerSgdState};
 pub use spec::{BuiltinHook, HookSpec};

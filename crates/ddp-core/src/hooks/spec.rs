@@ -1,7 +1,10 @@
 //! The command-line form of a hook: `none|fp16|bf16|powersgd[:RANK[:START_ITER]]|
 //! localsgd[:PERIOD[:WARMUP]]` ([`HookSpec`]).
 
-use super::{CompressHook, PeriodicModelAverager, PostLocalSgdHook, PowerSgdHook, PowerSgdState};
+use super::{
+    CompressHook, DiLoCoConfig, PeriodicModelAverager, PostLocalSgdHook, PowerSgdHook,
+    PowerSgdState,
+};
 use crate::error::Result;
 use crate::reducer::{BucketWork, CommHook, GradBucket, HookState};
 use ddp_comm::ProcessGroup;
@@ -11,7 +14,7 @@ use std::str::FromStr;
 /// A built-in hook chosen by name (`--hook`), with PyTorch's defaults for what is left out:
 /// PowerSGD rank 1 from iteration 1000, local SGD period 4 after 100 warm-up steps (the
 /// values of PyTorch's post-local SGD example).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub enum HookSpec {
     /// The default all-reduce.
     #[default]
@@ -25,9 +28,25 @@ pub enum HookSpec {
     /// `post_localSGD_hook` (global averaging for `warmup` steps) and a
     /// `PeriodicModelAverager(period, warmup)`.
     LocalSgd { period: u64, warmup: u64 },
+    /// DiLoCo: local inner steps (gradients not reduced) and an outer Nesterov SGD step on the
+    /// averaged pseudo-gradient every `h` steps ([`super::DiLoCo`]; outer lr 0.7, momentum 0.9
+    /// by default).
+    DiLoCo {
+        h: u64,
+        outer_lr: f64,
+        momentum: f64,
+    },
+    /// Streaming DiLoCo: `fragments` fragments synchronized in turn, each all-reduce overlapping
+    /// `overlap` inner steps, pseudo-gradients in bf16.
+    StreamingDiLoCo {
+        h: u64,
+        fragments: usize,
+        overlap: u64,
+    },
 }
 
-const FORMS: &str = "none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]";
+const FORMS: &str = "none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]|\
+                     diloco:H[:OUTER_LR[:MOMENTUM]]|streaming-diloco:H:F[:TAU]";
 
 impl FromStr for HookSpec {
     type Err = String;
@@ -48,13 +67,30 @@ impl FromStr for HookSpec {
                     },
                 }
             };
-        let max_args = match name {
-            "none" | "fp16" | "bf16" => 0,
-            "powersgd" | "localsgd" => 2,
+        let float = |i: usize, what: &str, default: f64| -> std::result::Result<f64, String> {
+            match args.get(i) {
+                None => Ok(default),
+                Some(a) => a
+                    .parse::<f64>()
+                    .ok()
+                    .filter(|v| v.is_finite())
+                    .ok_or_else(|| {
+                        format!("hook {s:?}: {what} must be a number, got {a:?} (forms: {FORMS})")
+                    }),
+            }
+        };
+        let (min_args, max_args) = match name {
+            "none" | "fp16" | "bf16" => (0, 0),
+            "powersgd" | "localsgd" => (0, 2),
+            "diloco" => (1, 3),
+            "streaming-diloco" => (2, 3),
             _ => return Err(format!("unknown hook {s:?} (forms: {FORMS})")),
         };
         if args.len() > max_args {
             return Err(format!("hook {s:?}: too many ':' fields (forms: {FORMS})"));
+        }
+        if args.len() < min_args {
+            return Err(format!("hook {s:?}: missing ':' fields (forms: {FORMS})"));
         }
         Ok(match name {
             "none" => HookSpec::None,
@@ -64,9 +100,19 @@ impl FromStr for HookSpec {
                 rank: num(0, "RANK", 1, 1)? as usize,
                 start_iter: num(1, "START_ITER", 1000, 0)?,
             },
-            _ => HookSpec::LocalSgd {
+            "localsgd" => HookSpec::LocalSgd {
                 period: num(0, "PERIOD", 4, 1)?,
                 warmup: num(1, "WARMUP", 100, 0)?,
+            },
+            "diloco" => HookSpec::DiLoCo {
+                h: num(0, "H", 0, 1)?,
+                outer_lr: float(1, "OUTER_LR", 0.7)?,
+                momentum: float(2, "MOMENTUM", 0.9)?,
+            },
+            _ => HookSpec::StreamingDiLoCo {
+                h: num(0, "H", 0, 1)?,
+                fragments: num(1, "F", 0, 1)? as usize,
+                overlap: num(2, "TAU", 0, 0)?,
             },
         })
     }
@@ -80,11 +126,35 @@ impl fmt::Display for HookSpec {
             HookSpec::Bf16 => write!(f, "bf16"),
             HookSpec::PowerSgd { rank, start_iter } => write!(f, "powersgd:{rank}:{start_iter}"),
             HookSpec::LocalSgd { period, warmup } => write!(f, "localsgd:{period}:{warmup}"),
+            HookSpec::DiLoCo {
+                h,
+                outer_lr,
+                momentum,
+            } => write!(f, "diloco:{h}:{outer_lr}:{momentum}"),
+            HookSpec::StreamingDiLoCo {
+                h,
+                fragments,
+                overlap,
+            } => write!(f, "streaming-diloco:{h}:{fragments}:{overlap}"),
         }
     }
 }
 
 impl HookSpec {
+    /// [`HookSpec::from_str`] for a program without DiLoCo's outer loop (clap's `value_parser`):
+    /// `diloco` and `streaming-diloco` are refused, naming where they run, instead of training
+    /// with local steps and never synchronizing.
+    pub fn parse_without_diloco(s: &str) -> std::result::Result<HookSpec, String> {
+        let spec: HookSpec = s.parse()?;
+        match spec.diloco() {
+            Some(_) => Err(format!(
+                "hook {s:?}: DiLoCo is not wired into this program yet (train-gpt has it: \
+                 --hook diloco:H or streaming-diloco:H:F)"
+            )),
+            None => Ok(spec),
+        }
+    }
+
     /// The comm hook to register (`None` for the default all-reduce).
     pub fn hook(&self) -> Result<Option<BuiltinHook>> {
         Ok(match *self {
@@ -101,7 +171,34 @@ impl HookSpec {
             HookSpec::LocalSgd { warmup, .. } => {
                 Some(BuiltinHook::LocalSgd(PostLocalSgdHook::new(warmup)))
             }
+            // The inner steps are local: the gradients are not reduced.
+            HookSpec::DiLoCo { .. } | HookSpec::StreamingDiLoCo { .. } => {
+                Some(BuiltinHook::LocalSgd(PostLocalSgdHook::new(0)))
+            }
         })
+    }
+
+    /// The DiLoCo outer loop that goes with the hook (DiLoCo and streaming DiLoCo only): build
+    /// a [`super::DiLoCo`] with it after the DDP wrapper, and call its `step` after every inner
+    /// optimizer step.
+    pub fn diloco(&self) -> Option<DiLoCoConfig> {
+        match *self {
+            HookSpec::DiLoCo {
+                h,
+                outer_lr,
+                momentum,
+            } => Some(DiLoCoConfig {
+                outer_lr,
+                momentum,
+                ..DiLoCoConfig::new(h)
+            }),
+            HookSpec::StreamingDiLoCo {
+                h,
+                fragments,
+                overlap,
+            } => Some(DiLoCoConfig::streaming(h, fragments, overlap)),
+            _ => None,
+        }
     }
 
     /// The model averager that goes with the hook (local SGD only).

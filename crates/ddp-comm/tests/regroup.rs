@@ -45,7 +45,11 @@ fn survivors_of_a_lost_rank_regroup_at_once_and_keep_their_order() {
         }
         let mut v = vec![1.0f32; 1 << 16];
         let err = pg.all_reduce(&mut v, ReduceOp::Sum).unwrap_err();
-        assert_eq!(err.lost_peer(), Some(2), "rank {rank}: {err}");
+        // A survivor sees rank 2 gone, or the other survivor's abort (which names it too).
+        assert!(
+            err.lost_peer().is_none_or(|p| p == 2) && err.to_string().contains("rank 2"),
+            "rank {rank}: {err}"
+        );
         let t = Instant::now();
         let r: Regrouped = pg.regroup(Some(&err), &window(20_000)).unwrap();
         let took = t.elapsed();

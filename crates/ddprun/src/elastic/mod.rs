@@ -35,6 +35,7 @@
 
 pub mod heartbeat;
 pub mod rdzv;
+pub mod records;
 
 use crate::agent::{logs_note, signal_exit, supervise, Housekeeping, Launch, Outcome};
 use crate::cli::Config;

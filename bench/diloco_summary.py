@@ -1,0 +1,85 @@
+"""The table of bench/diloco.sh: final validation loss, bytes and training time of the recipe
+per method and link rate. Usage: diloco_summary.py ROWS.jsonl STEPS
+
+A method's loss per step does not depend on the link, so its recipe time on a rate where it ran
+fewer steps is its measured ms/step there x STEPS (marked "derived"). DDP's loss is the newest
+bench/gpt.sh candle world-2 run (bench/results/gpt-*-candle-w2.metrics.jsonl).
+"""
+import glob
+import json
+import sys
+
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
+steps = int(sys.argv[2])
+rates = sorted({r["rate"] for r in rows if r["rate"] != "none"},
+               key=lambda r: float(r.rstrip("mgkbit") or 0) * (1000 if "gbit" in r else 1))
+methods = []
+for r in rows:
+    if r["method"] not in methods:
+        methods.append(r["method"])
+
+
+def last_val(path):
+    vals = [json.loads(l)["val_loss"] for l in open(path) if l.strip()]
+    return [v for v in vals if v is not None][-1]
+
+
+ddp_curves = sorted(glob.glob("bench/results/gpt-*-candle-w2.metrics.jsonl"))
+ddp_loss = last_val(ddp_curves[-1]) if ddp_curves else None
+
+
+def full(method):
+    """The method's run of the whole recipe (on any rate), if any."""
+    for r in rows:
+        if r["method"] == method and r["steps"] == steps:
+            return r
+    return None
+
+
+def at(method, rate):
+    for r in rows:
+        if r["method"] == method and r["rate"] == rate:
+            return r
+    return None
+
+
+out = []
+head = "| method | final val loss | vs DDP | bytes sent (MB) | DDP's / this |"
+for rate in rates:
+    head += f" training time at {rate} (s) | DDP's / this |"
+print(head)
+print("|" + "---|" * (head.count("|") - 1))
+ddp_bytes = None
+ddp_time = {}
+f = full("none")
+for method in ["none"] + [m for m in methods if m != "none"]:
+    whole = full(method)
+    loss = whole["val_loss"] if whole else (ddp_loss if method == "none" else None)
+    any_run = whole or next((r for r in rows if r["method"] == method), None)
+    if any_run is None:
+        continue
+    per_step_bytes = any_run["comm_bytes"] / any_run["steps"]
+    total_bytes = whole["comm_bytes"] if whole else per_step_bytes * steps
+    if method == "none":
+        ddp_bytes = total_bytes
+    cells = [
+        "DDP" if method == "none" else method,
+        f"{loss:.4f}" if loss is not None else "–",
+        f"{loss - ddp_loss:+.4f}" if loss is not None and ddp_loss is not None else "–",
+        f"{total_bytes / 1e6:.1f}" + ("" if whole else " (derived)"),
+        f"{ddp_bytes / total_bytes:.0f}x" if ddp_bytes else "–",
+    ]
+    for rate in rates:
+        r = at(method, rate)
+        if r is None:
+            cells += ["–", "–"]
+            continue
+        t = r["ms_per_step"] * steps / 1e3
+        derived = "" if r["steps"] == steps else " (derived)"
+        if method == "none":
+            ddp_time[rate] = t
+        cells.append(f"{t:.0f}{derived}")
+        cells.append(f"{ddp_time[rate] / t:.1f}x" if rate in ddp_time else "–")
+    print("| " + " | ".join(cells) + " |")
+if ddp_curves:
+    print(f"\nDDP's loss: {ddp_curves[-1]}")

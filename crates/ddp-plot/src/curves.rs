@@ -1,12 +1,46 @@
 //! `loss_curves`: validation loss (solid, marked) and training loss (thin) versus step of
 //! language-model runs, every run overlaid in its own colour: `train-gpt --metrics` and
-//! `bench/peers/torch_gpt.py --metrics` lines (`step`, `val_loss`, `train_loss`).
+//! `bench/peers/torch_gpt.py --metrics` lines (`step`, `val_loss`, `train_loss`). The same
+//! against wall-clock time (`loss_vs_time`, from `elapsed_s`) and against the bytes each run
+//! sent (`loss_vs_bytes`, from `comm_bytes`, a log axis when the runs span decades: DDP against
+//! DiLoCo).
 
 use crate::charts::{caption, color, drawn, legend, line_mark, DynResult, FONT, MAX_MARKED};
-use crate::input::Evals;
+use crate::input::{EvalPoint, Evals};
 use crate::scale::{series, Axis, Series};
 use plotters::coord::Shift;
 use plotters::prelude::*;
+
+/// What the curves are drawn along.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Along {
+    Step,
+    Time,
+    Bytes,
+}
+
+impl Along {
+    fn x(self, p: &EvalPoint) -> Option<f64> {
+        match self {
+            Along::Step => Some(p.step),
+            Along::Time => p.elapsed_s,
+            Along::Bytes => p.comm_bytes,
+        }
+    }
+
+    fn desc(self) -> &'static str {
+        match self {
+            Along::Step => "step (optimizer steps)",
+            Along::Time => "wall-clock time (s)",
+            Along::Bytes => "bytes sent per rank",
+        }
+    }
+
+    /// Whether every point of `run` has this axis's value.
+    pub fn has(self, run: &Evals) -> bool {
+        !run.points.is_empty() && run.points.iter().all(|p| self.x(p).is_some())
+    }
+}
 
 /// Validation and training loss versus step, one colour per run.
 pub fn loss_curves<DB: DrawingBackend>(
@@ -16,9 +50,42 @@ pub fn loss_curves<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
-    let pick = |get: fn(&crate::input::EvalPoint) -> Option<f64>| -> Vec<Series> {
+    loss_along(root, runs, Along::Step)
+}
+
+/// Validation and training loss versus wall-clock time.
+pub fn loss_vs_time<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    runs: &[Evals],
+) -> DynResult<()>
+where
+    DB::ErrorType: 'static,
+{
+    loss_along(root, runs, Along::Time)
+}
+
+/// Validation and training loss versus the bytes each run sent.
+pub fn loss_vs_bytes<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    runs: &[Evals],
+) -> DynResult<()>
+where
+    DB::ErrorType: 'static,
+{
+    loss_along(root, runs, Along::Bytes)
+}
+
+fn loss_along<DB: DrawingBackend>(
+    root: &DrawingArea<DB, Shift>,
+    runs: &[Evals],
+    along: Along,
+) -> DynResult<()>
+where
+    DB::ErrorType: 'static,
+{
+    let pick = |get: fn(&EvalPoint) -> Option<f64>| -> Vec<Series> {
         runs.iter()
-            .map(|r| series(r.points.iter().filter_map(|p| Some((p.step, get(p)?)))))
+            .map(|r| series(r.points.iter().filter_map(|p| Some((along.x(p)?, get(p)?)))))
             .collect()
     };
     let (val, train) = (pick(|p| p.val_loss), pick(|p| p.train_loss));
@@ -27,7 +94,12 @@ where
         .chain(&train)
         .flat_map(|s| s.points.iter().copied())
         .collect();
-    let x = Axis::fit(all.iter().map(|p| p.0), (0.0, 1.0), 0.0, false);
+    let x = Axis::fit(
+        all.iter().map(|p| p.0),
+        (0.0, 1.0),
+        0.0,
+        along == Along::Bytes,
+    );
     let y = Axis::fit_span(all.iter().map(|p| p.1), 0.05);
     let skipped = val.iter().chain(&train).map(|s| s.skipped).sum();
     let title = "Validation loss (solid) and training loss (thin)";
@@ -39,7 +111,7 @@ where
         .build_cartesian_2d(x.range(), y.range())?;
     chart
         .configure_mesh()
-        .x_desc("step (optimizer steps)")
+        .x_desc(along.desc())
         .x_label_formatter(&|v| x.label(v))
         .y_desc(y.desc("loss (cross-entropy per token)"))
         .y_labels(y.labels())

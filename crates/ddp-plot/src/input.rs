@@ -35,6 +35,10 @@ pub struct EvalPoint {
     pub step: f64,
     pub val_loss: Option<f64>,
     pub train_loss: Option<f64>,
+    /// Seconds since the run started (`elapsed_s`), when the line has it.
+    pub elapsed_s: Option<f64>,
+    /// Payload bytes sent so far (`comm_bytes`, `train-gpt`'s), when the line has it.
+    pub comm_bytes: Option<f64>,
 }
 
 /// A language-model run's evaluations, labelled by its file.
@@ -297,6 +301,8 @@ pub fn read(path: &Path, into: &mut Inputs) -> Result<(), String> {
                 step,
                 val_loss: f(&v, "val_loss"),
                 train_loss: f(&v, "train_loss"),
+                elapsed_s: f(&v, "elapsed_s"),
+                comm_bytes: f(&v, "comm_bytes"),
             });
             used += 1;
         } else if let Some(r) = report(&label, &v) {

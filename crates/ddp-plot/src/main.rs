@@ -2,7 +2,8 @@
 //!
 //! - `train-digits --metrics FILE` lines → `loss_accuracy` (loss and held-out accuracy versus
 //!   step) and `throughput` (samples/s and communication wait versus step), every run overlaid;
-//! - `train-gpt --metrics` and `bench/peers/torch_gpt.py --metrics` lines → `loss_curves`
+//! - `train-gpt --metrics` and `bench/peers/torch_gpt.py --metrics` lines → `loss_curves`, and
+//!   `loss_vs_time` (every line has `elapsed_s`) and `loss_vs_bytes` (the runs with `comm_bytes`)
 //!   (validation and training loss versus step, every run overlaid, each named after its file
 //!   less what all the files' names share);
 //! - a bottleneck report (the metrics file's last line, `report.json` of `--trace`, or
@@ -157,6 +158,33 @@ fn run(cli: &Cli) -> charts::DynResult<Vec<PathBuf>> {
             &inputs.evals,
             made
         );
+        if inputs.evals.iter().all(|r| curves::Along::Time.has(r)) {
+            both!(
+                out,
+                size,
+                "loss_vs_time",
+                curves::loss_vs_time,
+                &inputs.evals,
+                made
+            );
+        }
+        // The runs that counted their bytes (train-gpt's; not the PyTorch peer's).
+        let counted: Vec<_> = inputs
+            .evals
+            .iter()
+            .filter(|r| curves::Along::Bytes.has(r))
+            .cloned()
+            .collect();
+        if !counted.is_empty() {
+            both!(
+                out,
+                size,
+                "loss_vs_bytes",
+                curves::loss_vs_bytes,
+                &counted,
+                made
+            );
+        }
     }
     let several = inputs.reports.len() > 1;
     for r in &inputs.reports {

@@ -144,8 +144,10 @@ fn language_model_evaluations_become_loss_curves() {
     for k in 1..=8 {
         let (step, v) = (250 * k, 4.3 / (1.0 + k as f64 * 0.3));
         a += &format!(
-            "{{\"step\":{step},\"train_loss\":{},\"val_loss\":{v},\"elapsed_s\":{k}.5}}\n",
-            v * 0.95
+            "{{\"step\":{step},\"train_loss\":{},\"val_loss\":{v},\"elapsed_s\":{k}.5,\
+             \"comm_bytes\":{}}}\n",
+            v * 0.95,
+            k * 3_200_000
         );
         b += &format!(
             "{{\"step\": {step}, \"train_loss\": {}, \"elapsed_s\": {k}.1, \"val_loss\": {}}}\n",
@@ -173,4 +175,22 @@ fn language_model_evaluations_become_loss_curves() {
         ],
     );
     check_png(&out.join("loss_curves.png"));
+    // Both files have elapsed_s: against time too; only ours counted its bytes.
+    check_svg(
+        &out.join("loss_vs_time.svg"),
+        &[
+            "candle-w2: validation",
+            "pytorch-w2: validation",
+            "wall-clock time (s)",
+        ],
+    );
+    check_svg(
+        &out.join("loss_vs_bytes.svg"),
+        &["candle-w2: validation", "bytes sent per rank"],
+    );
+    let bytes = std::fs::read_to_string(out.join("loss_vs_bytes.svg")).unwrap();
+    assert!(
+        !bytes.contains("pytorch-w2"),
+        "a run without bytes in the bytes picture"
+    );
 }

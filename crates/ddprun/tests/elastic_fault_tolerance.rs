@@ -46,6 +46,17 @@ fn node(port: u16, range: &str, extra: &[&str], script: &str) -> Running {
     Running::start(c)
 }
 
+/// `n` fault-tolerant launchers on `port` (`--nnodes RANGE`), the first given time to serve the
+/// store.
+fn start_nodes(port: u16, range: &str, n: usize, script: &str) -> Vec<Running> {
+    let mut v = vec![node(port, range, &["--fault-tolerance"], script)];
+    std::thread::sleep(Duration::from_millis(300));
+    for _ in 1..n {
+        v.push(node(port, range, &["--fault-tolerance"], script));
+    }
+    v
+}
+
 /// Worker script: append `start PID AGENT_PID RANK WORLD_SIZE FT_JOIN ROUND` to `DIR/log`, then
 /// run until `DIR/stop` exists and exit 0.
 fn script(dir: &Path) -> String {
@@ -158,13 +169,9 @@ const LOST: &str = "--fault-tolerance: the workers go on in place";
 #[test]
 fn a_lost_node_leaves_the_others_running_and_its_restart_joins_in_place() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = script(dir.path());
+    let (port, s) = (free_port(), script(dir.path()));
     let extra = ["--fault-tolerance"];
-    let mut v = vec![node(port, "2:3", &extra, &s)];
-    std::thread::sleep(Duration::from_millis(300));
-    v.push(node(port, "2:3", &extra, &s));
-    v.push(node(port, "2:3", &extra, &s));
+    let mut v = start_nodes(port, "2:3", 3, &s);
     let first = wait_for_starts(dir.path(), 3, Duration::from_secs(15), &mut v);
     let worker_of = |agent: i32| first.iter().find(|s| s.agent == agent).cloned();
     let (a, b, c) = (v[0].pid(), v[1].pid(), v[2].pid());
@@ -248,12 +255,9 @@ fn a_lost_node_leaves_the_others_running_and_its_restart_joins_in_place() {
 #[test]
 fn a_spare_beyond_max_waits_and_joins_in_place_once_a_node_is_lost() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = script(dir.path());
+    let (port, s) = (free_port(), script(dir.path()));
     let extra = ["--fault-tolerance"];
-    let mut v = vec![node(port, "1:2", &extra, &s)];
-    std::thread::sleep(Duration::from_millis(300));
-    v.push(node(port, "1:2", &extra, &s));
+    let mut v = start_nodes(port, "1:2", 2, &s);
     let first = wait_for_starts(dir.path(), 2, Duration::from_secs(15), &mut v);
     // A third node: the round runs with MAX = 2 nodes, so it waits.
     v.push(node(port, "1:2", &extra, &s));
@@ -293,12 +297,8 @@ fn a_spare_beyond_max_waits_and_joins_in_place_once_a_node_is_lost() {
 #[test]
 fn below_min_a_lost_node_still_ends_the_round() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = script(dir.path());
-    let extra = ["--fault-tolerance"];
-    let mut v = vec![node(port, "2:2", &extra, &s)];
-    std::thread::sleep(Duration::from_millis(300));
-    v.push(node(port, "2:2", &extra, &s));
+    let (port, s) = (free_port(), script(dir.path()));
+    let mut v = start_nodes(port, "2:2", 2, &s);
     let first = wait_for_starts(dir.path(), 2, Duration::from_secs(15), &mut v);
     let b = v[1].pid();
     let Some(wb) = first.iter().find(|s| s.agent == b).cloned() else {
@@ -329,13 +329,8 @@ fn below_min_a_lost_node_still_ends_the_round() {
 #[test]
 fn a_node_stopped_by_sigterm_leaves_without_restarting_the_others() {
     let dir = tempfile::tempdir().unwrap();
-    let port = free_port();
-    let s = script(dir.path());
-    let extra = ["--fault-tolerance"];
-    let mut v = vec![node(port, "2:3", &extra, &s)];
-    std::thread::sleep(Duration::from_millis(300));
-    v.push(node(port, "2:3", &extra, &s));
-    v.push(node(port, "2:3", &extra, &s));
+    let (port, s) = (free_port(), script(dir.path()));
+    let mut v = start_nodes(port, "2:3", 3, &s);
     let first = wait_for_starts(dir.path(), 3, Duration::from_secs(15), &mut v);
     let third = v.pop().unwrap();
     signal(third.pid(), libc::SIGTERM);

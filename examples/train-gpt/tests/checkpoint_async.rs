@@ -51,6 +51,19 @@ fn assert_same_run(a: &serde_json::Value, b: &serde_json::Value, what: &str) {
     }
 }
 
+/// Waits (up to 60 s) until `ready()`, the run `child` still running (it must not end first).
+fn wait_while_running(child: &mut std::process::Child, what: &str, ready: impl Fn() -> bool) {
+    let t0 = Instant::now();
+    while !ready() {
+        assert!(t0.elapsed() < Duration::from_secs(60), "{what} never began");
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "the run ended before {what} began"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn step_of(dir: &Path) -> u64 {
     ddprs::checkpoint::load(dir)
         .unwrap()
@@ -127,33 +140,23 @@ fn killed_during_a_background_write_the_previous_checkpoint_loads() {
         .spawn()
         .unwrap();
     // Step 2's checkpoint is in place and the next write's temporary file exists.
-    let t0 = Instant::now();
-    let in_flight = loop {
-        let names: Vec<String> = std::fs::read_dir(&ck)
+    let names = || -> Vec<String> {
+        std::fs::read_dir(&ck)
             .map(|d| {
                 d.filter_map(|e| e.ok())
                     .map(|e| e.file_name().to_string_lossy().into_owned())
                     .collect()
             })
-            .unwrap_or_default();
-        let current = names.iter().any(|n| n == "checkpoint.safetensors");
-        let writing = names
-            .iter()
-            .any(|n| n.starts_with(".checkpoint.safetensors.tmp"));
-        if current && writing {
-            break names;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "no second write began: {names:?}"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before the kill"
-        );
-        std::thread::sleep(Duration::from_millis(10));
+            .unwrap_or_default()
     };
-    assert_eq!(step_of(&ck), 2, "{in_flight:?}");
+    wait_while_running(&mut child, "a second write", || {
+        let names = names();
+        names.iter().any(|n| n == "checkpoint.safetensors")
+            && names
+                .iter()
+                .any(|n| n.starts_with(".checkpoint.safetensors.tmp"))
+    });
+    assert_eq!(step_of(&ck), 2, "{:?}", names());
     child.kill().unwrap(); // SIGKILL; the workers die with their parent (PDEATHSIG)
     child.wait().unwrap();
     std::thread::sleep(Duration::from_millis(2500)); // past any pause that could still rename
@@ -302,7 +305,6 @@ fn killed_during_a_background_set_write_the_previous_set_loads() {
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
-    let t0 = Instant::now();
     // A shard of step 4 is between its temporary file and the rename.
     let writing = |d: &Path| -> bool {
         std::fs::read_dir(d)
@@ -319,17 +321,7 @@ fn killed_during_a_background_set_write_the_previous_set_loads() {
                         .any(|f| f.file_name().to_string_lossy().contains(".tmp"))
             })
     };
-    while !writing(&ck) {
-        assert!(
-            t0.elapsed() < Duration::from_secs(60),
-            "step 4's background write never began"
-        );
-        assert!(
-            child.try_wait().unwrap().is_none(),
-            "the run ended before the kill"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    }
+    wait_while_running(&mut child, "step 4's background write", || writing(&ck));
     assert_eq!(set_step(&ck), 2);
     child.kill().unwrap();
     child.wait().unwrap();

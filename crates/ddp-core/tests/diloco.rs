@@ -226,6 +226,97 @@ fn resume_is_exact_with_a_fragment_in_flight() {
     assert_eq!(whole, resumed);
 }
 
+/// A rank joining between synchronizations: world 2 trains 5 steps of DiLoCo (H = 3: synchronized
+/// at step 3, step 5 is between two), then world 3 goes on — ranks 0 and 1 from their own
+/// parameters and outer state, the newcomer from rank 0's outer state and the last-synchronized
+/// parameters (`restore_anchor`) — to step 9. Against a reference with plain loops in f64 where
+/// the newcomer starts at the anchor at step 5 and the average at steps 6 and 9 is over 3 ranks.
+#[test]
+fn a_rank_joining_between_synchronizations_starts_from_the_anchor() {
+    let (h, join_at, steps) = (3u64, 5u64, 9u64);
+    let cfg = DiLoCoConfig::new(h);
+    let inner = |model: &Model, red: &mut ddp_core::reducer::Reducer, rank: usize, step: u64| {
+        let g = sync(red, model, &model.grads(rank, step));
+        model.sgd(&g, INNER_LR);
+    };
+    let saved = run(2, |pg| {
+        let model = Model::new();
+        let mut red = reducer(&pg, &model);
+        red.register_comm_hook(PostLocalSgdHook::new(0)).unwrap();
+        let mut d = DiLoCo::new(cfg, &model).unwrap();
+        for step in 0..join_at {
+            inner(&model, &mut red, pg.rank(), step);
+            d.step(&pg, &model).unwrap();
+        }
+        assert_eq!(d.last_sync_step(), h);
+        (d.state_dict().unwrap(), model.values())
+    });
+    assert_eq!(
+        saved[0].0, saved[1].0,
+        "the outer state differs between ranks"
+    );
+    assert_ne!(
+        saved[0].1, saved[1].1,
+        "no local progress since the sync: the test is blind"
+    );
+    let got = run(3, |pg| {
+        let rank = pg.rank();
+        let model = Model::new();
+        let mut red = reducer(&pg, &model);
+        red.register_comm_hook(PostLocalSgdHook::new(0)).unwrap();
+        let mut d = DiLoCo::new(cfg, &model).unwrap();
+        let (state, values) = &saved[if rank < 2 { rank } else { 0 }];
+        d.load_state_dict(state).unwrap();
+        if rank < 2 {
+            for (v, s) in model.vals.iter().zip(values) {
+                *v.borrow_mut() = s.clone();
+            }
+        } else {
+            d.restore_anchor(&model).unwrap();
+        }
+        for step in join_at..steps {
+            inner(&model, &mut red, rank, step);
+            d.step(&pg, &model).unwrap();
+        }
+        model.values()
+    });
+    // The reference, in f64.
+    let (lr, mu) = (cfg.outer_lr, cfg.momentum);
+    let init = to64(&Model::new().values());
+    let mut anchor = init.clone();
+    let mut m: Vec<Vec<f64>> = init.iter().map(|v| vec![0.0; v.len()]).collect();
+    let mut local = vec![init.clone(), init.clone()];
+    for step in 0..steps {
+        if step == join_at {
+            local.push(anchor.clone());
+        }
+        for (r, w) in local.iter_mut().enumerate() {
+            for (i, v) in w.iter_mut().enumerate() {
+                for (k, x) in v.iter_mut().enumerate() {
+                    let g =
+                        *x + 0.25 * *x * *x * *x - noise(r as u64, step, i as u64, k as u64) as f64;
+                    *x -= INNER_LR as f64 * g;
+                }
+            }
+        }
+        if (step + 1) % h == 0 {
+            let n = local.len() as f64;
+            for i in 0..anchor.len() {
+                for k in 0..anchor[i].len() {
+                    let delta: f64 = local.iter().map(|w| anchor[i][k] - w[i][k]).sum::<f64>() / n;
+                    m[i][k] = mu * m[i][k] + delta;
+                    anchor[i][k] -= lr * (delta + mu * m[i][k]);
+                }
+            }
+            local.iter_mut().for_each(|w| *w = anchor.clone());
+        }
+    }
+    for (r, g) in got.iter().enumerate() {
+        let d = max_abs_diff(g, &anchor);
+        assert!(d < 1e-5, "rank {r}: joined DiLoCo vs the reference: {d}");
+    }
+}
+
 /// DiLoCo sends the parameters' size every H steps and nothing else; streaming spreads it over
 /// F moments of the cycle in bf16: its largest send is at most 1/F of DiLoCo's.
 #[test]

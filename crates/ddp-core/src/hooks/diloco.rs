@@ -213,6 +213,27 @@ impl DiLoCo {
         &self.fragments
     }
 
+    /// A rank joining between synchronizations (a new rank after a change of world size, a
+    /// process replacing a lost one): after [`load_state_dict`](Self::load_state_dict) of a live
+    /// rank's outer state, sets its parameters to the anchor — each fragment as it was last
+    /// synchronized, the point the other ranks' local progress is measured from. Its inner steps
+    /// start there; at the next synchronization its pseudo-gradient averages with theirs. Local.
+    pub fn restore_anchor<P: ParamAccess + ?Sized>(
+        &self,
+        params: &P,
+    ) -> std::result::Result<(), P::Error> {
+        for (i, anchor) in self.anchor.iter().enumerate() {
+            params.write_param(i, HostSlice::of(&anchor[..]))?;
+        }
+        Ok(())
+    }
+
+    /// The last inner step at which a synchronization began (fragment 0's, streaming: the
+    /// earliest of the fragments'); 0 before the first.
+    pub fn last_sync_step(&self) -> u64 {
+        self.launched.iter().copied().min().unwrap_or(0)
+    }
+
     /// After an inner optimizer step: launches the pseudo-gradient all-reduce of each fragment
     /// due now and applies the outer update of each one whose overlap is over. Returns the
     /// fragments updated at this step. A collective on synchronization steps: every rank calls

@@ -3,7 +3,8 @@ per method and link rate. Usage: diloco_summary.py ROWS.jsonl STEPS
 
 A method's loss per step does not depend on the link, so its recipe time on a rate where it ran
 fewer steps is its measured ms/step there x STEPS (marked "derived"). DDP's loss is the newest
-bench/gpt.sh candle world-2 run (bench/results/gpt-*-candle-w2.metrics.jsonl).
+full run in the rows, else (world 2) the newest bench/gpt.sh candle world-2 run
+(bench/results/gpt-*-candle-w2.metrics.jsonl).
 """
 import glob
 import json
@@ -11,7 +12,7 @@ import sys
 
 rows = [json.loads(l) for l in open(sys.argv[1]) if l.strip()]
 steps = int(sys.argv[2])
-rates = sorted({r["rate"] for r in rows if r["rate"] != "none"},
+rates = sorted({r["rate"] for r in rows if r["rate"] not in ("none", "local")},
                key=lambda r: float(r.rstrip("mgkbit") or 0) * (1000 if "gbit" in r else 1))
 methods = []
 for r in rows:
@@ -24,7 +25,10 @@ def last_val(path):
     return [v for v in vals if v is not None][-1]
 
 
-ddp_curves = sorted(glob.glob("bench/results/gpt-*-candle-w2.metrics.jsonl"))
+world = rows[0].get("world_size", 2)
+ddp_curves = []
+if not any(r["method"] == "none" and r["steps"] == steps for r in rows) and world == 2:
+    ddp_curves = sorted(glob.glob("bench/results/gpt-*-candle-w2.metrics.jsonl"))
 ddp_loss = last_val(ddp_curves[-1]) if ddp_curves else None
 
 
@@ -47,6 +51,8 @@ out = []
 head = "| method | final val loss | vs DDP | bytes sent (MB) | DDP's / this |"
 for rate in rates:
     head += f" training time at {rate} (s) | DDP's / this |"
+delay = rows[-1].get("delay_ms", 0)
+print(f"world {world}, one-way delay {delay} ms\n")
 print(head)
 print("|" + "---|" * (head.count("|") - 1))
 ddp_bytes = None
@@ -55,6 +61,8 @@ f = full("none")
 for method in ["none"] + [m for m in methods if m != "none"]:
     whole = full(method)
     loss = whole["val_loss"] if whole else (ddp_loss if method == "none" else None)
+    if method == "none" and whole:
+        ddp_loss = loss
     any_run = whole or next((r for r in rows if r["method"] == method), None)
     if any_run is None:
         continue

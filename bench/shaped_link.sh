@@ -53,37 +53,9 @@ done
 HAVE_TORCH=1
 python3 -c "import torch" 2>/dev/null || { HAVE_TORCH=0; echo "# torch not importable: no PyTorch peer" >&2; }
 
-# Unique names (interface names are at most 15 characters).
-TAG=$$
-NS=("hk${TAG}a" "hk${TAG}b")
-DEV=("hk${TAG}x" "hk${TAG}y")
-ADDR=(10.79.0.1 10.79.0.2)
-cleanup() { for n in "${NS[@]}"; do ip netns del "$n" 2>/dev/null || true; done; }
-trap cleanup EXIT INT TERM
-
-ip netns add "${NS[0]}"
-ip netns add "${NS[1]}"
-ip link add "${DEV[0]}" netns "${NS[0]}" type veth peer name "${DEV[1]}" netns "${NS[1]}"
-for i in 0 1; do
-    ip -n "${NS[$i]}" addr add "${ADDR[$i]}/24" dev "${DEV[$i]}"
-    ip -n "${NS[$i]}" link set lo up
-    ip -n "${NS[$i]}" link set "${DEV[$i]}" up
-done
-
-# The shaping: tbf on the egress of both ends; burst ≥ rate / HZ (HZ ≤ 1000 here).
-shape() {
-    local rate=$1 burst
-    case $rate in
-        100mbit) burst=64kb ;;
-        1gbit) burst=512kb ;;
-        *) burst=1mb ;;
-    esac
-    for i in 0 1; do
-        local cmd="tc qdisc replace dev ${DEV[$i]} root tbf rate $rate burst $burst latency 50ms"
-        echo "# [ns ${NS[$i]}] $cmd" | tee -a "$OUT/shaping.txt"
-        ip netns exec "${NS[$i]}" $cmd
-    done
-}
+# The two hosts and their link (unshaped until `shape RATE LOG`).
+. "$ROOT/bench/lib/link.sh"
+link_up hk 0
 
 # ddp_side FW: the command of ddp-rs side FW (candle, candle-staged or burn).
 ddp_side() {
@@ -137,7 +109,8 @@ if [ "$ACC_EPOCHS" -gt 0 ]; then
     done
 fi
 for rate in $RATES; do
-    shape "$rate"
+    shape "$rate" "$OUT/shaping.txt"
+    grep -F "$rate " "$OUT/shaping.txt" | tail -n 2 >&2
     run_pair "allreduce_$rate" "$DB" allreduce --backend tcp --min-bytes 4M --max-bytes 4M --json
     for h in $HOOKS; do
         # Compression from the first step here (START_ITER / WARMUP set to 0): 10 timed steps.

@@ -1,7 +1,7 @@
 //! [`DistributedDataParallel`]: the Burn-facing wrapper around `ddp_core::reducer::Reducer`.
 
 use crate::checkpoint::MODEL_BLOB;
-use crate::params::BurnParams;
+use crate::params::{BurnParams, ModuleParams};
 use crate::{Error, Result};
 use burn::module::Module;
 use burn::optim::{GradientsParams, ModuleOptimizer};
@@ -151,6 +151,37 @@ impl<M: Module> DistributedDataParallel<M> {
         self.params().capture(self.module())?;
         averager.average_now(self.process_group(), self.params())?;
         self.update(|m| Ok(m), |params, m| params.apply(m))
+    }
+
+    /// Runs `f` with the process group and the module's parameters as a
+    /// [`ParamAccess`] ([`ModuleParams`]: a read copies one parameter out of the module when
+    /// asked, a write is held), then writes the values `f` wrote into the module, keeping their
+    /// ids, devices and `require_grad` (the optimizer's state still finds them). For code
+    /// written against `ParamAccess` that reads and sets parameters, e.g. DiLoCo's outer step
+    /// after each optimizer step: `ddp.with_params(|pg, p| outer.step(pg, p))` with a
+    /// `ddp_core::hooks::DiLoCo` built by `ddp.with_params(|_, p| DiLoCo::new(cfg, p))`. When
+    /// `f` fails, nothing it wrote is applied.
+    pub fn with_params<R>(
+        &mut self,
+        f: impl FnOnce(&ProcessGroup, &ModuleParams<'_, M>) -> Result<R>,
+    ) -> Result<R> {
+        // Nothing left over from another use of the pending area is applied with `f`'s writes.
+        self.params().take_pending();
+        let out = f(
+            self.process_group(),
+            &ModuleParams {
+                params: self.params(),
+                module: self.module(),
+            },
+        );
+        match out {
+            Ok(r) if self.params().has_pending() => self.apply_pending().map(|()| r),
+            Ok(r) => Ok(r),
+            Err(e) => {
+                self.params().take_pending();
+                Err(e)
+            }
+        }
     }
 
     /// The wrapped module (for the forward pass).

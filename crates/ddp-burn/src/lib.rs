@@ -190,7 +190,7 @@ pub use data_parallel::{DdpOptions, DistributedDataParallel, ModuleLearningRate,
 pub use ddp_comm::ProcessGroup;
 #[cfg(feature = "learner")]
 pub use learner::{DdpLearningStrategy, FitSummary, QuietRenderer};
-pub use params::BurnParams;
+pub use params::{BurnParams, ModuleParams};
 pub use zero::ZeroDdp;
 
 /// Short alias of [`DistributedDataParallel`].

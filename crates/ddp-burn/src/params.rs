@@ -557,6 +557,57 @@ impl BurnParams {
             vec![None; self.entries.len()],
         )
     }
+
+    /// Whether any value is pending (written or captured, not yet applied or taken).
+    pub(crate) fn has_pending(&self) -> bool {
+        self.pending.borrow().iter().any(Option::is_some)
+    }
+}
+
+/// The parameters of a wrapped module as a [`ParamAccess`] that reads the module itself: what
+/// [`DistributedDataParallel::with_params`](crate::DistributedDataParallel::with_params) hands to
+/// code written against `ParamAccess` that reads and sets parameter values (e.g. `ddp-core`'s
+/// DiLoCo outer loop). [`read_param`](ParamAccess::read_param) copies one parameter's current
+/// value out of the module when asked (nothing is captured up front);
+/// [`write_param`](ParamAccess::write_param) holds the new values, which `with_params` writes
+/// into the module once its closure returns. Specs and gradients are [`BurnParams`]'.
+pub struct ModuleParams<'a, M: Module> {
+    pub(crate) params: &'a BurnParams,
+    pub(crate) module: &'a M,
+}
+
+impl<M: Module> ParamAccess for ModuleParams<'_, M> {
+    type Grads = GradientsParams;
+    type Error = Error;
+
+    fn param_count(&self) -> usize {
+        self.params.param_count()
+    }
+
+    fn spec(&self, index: usize) -> Result<ParamSpec> {
+        self.params.spec(index)
+    }
+
+    fn with_grad<R>(
+        &self,
+        grads: &GradientsParams,
+        index: usize,
+        f: impl FnOnce(HostSlice<'_>) -> R,
+    ) -> Result<Option<R>> {
+        self.params.with_grad(grads, index, f)
+    }
+
+    fn put_grad(&self, out: &mut GradientsParams, index: usize, grad: HostSlice<'_>) -> Result<()> {
+        self.params.put_grad(out, index, grad)
+    }
+
+    fn read_param(&self, index: usize) -> Result<HostBuffer> {
+        self.params.read_one(self.module, index)
+    }
+
+    fn write_param(&self, index: usize, values: HostSlice<'_>) -> Result<()> {
+        self.params.write_param(index, values)
+    }
 }
 
 impl ParamAccess for BurnParams {

@@ -240,12 +240,6 @@ impl Args {
                 self.hook
             ));
         }
-        if self.framework == Framework::Burn && self.hook.diloco().is_some() {
-            return Err(format!(
-                "--hook {}: DiLoCo runs on --framework candle in train-gpt for now",
-                self.hook
-            ));
-        }
         if self.zero > 0 && self.hook.hook().ok().flatten().is_some() {
             return Err(format!(
                 "--hook applies to plain DDP (--zero 0): ZeRO reduce-scatters the gradients \

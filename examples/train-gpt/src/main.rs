@@ -11,6 +11,7 @@
 
 mod config;
 mod data;
+mod diloco;
 mod fault;
 mod gpt_burn;
 mod gpt_candle;

@@ -3,10 +3,13 @@
 //! Burn has no stage 3 here: refused), Burn's AdamW with weight decay on 2-D weights only (a
 //! second parameter group without decay for LayerNorms and biases; under ZeRO the same groups
 //! applied per chunk), nanoGPT's schedule, global-norm clipping across the whole model (and the
-//! shards), checkpoints (Burn's records; save sets under ZeRO) and exact resume.
+//! shards), checkpoints (Burn's records; save sets under ZeRO) and exact resume; DiLoCo and
+//! streaming DiLoCo at `--zero 0` (`--hook diloco...`: the outer step after each inner step
+//! through `Ddp::with_params`, each rank's inner state in the checkpoints, see [`crate::diloco`]).
 
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
+use crate::diloco;
 use crate::gpt_burn::Gpt;
 use crate::report::Report;
 use crate::saver::Saver;
@@ -15,6 +18,7 @@ use burn::module::ParamGroup;
 use burn::optim::{AdamW, AdamWConfig, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
 use ddprs::burn::{Ddp, ZeroDdp};
+use ddprs::hooks::DiLoCo;
 use ddprs::sharding::ZeroStage;
 use ddprs::{CheckpointMeta, ProcessGroup};
 use std::path::Path;
@@ -68,45 +72,64 @@ fn evaluate(model: &Gpt, corpus: &Corpus, args: &Args, device: &Device) -> f64 {
 /// groups as parameter groups) or ZeRO stages 1 and 2 (`ZeroDdp`, the groups applied to each
 /// chunk by `with_weight_decay_groups`). Burn has no ZeRO-3 here (`ZeroDdp` refuses stage 3).
 enum Engine {
-    Ddp(Box<Ddp<Gpt>>, ModuleOptimizer),
+    Ddp {
+        ddp: Box<Ddp<Gpt>>,
+        optim: ModuleOptimizer,
+        /// `--hook diloco` / `streaming-diloco`: the outer loop after each inner step.
+        outer: Option<Box<DiLoCo>>,
+    },
     Zero(Box<ZeroDdp<Gpt, AdamW>>),
 }
 
 impl Engine {
     fn module(&self) -> &Gpt {
         match self {
-            Engine::Ddp(ddp, _) => ddp.module(),
+            Engine::Ddp { ddp, .. } => ddp.module(),
             Engine::Zero(z) => z.module(),
         }
     }
 
-    fn save(&self, saver: &mut Saver, dir: &Path, meta: CheckpointMeta) -> Result<()> {
-        if let Engine::Zero(z) = self {
-            return saver.save_set(|sets| match sets {
+    fn save(&mut self, saver: &mut Saver, dir: &Path, meta: CheckpointMeta) -> Result<()> {
+        match self {
+            Engine::Zero(z) => saver.save_set(|sets| match sets {
                 Some(s) => Ok(z.save_async(s, dir, &meta)?),
                 None => z.save(dir, &meta).map(|_| None).map_err(Into::into),
-            });
+            }),
+            Engine::Ddp {
+                ddp,
+                optim,
+                outer: Some(d),
+            } => {
+                // Every rank's own module and optimizer records, and the outer state.
+                let (ddp, optim) = (&**ddp, &*optim);
+                diloco::save(saver, ddp, d, dir, meta, |ck| {
+                    ddp.save_records(ck, optim)
+                        .map_err(|e| ddprs::Error::Checkpoint(e.to_string()))
+                })
+            }
+            Engine::Ddp {
+                ddp,
+                optim,
+                outer: None,
+            } => saver.save(meta.step, |background| {
+                Ok(match background {
+                    Some(b) => ddp.save_checkpoint_async(b, dir, Some(optim), meta)?,
+                    None => {
+                        ddp.save_checkpoint_with(dir, Some(optim), meta)?;
+                        None
+                    }
+                })
+            }),
         }
-        saver.save(meta.step, |background| {
-            Ok(match (self, background) {
-                (Engine::Ddp(ddp, optim), Some(b)) => {
-                    ddp.save_checkpoint_async(b, dir, Some(optim), meta)?
-                }
-                (Engine::Ddp(ddp, optim), None) => {
-                    ddp.save_checkpoint_with(dir, Some(optim), meta)?;
-                    None
-                }
-                (Engine::Zero(_), _) => unreachable!("save sets above"),
-            })
-        })
     }
 
-    /// See `train_candle`'s `Engine::load`: plain at `--zero 0` (any world size without a comm hook), a save set
-    /// (any world size) or an imported plain checkpoint at stages 1 and 2.
+    /// See `train_candle`'s `Engine::load`: plain at `--zero 0` (any world size without a comm
+    /// hook; under DiLoCo this rank's own records, or a joining rank's: `diloco::restore`), a save
+    /// set (any world size) or an imported plain checkpoint at stages 1 and 2.
     fn load(&mut self, dir: &Path, world: usize) -> Result<Option<(CheckpointMeta, Loaded)>> {
         let set = ddprs::sharding::latest_set(dir)?.is_some();
         match self {
-            Engine::Ddp(ddp, optim) => {
+            Engine::Ddp { ddp, optim, outer } => {
                 let Some(ck) = ddprs::checkpoint::load(dir)? else {
                     return match set {
                         true => Err(sharded_set_at_zero0(dir).into()),
@@ -114,8 +137,18 @@ impl Engine {
                     };
                 };
                 data::check_plain_world(&ck, world, ddp.reducer())?;
+                let restored = match outer.as_deref_mut() {
+                    Some(d) => Some(diloco::restore(&ck, dir, d, ddp.rank(), world)?),
+                    None => None,
+                };
+                let local = restored.as_ref().map_or(&ck, |r| &r.local);
                 let taken = std::mem::replace(optim, AdamWConfig::new().build().into());
-                *optim = ddp.load_records(&ck, taken)?;
+                *optim = ddp.load_records(local, taken)?;
+                if let (Some(d), Some(r)) = (outer, &restored) {
+                    if !r.own {
+                        ddp.with_params(|_, p| d.restore_anchor(p))?;
+                    }
+                }
                 Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))))
             }
             Engine::Zero(z) if set => Ok(z.load(dir)?.map(|m| (m, Loaded::Set))),
@@ -126,6 +159,35 @@ impl Engine {
                 z.import(&ck)?;
                 Ok(Some((ck.meta.clone(), Loaded::Set)))
             }
+        }
+    }
+
+    /// Whether DiLoCo runs (the replicas differ between synchronizations).
+    fn local_steps(&self) -> bool {
+        matches!(self, Engine::Ddp { outer: Some(_), .. })
+    }
+
+    /// DiLoCo at the end of the run: a last synchronization, so that every replica holds the
+    /// same model (a collective).
+    fn finish_outer(&mut self) -> Result<()> {
+        if let Engine::Ddp {
+            ddp,
+            outer: Some(d),
+            ..
+        } = self
+        {
+            ddp.with_params(|pg, p| d.finish(pg, p))?;
+        }
+        Ok(())
+    }
+
+    /// Payload bytes this rank has sent: gradient buckets and DiLoCo's pseudo-gradients.
+    fn comm_bytes(&self) -> u64 {
+        match self {
+            Engine::Ddp { ddp, outer, .. } => {
+                ddp.reducer().bytes_sent() + outer.as_ref().map_or(0, |d| d.bytes_sent())
+            }
+            Engine::Zero(z) => z.ddp().reducer().bytes_sent(),
         }
     }
 }
@@ -148,7 +210,15 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             if let Some(hook) = args.hook.hook()? {
                 ddp.register_comm_hook(hook)?;
             }
-            Engine::Ddp(Box::new(ddp), nanogpt_optimizer(args))
+            let outer = match args.hook.diloco() {
+                Some(cfg) => Some(Box::new(ddp.with_params(|_, p| DiLoCo::new(cfg, p))?)),
+                None => None,
+            };
+            Engine::Ddp {
+                ddp: Box::new(ddp),
+                optim: nanogpt_optimizer(args),
+                outer,
+            }
         }
         stage => {
             let wd = args.weight_decay as f32;
@@ -169,7 +239,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             };
             let w = &mut windows;
             start = match &mut engine {
-                Engine::Ddp(ddp, _) => data::restore(&mut ***ddp, &meta, ck, w, dir)?,
+                Engine::Ddp { ddp, .. } => data::restore(&mut ***ddp, &meta, ck, w, dir)?,
                 Engine::Zero(_) => data::restore_windows(rank, world, &meta, w, dir)?,
             };
         }
@@ -200,12 +270,15 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         let train_loss = loss.clone().into_scalar::<f64>();
         let lr = args.lr_at(it);
         match &mut engine {
-            Engine::Ddp(ddp, optim) => {
+            Engine::Ddp { ddp, optim, outer } => {
                 let mut grads = ddp.backward(loss)?;
                 if args.grad_clip > 0.0 {
                     ddp.clip_grad_norm(&mut grads, args.grad_clip)?;
                 }
                 ddp.step(optim, lr, grads);
+                if let Some(d) = outer {
+                    ddp.with_params(|pg, p| d.step(pg, p))?;
+                }
             }
             Engine::Zero(z) => {
                 z.backward(loss)?;
@@ -220,10 +293,15 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         if report.first_step_unix_ms.is_none() {
             report.first_step_unix_ms = Some(crate::fault::unix_ms());
         }
-        if args.check_replicas && !replicas(&engine)? {
+        if args.check_replicas && !engine.local_steps() && !replicas(&engine)? {
             return Err(format!("replicas differ after step {}", it + 1).into());
         }
         let done = it + 1;
+        if done == args.max_iters {
+            // DiLoCo ends synchronized: the last evaluation and checkpoint see one model.
+            engine.finish_outer()?;
+        }
+        report.comm_bytes = engine.comm_bytes();
         if args.eval_due(done, end) {
             let val = (rank == 0).then(|| evaluate(engine.module(), &corpus, args, &device));
             report.eval_at(done, train_loss, val, t0, steps, train_time);
@@ -239,7 +317,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
     }
     let identical = replicas(&engine)?;
     let (sum, l2) = match &engine {
-        Engine::Ddp(ddp, _) => ddp.param_sum_l2()?,
+        Engine::Ddp { ddp, .. } => ddp.param_sum_l2()?,
         Engine::Zero(z) => z.ddp().param_sum_l2()?,
     };
     saver.finish(pg)?;
@@ -256,7 +334,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
 
 fn replicas(engine: &Engine) -> Result<bool> {
     Ok(match engine {
-        Engine::Ddp(ddp, _) => ddp.verify_replicas()?.identical,
+        Engine::Ddp { ddp, .. } => ddp.verify_replicas()?.identical,
         Engine::Zero(z) => z.ddp().verify_replicas()?.identical,
     })
 }

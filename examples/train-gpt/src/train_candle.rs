@@ -6,6 +6,7 @@
 
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
+use crate::diloco;
 use crate::fault::{self, RegroupRecord};
 use crate::gpt_candle::{self, cross_entropy, decays, Dropout, Gpt, UnitCtx};
 use crate::report::Report;
@@ -41,9 +42,6 @@ fn tensors(x: Vec<u32>, y: Vec<u32>, rows: usize, cols: usize) -> Result<(Tensor
         Tensor::from_vec(y, (rows, cols), dev)?,
     ))
 }
-
-/// The checkpoint blob of rank R's own state under DiLoCo (`diloco_rank{R}`).
-const DILOCO_LOCAL: &str = "diloco_rank";
 
 /// The model and what trains it, by ZeRO stage.
 enum Engine {
@@ -209,32 +207,11 @@ impl Engine {
             // DiLoCo's outer state goes with the model (its in-flight fragments completed), and
             // so does every rank's inner state: between synchronizations each rank has its own
             // parameters and AdamW moments (a collective gathers them).
-            let state = d.state_dict()?;
             let (ddp, opt) = (&**ddp, &*opt);
-            let mut local = ddprs::Checkpoint::new(meta.clone());
-            save_vars(&mut local, ddp.named_vars())?;
-            local.save_optimizer(opt)?;
-            let locals = ddp.process_group().all_gather_bytes(&local.to_bytes()?)?;
-            let fill = |ck: &mut ddprs::Checkpoint| -> ddprs::Result<()> {
+            return diloco::save(saver, ddp, d, dir, meta, |ck| {
                 let failed = |e: &dyn std::fmt::Display| ddprs::Error::Checkpoint(e.to_string());
                 save_vars(ck, ddp.named_vars()).map_err(|e| failed(&e))?;
-                ck.save_optimizer(opt).map_err(|e| failed(&e))?;
-                for (r, bytes) in locals.into_iter().enumerate() {
-                    ck.insert_blob(format!("{DILOCO_LOCAL}{r}"), bytes);
-                }
-                ck.save_hook_state(&state)
-            };
-            return saver.save(meta.step, |background| {
-                Ok(match background {
-                    Some(b) => ddp.write_checkpoint_async(b, dir, meta, |ck| {
-                        fill(ck)?;
-                        Ok(None)
-                    })?,
-                    None => {
-                        ddp.write_checkpoint(dir, meta, fill)?;
-                        None
-                    }
-                })
+                ck.save_optimizer(opt).map_err(|e| failed(&e))
             });
         }
         match self {
@@ -285,23 +262,12 @@ impl Engine {
             load_vars(&ck, ddp.named_vars())?;
             ck.load_optimizer(opt)?;
             if let Some(d) = outer {
-                if ck.meta.world_size != world {
-                    return Err(format!(
-                        "{}: a DiLoCo checkpoint holds each rank's own parameters and optimizer \
-                         state (the ranks train apart between synchronizations): resume it with \
-                         {} processes",
-                        dir.display(),
-                        ck.meta.world_size
-                    )
-                    .into());
+                let r = diloco::restore(&ck, dir, d, ddp.rank(), world)?;
+                load_vars(&r.local, ddp.named_vars())?;
+                r.local.load_optimizer(opt)?;
+                if !r.own {
+                    d.restore_anchor(ddp.params())?;
                 }
-                let rank = ddp.rank();
-                let what = format!("rank {rank}'s DiLoCo inner state");
-                let blob = ck.require_blob(&format!("{DILOCO_LOCAL}{rank}"))?;
-                let local = ddprs::Checkpoint::from_bytes(blob, &what)?;
-                load_vars(&local, ddp.named_vars())?;
-                local.load_optimizer(opt)?;
-                d.load_state_dict(&ck.hook_state("diloco")?)?;
             }
             return Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))));
         }

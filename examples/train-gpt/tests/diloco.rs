@@ -4,35 +4,33 @@
 
 mod common;
 
+use common::bits;
 use serde_json::Value;
 use std::process::Command;
 
 const BIN: &str = env!("CARGO_BIN_EXE_train-gpt");
 
-fn run(args: &[&str]) -> Value {
-    let out = Command::new(BIN)
-        .args(common::SMALL_MODEL)
-        .args(["--framework", "candle", "--nproc", "2", "--batch-size", "4"])
-        .args(["--warmup-iters", "2", "--json"])
-        .args(args)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(out.status.success(), "{args:?} failed:\n{stdout}\n{stderr}");
-    let line = stdout
-        .lines()
-        .rev()
-        .find(|l| l.starts_with('{'))
-        .unwrap_or_else(|| panic!("no JSON line:\n{stdout}\n{stderr}"));
-    serde_json::from_str(line).unwrap()
+/// The small model at `nproc` processes of 4 windows, candle, `args` after.
+fn flags<'a>(nproc: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+    let run = [
+        "--framework",
+        "candle",
+        "--nproc",
+        nproc,
+        "--batch-size",
+        "4",
+    ];
+    [
+        common::SMALL_MODEL,
+        &run,
+        &["--warmup-iters", "2", "--json"],
+        args,
+    ]
+    .concat()
 }
 
-fn bits(v: &Value, key: &str) -> u64 {
-    v[key]
-        .as_f64()
-        .unwrap_or_else(|| panic!("{key} in {v}"))
-        .to_bits()
+fn run(args: &[&str]) -> Value {
+    common::json_run(BIN, &flags("2", args))
 }
 
 /// DiLoCo every 4 steps and streaming DiLoCo (2 fragments, overlap 1): the replicas end
@@ -70,46 +68,107 @@ fn diloco_resumes_exactly_between_synchronizations() {
         let whole = run(&["--max-iters", "12", "--hook", hook]);
         let common = ["--max-iters", "12", "--hook", hook, "--checkpoint-dir", d];
         run(&[&common[..], &["--stop-after", "7"]].concat());
+        let at7 = common::copy_dir(dir.path());
         let resumed = run(&[&common[..], &["--resume"]].concat());
         for key in ["param_sum", "param_l2", "val_loss"] {
             assert_eq!(bits(&whole, key), bits(&resumed, key), "{hook} {key}");
         }
-        // Each rank's own state is in it: another world size is refused, naming the one.
-        let out = Command::new(BIN)
-            .args(common::SMALL_MODEL)
-            .args(["--framework", "candle", "--nproc", "1", "--batch-size", "8"])
-            .args([
+        // Each rank's own state is in it; at another world size the ranks joining start from
+        // the last synchronization (step 4), and the progress of those leaving is dropped.
+        for nproc in [3, 1] {
+            let n = nproc.to_string();
+            let copy = common::copy_dir(at7.path());
+            let c = [
                 "--max-iters",
-                "14",
+                "12",
                 "--hook",
                 hook,
-                "--checkpoint-dir",
-                d,
                 "--resume",
-            ])
-            .output()
-            .unwrap();
-        let err = String::from_utf8_lossy(&out.stderr);
-        assert!(
-            !out.status.success() && err.contains("with 2 processes"),
-            "{err}"
-        );
+                "--checkpoint-dir",
+            ];
+            let args = flags(&n, &[&c[..], &[copy.path().to_str().unwrap()]].concat());
+            common::assert_diloco_resumes_at_another_world(BIN, nproc, &args);
+        }
     }
 }
 
 #[test]
-fn diloco_is_refused_where_it_is_not_wired() {
-    let out = Command::new(BIN)
-        .args(["--framework", "burn", "--hook", "diloco:4"])
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("candle"), "{err}");
+fn malformed_diloco_forms_are_refused() {
     for bad in ["diloco", "diloco:0", "streaming-diloco:4", "diloco:4:x"] {
         let out = Command::new(BIN).args(["--hook", bad]).output().unwrap();
         assert!(!out.status.success(), "{bad}");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(err.contains("forms") || err.contains("H"), "{bad}: {err}");
     }
+}
+
+/// Under the elastic launcher (`ddprun --nnodes 2:3`, no `--fault-tolerance`): a third node
+/// arriving while two train restarts the round at world 3, which resumes from the newest DiLoCo
+/// checkpoint — nodes 0 and 1 from their own state, the newcomer from the last synchronization —
+/// and ends with identical replicas.
+#[test]
+fn a_node_joining_an_elastic_diloco_job_starts_from_the_last_synchronization() {
+    let ddprun = std::path::Path::new(BIN).with_file_name("ddprun");
+    if !ddprun.is_file() {
+        return eprintln!("skipped: the ddprun binary is not built");
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let tmp = tempfile::tempdir().unwrap();
+    let ck = tmp.path().join("ck");
+    let iters = "3000";
+    let mut gpt: Vec<String> = flags("1", &["--hook", "diloco:4", "--max-iters", iters])
+        .into_iter()
+        .filter(|a| *a != "--nproc" && *a != "1")
+        .map(String::from)
+        .collect();
+    gpt.extend(
+        [
+            "--eval-interval",
+            "1000000",
+            "--checkpoint-every",
+            "25",
+            "--resume",
+        ]
+        .map(String::from),
+    );
+    gpt.extend(["--checkpoint-dir".into(), ck.display().to_string()]);
+    let log = |n: &str| tmp.path().join(format!("{n}.log"));
+    let node = |n: &str| {
+        common::elastic_node(&ddprun, BIN, port, &log(n), &[], &gpt)
+            .spawn()
+            .unwrap()
+    };
+    let a = node("a");
+    std::thread::sleep(std::time::Duration::from_millis(300)); // A hosts the rendezvous store
+    let b = node("b");
+    // Once the pair has written a checkpoint, a third node arrives.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    while std::fs::read_dir(&ck).map_or(0, |d| d.count()) == 0 {
+        assert!(std::time::Instant::now() < until, "no checkpoint written");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let c = node("c");
+    let ok: Vec<bool> = [a, b, c]
+        .into_iter()
+        .map(|mut ch| ch.wait().unwrap().success())
+        .collect();
+    let text = |n: &str| std::fs::read_to_string(log(n)).unwrap_or_default();
+    let all = format!("A:\n{}\nB:\n{}\nC:\n{}", text("a"), text("b"), text("c"));
+    assert!(ok.iter().all(|&s| s), "{all}");
+    let line = all
+        .lines()
+        .find(|l| l.contains("{\"framework\""))
+        .unwrap_or_else(|| panic!("no JSON line:\n{all}"));
+    let j: Value = serde_json::from_str(&line[line.find('{').unwrap()..]).unwrap();
+    assert_eq!(j["world_size"], 3, "{j}\n{all}");
+    assert_eq!(j["replicas_identical"], true, "{j}");
+    assert!(j["start_step"].as_u64().unwrap() > 0, "{j}\n{all}");
+    assert!(
+        all.contains("DiLoCo checkpoint of 2 processes resumed with 3"),
+        "{all}"
+    );
 }

@@ -315,30 +315,8 @@ fn a_joined_process_gets_the_live_state_and_no_checkpoint_is_read() {
 /// output in `log`.
 fn elastic_node(port: u16, pid_dir: &Path, log: &Path, gpt: &[String]) -> Child {
     let ddprun = ddprun().expect("checked by the caller");
-    let out = std::fs::File::create(log).unwrap();
-    Command::new(ddprun)
-        .args([
-            "--nnodes",
-            "2:3",
-            "--nproc-per-node",
-            "1",
-            "--fault-tolerance",
-        ])
-        .args(["--rdzv-endpoint", &format!("127.0.0.1:{port}")])
-        .args([
-            "--run-id",
-            &format!("gpt-ft-{port}"),
-            "--heartbeat-timeout",
-            "2",
-        ])
-        .args(["--rdzv-last-call", "2", "--monitor-interval", "0.05", BIN])
-        .args(gpt)
-        .env("TRAIN_GPT_DEBUG_PID_DIR", pid_dir)
-        .env_remove("DDP_FAULT_TOLERANCE")
-        .stdout(out.try_clone().unwrap())
-        .stderr(out)
-        .spawn()
-        .unwrap()
+    let mut cmd = common::elastic_node(&ddprun, BIN, port, log, &["--fault-tolerance"], gpt);
+    cmd.env("TRAIN_GPT_DEBUG_PID_DIR", pid_dir).spawn().unwrap()
 }
 
 /// The parent pid of `pid`.

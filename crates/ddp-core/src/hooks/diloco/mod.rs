@@ -29,7 +29,11 @@
 //! Call [`DiLoCo::step`] after every inner optimizer step (a collective on synchronization
 //! steps). The state (anchor, momentum, step, in-flight fragments) goes into checkpoints through
 //! [`DiLoCo::state_dict`], which completes in-flight all-reduces so that a resumed run applies
-//! exactly what the uninterrupted one applies.
+//! exactly what the uninterrupted one applies; [`checkpoint`] puts every rank's own inner state
+//! beside it and resumes at the same world size exactly, or at another with joining ranks
+//! started from the last synchronization.
+
+pub mod checkpoint;
 
 use crate::adapter::ParamAccess;
 use crate::checkpoint::TensorData;

@@ -122,9 +122,11 @@ pub struct TrainArgs {
     /// the benchmark calls by default).
     #[arg(long)]
     pub no_retain_memory: bool,
-    /// Communication hook: `none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]`
-    /// (see `ddp_core::hooks::HookSpec`); the JSON reports the payload bytes sent per step.
-    #[arg(long, default_value = "none", value_parser = ddp_core::hooks::HookSpec::parse_without_diloco)]
+    /// Communication hook: `none|fp16|bf16|powersgd[:RANK[:START_ITER]]|localsgd[:PERIOD[:WARMUP]]|
+    /// diloco:H[:OUTER_LR[:MOMENTUM]]|streaming-diloco:H:F[:TAU]` (see
+    /// `ddp_core::hooks::HookSpec`; DiLoCo runs its outer loop after every step); the table and
+    /// the JSON report the payload bytes sent per timed step.
+    #[arg(long, default_value = "none")]
     pub hook: ddp_core::hooks::HookSpec,
     /// A last JSON line with world_size, samples_per_s, step_ms, comm_wait_ms, hook, zero,
     /// optimizer, params, peak_rss_bytes, bytes_per_step.

@@ -12,6 +12,7 @@ use candle_nn::{linear, Linear, ParamsAdamW, VarBuilder, VarMap};
 use ddp_candle::optim::ParamsSgd;
 use ddp_candle::{BackwardPrefetch, Ddp, DdpOptions, Fsdp, ShardOptimizer, Unit, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions, ReduceOp};
+use ddp_core::hooks::{DiLoCo, PeriodicModelAverager};
 use ddp_core::sharding::ZeroStage;
 use ddp_core::trace;
 use std::time::Instant;
@@ -168,6 +169,11 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         keep_whole_buckets: args.zero_keep_buckets,
     };
     let mut zero = ZeroDdp::with_options(ddp, stage, optimizer(args), options)?;
+    // DiLoCo (stage 0: a hook with --zero was refused above): the outer loop after each step.
+    let mut outer = match args.hook.diloco() {
+        Some(cfg) => Some(DiLoCo::new(cfg, zero.ddp().params())?),
+        None => None,
+    };
     let params: usize = zero
         .ddp()
         .named_vars()
@@ -183,11 +189,12 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
     let labels: Vec<u32> = (0..args.batch).map(|i| ((i + rank) % 10) as u32).collect();
     let y = Tensor::from_vec(labels, args.batch, &dev)?;
 
-    let sent = |zero: &ZeroDdp, averager: &Option<ddp_core::hooks::PeriodicModelAverager>| {
-        zero.ddp().reducer().bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent())
-    };
+    let sent =
+        |zero: &ZeroDdp, averager: &Option<PeriodicModelAverager>, outer: &Option<DiLoCo>| {
+            zero.ddp().reducer().bytes_sent() + hook_bytes(averager, outer)
+        };
     let mut step = || -> Result<StepCost, Error> {
-        let before = sent(&zero, &averager);
+        let before = sent(&zero, &averager, &outer);
         let out = if !args.blockwise {
             let loss = {
                 let _s = trace::span("forward", "train");
@@ -210,6 +217,9 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         if let Some(a) = &mut averager {
             a.average_parameters(&pg, zero.ddp().params())?;
         }
+        if let Some(d) = &mut outer {
+            d.step(&pg, zero.ddp().params())?;
+        }
         let wait_s = zero
             .ddp()
             .last_step_stats()
@@ -217,18 +227,22 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         drop(out);
         Ok(StepCost {
             wait_s,
-            bytes: sent(&zero, &averager) - before,
+            bytes: sent(&zero, &averager, &outer) - before,
         })
     };
     // `dev.synchronize()`: the GPU has finished the timed steps before the clock stops.
     let timing = measure(args, &pg, &mut step, || Ok(dev.synchronize()?))?;
-    // Local SGD: replicas differ between averagings; average once more before the check.
+    // Local SGD and DiLoCo: replicas differ between synchronizations; synchronize once more
+    // before the check (not a timed step: its bytes are not in bytes_per_step).
     if let Some(a) = &mut averager {
         a.average_now(&pg, zero.ddp().params())?;
     }
+    if let Some(d) = &mut outer {
+        d.finish(&pg, zero.ddp().params())?;
+    }
     let diff = zero.ddp().replica_max_diff()?;
-    // Stage 0: the payload the reducer (and its hook, and local SGD's averager) really sent;
-    // ZeRO: its reduce-scatter plus all-gather.
+    // Stage 0: the payload the reducer (and its hook, local SGD's averager, DiLoCo's outer
+    // loop) really sent; ZeRO: its reduce-scatter plus all-gather.
     let bytes_per_step = if stage == ZeroStage::Ddp {
         timing.bytes_per_step
     } else {
@@ -247,6 +261,12 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         "bytes_per_step": bytes_per_step,
     });
     report(args, &pg, &label, &timing, diff, extra)
+}
+
+/// Payload bytes sent so far besides the reducer's: local SGD's model averaging and DiLoCo's
+/// pseudo-gradients (both frameworks).
+pub(crate) fn hook_bytes(averager: &Option<PeriodicModelAverager>, outer: &Option<DiLoCo>) -> u64 {
+    averager.as_ref().map_or(0, |a| a.bytes_sent()) + outer.as_ref().map_or(0, |d| d.bytes_sent())
 }
 
 /// `--optimizer`: SGD (lr 0.01) or AdamW (candle's defaults).
@@ -406,8 +426,9 @@ pub(crate) fn report(
             args.hidden, args.layers, args.batch, args.framework
         );
         println!(
-            "samples/s {:.1}   ms/step {:.2}   comm_wait ms/step {:.2}   replicas max diff {diff:e}",
-            t.samples_per_s, t.step_ms, t.comm_wait_ms
+            "samples/s {:.1}   ms/step {:.2}   comm_wait ms/step {:.2}   bytes/step {:.0}   \
+             replicas max diff {diff:e}",
+            t.samples_per_s, t.step_ms, t.comm_wait_ms, t.bytes_per_step
         );
         if args.json {
             let mut row = serde_json::json!({

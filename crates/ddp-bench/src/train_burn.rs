@@ -7,7 +7,7 @@
 //! defaults); `--zero 1|2` shards optimizer state (and gradients) with `ddp_burn::ZeroDdp`;
 //! `--blockwise` runs the backward one layer at a time (`forward_backward_blockwise`).
 
-use crate::train::{measure, report, Error, StepCost};
+use crate::train::{hook_bytes, measure, report, Error, StepCost};
 use crate::TrainArgs;
 use burn::module::Module;
 use burn::nn::loss::CrossEntropyLossConfig;
@@ -16,7 +16,7 @@ use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::{activation, Device, Distribution, Int, Tensor, TensorData};
 use ddp_burn::{Ddp, DdpOptions, ZeroDdp};
 use ddp_comm::{init_process_group, InitOptions};
-use ddp_core::hooks::PeriodicModelAverager;
+use ddp_core::hooks::DiLoCo;
 use ddp_core::sharding::ZeroStage;
 
 #[derive(Module, Debug)]
@@ -98,6 +98,11 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         ddp.register_comm_hook(hook)?;
     }
     let mut averager = args.hook.averager()?;
+    // DiLoCo: the outer loop after each step, anchored at the replicas the wrapper made equal.
+    let mut outer = match args.hook.diloco() {
+        Some(cfg) => Some(ddp.with_params(|_, p| DiLoCo::new(cfg, p))?),
+        None => None,
+    };
     let stages = layer_stages(args.layers);
     let mut opt: ModuleOptimizer = match adamw {
         true => AdamWConfig::new().init(),
@@ -108,8 +113,7 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
         args,
         &pg,
         || {
-            let sent = |a: &Option<PeriodicModelAverager>| a.as_ref().map_or(0, |a| a.bytes_sent());
-            let before = ddp.reducer().bytes_sent() + sent(&averager);
+            let before = ddp.reducer().bytes_sent() + hook_bytes(&averager, &outer);
             let grads = if args.blockwise {
                 let stages = stages.iter().map(|s| &**s).collect::<Vec<_>>();
                 let loss = |o| loss_fn.forward(o, y.clone());
@@ -122,18 +126,25 @@ pub fn run(args: &TrainArgs) -> Result<(), Error> {
             if let Some(a) = &mut averager {
                 ddp.average_parameters(a)?;
             }
+            if let Some(d) = &mut outer {
+                ddp.with_params(|pg, p| d.step(pg, p))?;
+            }
             Ok(StepCost {
                 wait_s: ddp
                     .last_step_stats()
                     .map_or(0.0, |s| s.comm_wait.as_secs_f64()),
-                bytes: ddp.reducer().bytes_sent() + sent(&averager) - before,
+                bytes: ddp.reducer().bytes_sent() + hook_bytes(&averager, &outer) - before,
             })
         },
         || Ok(()),
     )?;
-    // Local SGD: replicas differ between averagings; average once more before the check.
+    // Local SGD and DiLoCo: replicas differ between synchronizations; synchronize once more
+    // before the check (not a timed step: its bytes are not in bytes_per_step).
     if let Some(a) = &mut averager {
         ddp.average_parameters_now(a)?;
+    }
+    if let Some(d) = &mut outer {
+        ddp.with_params(|pg, p| d.finish(pg, p))?;
     }
     let diff = ddp.replica_max_diff()?;
     let extra = serde_json::json!({

@@ -9,6 +9,18 @@ const BENCH: &str = env!("CARGO_BIN_EXE_ddp-bench");
 
 /// Run `ddp-bench args`, at most 120 s; its stdout lines that are JSON objects.
 fn json_lines(args: &[&str]) -> Vec<serde_json::Map<String, serde_json::Value>> {
+    stdout(args)
+        .lines()
+        .filter(|l| l.starts_with('{'))
+        .map(|l| match serde_json::from_str(l).unwrap() {
+            serde_json::Value::Object(m) => m,
+            other => panic!("not an object: {other}"),
+        })
+        .collect()
+}
+
+/// Run `ddp-bench args`, at most 120 s; its stdout (it must succeed).
+fn stdout(args: &[&str]) -> String {
     let mut child = Command::new(BENCH)
         .args(args)
         .stdout(std::process::Stdio::piped())
@@ -24,15 +36,7 @@ fn json_lines(args: &[&str]) -> Vec<serde_json::Map<String, serde_json::Value>> 
     }
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "ddp-bench {args:?}: {:?}", out.status);
-    String::from_utf8(out.stdout)
-        .unwrap()
-        .lines()
-        .filter(|l| l.starts_with('{'))
-        .map(|l| match serde_json::from_str(l).unwrap() {
-            serde_json::Value::Object(m) => m,
-            other => panic!("not an object: {other}"),
-        })
-        .collect()
+    String::from_utf8(out.stdout).unwrap()
 }
 
 fn assert_keys(row: &serde_json::Map<String, serde_json::Value>, keys: &[&str]) {
@@ -175,4 +179,49 @@ fn train_with_burn_prints_a_json_line_with_every_key() {
         bytes.push(last["bytes_per_step"].as_f64().unwrap());
     }
     assert!(bytes[1] < bytes[0] && bytes[2] < bytes[0], "{bytes:?}");
+}
+
+/// `--hook diloco:4` in both frameworks: the outer loop runs (the replicas end identical: every
+/// run checks), and over 8 timed steps (2 synchronizations) it sends 1/4 of plain DDP's bytes
+/// per step, in the table and in the JSON; streaming DiLoCo (bf16) half of that.
+#[test]
+fn train_with_diloco_sends_a_quarter_of_ddps_bytes_in_both_frameworks() {
+    for framework in ["candle", "burn"] {
+        let mut bytes = Vec::new();
+        for hook in ["none", "diloco:4", "streaming-diloco:4:2:1"] {
+            let out = stdout(&[
+                "train",
+                "--framework",
+                framework,
+                "--nproc",
+                "2",
+                "--hidden",
+                "16",
+                "--layers",
+                "2",
+                "--batch",
+                "4",
+                "--steps",
+                "8",
+                "--warmup",
+                "0",
+                "--json",
+                "--hook",
+                hook,
+            ]);
+            let json = out.lines().rev().find(|l| l.starts_with('{')).unwrap();
+            let row: serde_json::Value = serde_json::from_str(json).unwrap();
+            assert!(row["hook"].as_str().unwrap().starts_with(hook), "{row}");
+            let b = row["bytes_per_step"].as_f64().unwrap();
+            assert!(
+                out.contains(&format!("bytes/step {b:.0}")),
+                "{framework} {hook}: the table lacks bytes/step {b}:\n{out}"
+            );
+            bytes.push(b);
+        }
+        let (ddp, dl, st) = (bytes[0], bytes[1], bytes[2]);
+        assert!(ddp > 0.0, "{framework}: {bytes:?}");
+        assert_eq!(dl, ddp / 4.0, "{framework}: DiLoCo vs DDP {bytes:?}");
+        assert_eq!(st, dl / 2.0, "{framework}: streaming vs DiLoCo {bytes:?}");
+    }
 }

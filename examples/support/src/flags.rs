@@ -77,8 +77,12 @@ pub struct CommonArgs {
     /// Communication hook (PyTorch's DDP comm hooks): none (all-reduce), fp16 / bf16
     /// (compressed all-reduce), `powersgd[:RANK[:START_ITER]]` (PowerSGD, default rank 1 from
     /// step 1000), `localsgd[:PERIOD[:WARMUP]]` (post-local SGD, parameters averaged every PERIOD
-    /// steps after WARMUP; default 4 and 100). Hook state is saved in checkpoints.
-    #[arg(long, default_value = "none", value_parser = ddprs::hooks::HookSpec::parse_without_diloco)]
+    /// steps after WARMUP; default 4 and 100), `diloco:H[:OUTER_LR[:MOMENTUM]]` (DiLoCo: H
+    /// local steps, then the averaged pseudo-gradient stepped by Nesterov SGD, lr 0.7 and
+    /// momentum 0.9 by default), `streaming-diloco:H:F[:TAU]` (F fragments in turn, each
+    /// all-reduce overlapping TAU steps, bf16). Hook and DiLoCo state are saved in checkpoints
+    /// (DiLoCo's with every rank's own state: resumed at the same world size only).
+    #[arg(long, default_value = "none")]
     pub hook: ddprs::hooks::HookSpec,
     /// Stop once rank 0's held-out accuracy, evaluated after every epoch, reaches this
     /// (reports `time_to_target_s`, training time excluding evaluations).

@@ -35,7 +35,8 @@ pub struct RunSummary {
     pub param_l2: f64,
     /// The communication hook, as `--hook` spells it.
     pub hook: String,
-    /// Bytes rank 0 sent per step of this run (gradients and model averaging).
+    /// Bytes rank 0 sent per step of this run (gradients, model averaging, DiLoCo's
+    /// pseudo-gradients).
     #[serde(deserialize_with = "nan_if_null")]
     pub bytes_per_step: f64,
     /// The slowest rank's training time, evaluations for `--target-accuracy` excluded.

@@ -147,8 +147,9 @@ pub fn run(args: &Args) -> BoxResult<()> {
         || args.zero != 0
     {
         return Err(
-            "--learner runs Burn's epoch loop with plain DDP: --hook, --max-steps, \
-             --target-accuracy and --zero are the plain loop's"
+            "--learner runs Burn's epoch loop with plain DDP: --hook (comm hooks, local SGD, \
+             DiLoCo), --max-steps, --target-accuracy and --zero are the plain loop's: run \
+             without --learner"
                 .into(),
         );
     }

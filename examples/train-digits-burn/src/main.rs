@@ -38,7 +38,7 @@ pub struct Args {
     pub backend: Option<Backend>,
     /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none). A
     /// checkpoint of another world size resumes too (the rest of its epoch re-sharded over the
-    /// new ranks), and any --zero loads any checkpoint of the plain loop: a plain one or a
+    /// new ranks; not a DiLoCo run's, which holds every rank's own state), and any --zero loads any checkpoint of the plain loop: a plain one or a
     /// sharded set, the newer when both are there. --learner resumes its own checkpoints only.
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,

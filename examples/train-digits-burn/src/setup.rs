@@ -113,7 +113,8 @@ pub struct RunCounts {
     pub train_time: Duration,
     /// When the held-out accuracy reached --target-accuracy (evaluations excluded).
     pub time_to_target: Option<Duration>,
-    /// Bytes this rank sent for gradients and model averaging in this run.
+    /// Bytes this rank sent for gradients, model averaging and DiLoCo's pseudo-gradients in this
+    /// run.
     pub bytes_sent: u64,
 }
 

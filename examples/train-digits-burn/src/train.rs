@@ -14,13 +14,14 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::Tensor;
+use ddp_example_support::diloco;
 use ddp_example_support::flags::OptimizerKind;
 use ddp_example_support::resume::Writer;
 use ddp_example_support::resume::{resume_source, Source};
 use ddprs::burn::{Ddp, DdpOptions, ZeroDdp};
 use ddprs::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
 use ddprs::comm::ProcessGroup;
-use ddprs::hooks::PeriodicModelAverager;
+use ddprs::hooks::{DiLoCo, PeriodicModelAverager};
 use ddprs::sharding::ZeroStage;
 use ddprs::DistributedSampler;
 use std::time::{Duration, Instant};
@@ -37,9 +38,7 @@ fn run_plan(args: &Args, world_size: usize, samples_per_epoch: usize) -> RunPlan
 fn save(
     pg: &ProcessGroup,
     args: &Args,
-    ddp: &Ddp<Mlp>,
-    opt: &ModuleOptimizer,
-    averager: Option<&PeriodicModelAverager>,
+    t: &mut DdpStepper,
     meta: &CheckpointMeta,
     writer: &mut Writer,
 ) -> BoxResult<()> {
@@ -48,13 +47,26 @@ fn save(
     };
     // Comm hook state (PowerSGD's residuals differ between ranks: rank 0 saves every rank's,
     // a collective).
-    let hook_state = ddprs::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
-    if pg.rank() == 0 {
+    let hook_state = ddprs::hooks::gather_state(pg, &t.ddp.reducer().comm_hook_state())?;
+    let own = |ddp: &Ddp<Mlp>, opt: &ModuleOptimizer| -> BoxResult<Checkpoint> {
         let mut ckpt = Checkpoint::new(meta.clone());
         ddp.save_records(&mut ckpt, opt)?;
+        Ok(ckpt)
+    };
+    // DiLoCo: every rank's own Burn records (parameters and optimizer state), and the outer
+    // state (a collective).
+    let outer = match &mut t.outer {
+        Some(d) => Some(diloco::gather(pg, d, &own(&t.ddp, &t.opt)?)?),
+        None => None,
+    };
+    if pg.rank() == 0 {
+        let mut ckpt = own(&t.ddp, &t.opt)?;
         ckpt.save_hook_state(&hook_state)?;
-        if let Some(a) = averager {
+        if let Some(a) = &t.averager {
             ckpt.save_hook_state(&a.state_dict())?;
+        }
+        if let Some(g) = outer {
+            g.store(&mut ckpt)?;
         }
         writer.write(dir, ckpt)?;
     }
@@ -112,13 +124,18 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 ddp,
                 opt: optimizer(args),
                 averager: args.common.hook.averager()?,
+                outer: None,
             };
             if let Some(hook) = args.common.hook.hook()? {
                 t.ddp.register_comm_hook(hook)?;
             }
+            if let Some(cfg) = args.common.hook.diloco() {
+                // Anchored at the replicas the wrapper made equal.
+                t.outer = Some(t.ddp.with_params(|_, p| DiLoCo::new(cfg, p))?);
+            }
             let loaded = match &source {
                 Some(Source::Plain(r)) => {
-                    t.resume(&r.checkpoint, s.pg.rank())?;
+                    t.resume(&r.checkpoint, &r.path.display().to_string(), &s.pg)?;
                     Some((r.checkpoint.meta.clone(), r.path.display().to_string()))
                 }
                 Some(Source::Set(dir)) => {
@@ -253,28 +270,36 @@ trait Stepper {
     fn train_step(&mut self, loss: Tensor<1>, lr: f64) -> BoxResult<()>;
     /// A checkpoint with metadata `meta` (a collective).
     fn save(
-        &self,
+        &mut self,
         pg: &ProcessGroup,
         args: &Args,
         meta: &CheckpointMeta,
         writer: &mut Writer,
     ) -> BoxResult<()>;
+    /// Once the last epoch is trained, before its checkpoint: DiLoCo's last synchronization
+    /// (a collective; `ddp_example_support::diloco`). Nothing for the others.
+    fn end_training(&mut self) -> BoxResult<()> {
+        Ok(())
+    }
     /// After the last step (e.g. local SGD's last averaging); the bytes this rank sent in this
     /// run of `steps_run` steps.
     fn finish(&mut self, steps_run: u64) -> BoxResult<u64>;
 }
 
-/// `Ddp` with Burn's `ModuleOptimizer` and, for local SGD, the model averager.
+/// `Ddp` with Burn's `ModuleOptimizer` and, for local SGD, the model averager, for DiLoCo the
+/// outer loop.
 struct DdpStepper {
     ddp: Ddp<Mlp>,
     opt: ModuleOptimizer,
     averager: Option<PeriodicModelAverager>,
+    outer: Option<DiLoCo>,
 }
 
 impl DdpStepper {
-    /// Loads a plain checkpoint: Burn's records, the comm hook's state (this rank's) and the
-    /// model averager's.
-    fn resume(&mut self, ckpt: &Checkpoint, rank: usize) -> BoxResult<()> {
+    /// Loads a plain checkpoint (`from` names it): Burn's records, the comm hook's state (this
+    /// rank's), the model averager's, and DiLoCo's outer state with this rank's own records.
+    fn resume(&mut self, ckpt: &Checkpoint, from: &str, pg: &ProcessGroup) -> BoxResult<()> {
+        let rank = pg.rank();
         let opt = std::mem::replace(&mut self.opt, optimizer_placeholder());
         self.opt = self.ddp.load_records(ckpt, opt)?;
         let kind = self.ddp.reducer().comm_hook_state().kind;
@@ -282,6 +307,16 @@ impl DdpStepper {
         self.ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
         if let Some(a) = &mut self.averager {
             a.load_state_dict(&ckpt.hook_state("periodic_model_averager")?)?;
+        }
+        if let Some(d) = &mut self.outer {
+            // This rank's own parameters and optimizer state (rank 0's were loaded above).
+            let own = diloco::restore("train-digits-burn", ckpt, from, d, rank, pg.size())?;
+            let opt = std::mem::replace(&mut self.opt, optimizer_placeholder());
+            self.opt = self.ddp.load_records(&own.local, opt)?;
+            if !own.own {
+                // Joining between synchronizations: from the last-synchronized parameters.
+                self.ddp.with_params(|_, p| d.restore_anchor(p))?;
+            }
         }
         Ok(())
     }
@@ -307,33 +342,40 @@ impl Stepper for DdpStepper {
         if let Some(a) = &mut self.averager {
             self.ddp.average_parameters(a)?;
         }
+        if let Some(d) = &mut self.outer {
+            self.ddp.with_params(|pg, p| d.step(pg, p))?;
+        }
         Ok(())
     }
 
     fn save(
-        &self,
+        &mut self,
         pg: &ProcessGroup,
         args: &Args,
         meta: &CheckpointMeta,
         writer: &mut Writer,
     ) -> BoxResult<()> {
-        save(
-            pg,
-            args,
-            &self.ddp,
-            &self.opt,
-            self.averager.as_ref(),
-            meta,
-            writer,
-        )
+        save(pg, args, self, meta, writer)
+    }
+
+    fn end_training(&mut self) -> BoxResult<()> {
+        if let Some(d) = &mut self.outer {
+            self.ddp.with_params(|pg, p| d.finish(pg, p))?;
+        }
+        Ok(())
     }
 
     fn finish(&mut self, _steps_run: u64) -> BoxResult<u64> {
-        // Local SGD: replicas differ between averagings; average once more at the end.
+        // Local SGD and DiLoCo: replicas differ between synchronizations; synchronize once more
+        // at the end (DiLoCo: already done after the last epoch, unless the run stopped
+        // earlier).
         if let Some(a) = &mut self.averager {
             self.ddp.average_parameters_now(a)?;
         }
-        Ok(self.ddp.reducer().bytes_sent() + self.averager.as_ref().map_or(0, |a| a.bytes_sent()))
+        self.end_training()?;
+        Ok(self.ddp.reducer().bytes_sent()
+            + self.averager.as_ref().map_or(0, |a| a.bytes_sent())
+            + self.outer.as_ref().map_or(0, |d| d.bytes_sent()))
     }
 }
 
@@ -353,7 +395,7 @@ impl<O: Optimizer> Stepper for ZeroDdp<Mlp, O> {
     }
 
     fn save(
-        &self,
+        &mut self,
         _pg: &ProcessGroup,
         args: &Args,
         meta: &CheckpointMeta,
@@ -476,6 +518,9 @@ fn train_loop(
         pos.epoch += 1;
         pos.consumed = 0;
         epoch_base = 0;
+        if pos.epoch == args.common.epochs {
+            t.end_training()?;
+        }
         t.save(pg, args, &meta_at(0, &pos), &mut writer)?;
         if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.

@@ -53,8 +53,9 @@ pub struct Args {
     /// Continue from the checkpoint in --checkpoint-dir (a fresh start if there is none). A
     /// checkpoint of another world size (an elastic `ddprun --nnodes MIN:MAX` job that lost or
     /// gained nodes) resumes too: the rest of its epoch is re-sharded over the new ranks by the
-    /// global number of samples consumed. Any --zero loads any checkpoint: a plain one (written
-    /// at --zero 0) or a sharded set (--zero 1-3), the newer when both are there.
+    /// global number of samples consumed (not a DiLoCo run's, which holds every rank's own state:
+    /// at its world size only). Any --zero loads any checkpoint: a plain one (written at --zero
+    /// 0) or a sharded set (--zero 1-3), the newer when both are there.
     #[arg(long, requires = "checkpoint_dir")]
     pub resume: bool,
     /// Also checkpoint every this many optimizer steps (mid-epoch), not only at epoch ends.

@@ -119,7 +119,8 @@ pub struct StepMetrics {
     pub loss: f64,
     pub accuracy: Option<f64>,
     pub lr: f64,
-    /// Rank 0's bytes handed to gradient collectives so far.
+    /// Rank 0's bytes handed to collectives so far: gradients, local SGD's model averaging,
+    /// DiLoCo's pseudo-gradients.
     pub bytes_sent: u64,
 }
 

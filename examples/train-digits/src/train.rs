@@ -10,6 +10,7 @@ use crate::{Args, Backend, BackwardMode};
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp_example_support::data::{self, CLASSES, FEATURES};
+use ddp_example_support::diloco;
 use ddp_example_support::flags::OptimizerKind;
 use ddp_example_support::resume::{resume_source, Source, Writer};
 use ddp_example_support::summary::{self, Details, RunSummary};
@@ -18,7 +19,7 @@ use ddprs::candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
 use ddprs::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
 use ddprs::comm::process_group::Backend as CommBackend;
 use ddprs::comm::{init_process_group, InitOptions, ProcessGroup};
-use ddprs::hooks::PeriodicModelAverager;
+use ddprs::hooks::{DiLoCo, PeriodicModelAverager};
 use ddprs::sharding::ZeroStage;
 use ddprs::trace::{self, Phase, StepProfiler};
 use ddprs::DistributedSampler;
@@ -91,12 +92,57 @@ impl Position {
     }
 }
 
+/// The model averager (local SGD) or outer loop (DiLoCo) of `--hook`, beside the DDP wrapper.
+struct Extra {
+    averager: Option<PeriodicModelAverager>,
+    outer: Option<DiLoCo>,
+}
+
+impl Extra {
+    /// After every optimizer step: local SGD's averaging or DiLoCo's outer step (each a
+    /// collective on its synchronization steps).
+    fn step(&mut self, pg: &ProcessGroup, trainer: &Trainer) -> BoxResult<()> {
+        let Some(z) = trainer.zero() else {
+            return Ok(());
+        };
+        if let Some(a) = &mut self.averager {
+            a.average_parameters(pg, z.params())?;
+        }
+        if let Some(d) = &mut self.outer {
+            d.step(pg, z.params())?;
+        }
+        Ok(())
+    }
+
+    /// The end of training: local SGD averages once more, DiLoCo synchronizes every fragment
+    /// (a collective; nothing the second time), so that every rank holds the same model.
+    fn finish(&mut self, pg: &ProcessGroup, trainer: &Trainer) -> BoxResult<()> {
+        let Some(z) = trainer.zero() else {
+            return Ok(());
+        };
+        if let Some(a) = &mut self.averager {
+            a.average_now(pg, z.params())?;
+        }
+        if let Some(d) = &mut self.outer {
+            d.finish(pg, z.params())?;
+        }
+        Ok(())
+    }
+
+    /// Bytes this rank sent for gradients, model averaging and pseudo-gradients.
+    fn bytes_sent(&self, trainer: &Trainer) -> u64 {
+        trainer.bytes_sent()
+            + self.averager.as_ref().map_or(0, |a| a.bytes_sent())
+            + self.outer.as_ref().map_or(0, |d| d.bytes_sent())
+    }
+}
+
 fn save(
     pg: &ProcessGroup,
     args: &Args,
     plan: &RunPlan,
     trainer: &Trainer,
-    averager: Option<&PeriodicModelAverager>,
+    extra: &mut Extra,
     position: &Position,
     writer: &mut Writer,
 ) -> BoxResult<()> {
@@ -115,13 +161,26 @@ fn save(
     // Comm hook state (PowerSGD's residuals and Q matrices, step counters): the residuals differ
     // between ranks, so rank 0 saves every rank's (a collective).
     let hook_state = ddprs::hooks::gather_state(pg, &ddp.reducer().comm_hook_state())?;
-    if pg.rank() == 0 {
-        let mut ckpt = Checkpoint::new(position.meta(plan));
+    let own = |meta| -> BoxResult<Checkpoint> {
+        let mut ckpt = Checkpoint::new(meta);
         ddprs::candle::checkpoint::save_vars(&mut ckpt, ddp.named_vars())?;
         ckpt.save_optimizer(opt)?;
+        Ok(ckpt)
+    };
+    // DiLoCo: every rank's own parameters and optimizer state, and the outer state (a
+    // collective).
+    let outer = match &mut extra.outer {
+        Some(d) => Some(diloco::gather(pg, d, &own(position.meta(plan))?)?),
+        None => None,
+    };
+    if pg.rank() == 0 {
+        let mut ckpt = own(position.meta(plan))?;
         ckpt.save_hook_state(&hook_state)?;
-        if let Some(a) = averager {
+        if let Some(a) = &extra.averager {
             ckpt.save_hook_state(&a.state_dict())?;
+        }
+        if let Some(g) = outer {
+            g.store(&mut ckpt)?;
         }
         writer.write(dir, ckpt)?;
     }
@@ -133,9 +192,10 @@ fn save(
 fn load_source(
     ddp: &mut Trainer,
     source: &Source,
-    averager: &mut Option<PeriodicModelAverager>,
-    rank: usize,
+    extra: &mut Extra,
+    pg: &ProcessGroup,
 ) -> BoxResult<(checkpoint::CheckpointMeta, String)> {
+    let rank = pg.rank();
     let stage0 = ddp.zero().is_some_and(|z| z.stage() == ZeroStage::Ddp);
     match source {
         Source::Plain(r) if stage0 => {
@@ -147,10 +207,22 @@ fn load_source(
             z.ddp_mut()
                 .reducer_mut()
                 .load_comm_hook_state(&hook_state)?;
-            if let Some(a) = averager {
+            if let Some(a) = &mut extra.averager {
                 a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
             }
-            Ok((r.checkpoint.meta.clone(), r.path.display().to_string()))
+            let from = r.path.display().to_string();
+            if let Some(d) = &mut extra.outer {
+                // This rank's own parameters and optimizer state (rank 0's were loaded above).
+                let own =
+                    diloco::restore("train-digits", &r.checkpoint, &from, d, rank, pg.size())?;
+                ddprs::candle::checkpoint::load_vars(&own.local, z.named_vars())?;
+                own.local.load_optimizer(z.optimizer_mut())?;
+                if !own.own {
+                    // Joining between synchronizations: from the last-synchronized parameters.
+                    d.restore_anchor(z.ddp().params())?;
+                }
+            }
+            Ok((r.checkpoint.meta.clone(), from))
         }
         Source::Plain(r) => {
             // A plain checkpoint into a sharded run: each rank takes its chunks.
@@ -244,7 +316,6 @@ pub fn run(args: &Args) -> BoxResult<()> {
         check_finite: !args.common.no_check_finite,
         ..Default::default()
     };
-    let mut averager = args.common.hook.averager()?;
     let mut ddp = if stage == ZeroStage::Three {
         let units = trainer::units(FEATURES, args.common.hidden, CLASSES);
         Trainer::Fsdp(Box::new(Fsdp::from_varmap(&varmap, units, &pg, |vars| {
@@ -261,6 +332,15 @@ pub fn run(args: &Args) -> BoxResult<()> {
             optimizer(args, lr),
         )?))
     };
+    let mut extra = Extra {
+        averager: args.common.hook.averager()?,
+        // DiLoCo: anchored at the replicas the wrapper made equal (stage 0 only: --zero with a
+        // hook was refused above).
+        outer: match (args.common.hook.diloco(), ddp.zero()) {
+            (Some(cfg), Some(z)) => Some(DiLoCo::new(cfg, z.params())?),
+            _ => None,
+        },
+    };
     let mut pos = TrainingState::default();
     let mut writer = Writer::new(&args.common);
     // Set when resuming at another world size (or in a re-sharded run): the global samples of
@@ -268,7 +348,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
     let mut reshard: Option<usize> = None;
     let mut resharded_run = false;
     if let Some(source) = source {
-        let (meta, what) = load_source(&mut ddp, &source, &mut averager, rank)?;
+        let (meta, what) = load_source(&mut ddp, &source, &mut extra, &pg)?;
         let point = plan.resume_point(&meta, train.len())?;
         (pos, reshard) = (point.state, point.reshard);
         resharded_run = reshard.is_some();
@@ -388,9 +468,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
             };
             let wait = ddp.last_wait();
             prof.add_comm_wait(wait);
-            if let (Some(a), Some(z)) = (&mut averager, ddp.zero()) {
-                a.average_parameters(&pg, z.params())?;
-            }
+            extra.step(&pg, &ddp)?;
             pos.step += 1;
             pos.consumed += batch.len();
             steps_run += 1;
@@ -412,7 +490,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                         loss,
                         accuracy: None,
                         lr,
-                        bytes_sent: ddp.bytes_sent(),
+                        bytes_sent: extra.bytes_sent(&ddp),
                     })?;
                 }
             }
@@ -426,20 +504,17 @@ pub fn run(args: &Args) -> BoxResult<()> {
                     global: global_at(epoch_base, &pos),
                 };
                 prof.phase(Phase::Checkpoint, || {
-                    save(
-                        &pg,
-                        args,
-                        &plan,
-                        &ddp,
-                        averager.as_ref(),
-                        &here,
-                        &mut writer,
-                    )
+                    save(&pg, args, &plan, &ddp, &mut extra, &here, &mut writer)
                 })?;
             }
         }
         pos.epoch += 1;
         pos.consumed = 0;
+        if pos.epoch == args.common.epochs {
+            // The last epoch is trained: DiLoCo's last synchronization, before the evaluation
+            // and the checkpoint, which then see the one model (`ddp_example_support::diloco`).
+            extra.finish(&pg, &ddp)?;
+        }
         // Stage 3: the evaluation copy gathered from the shards, on every rank.
         ddp.refresh(&varmap)?;
         if let Some(m) = &mut metrics {
@@ -454,7 +529,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
                 loss: loss_sum / batches.max(1) as f64,
                 accuracy: Some(acc),
                 lr,
-                bytes_sent: ddp.bytes_sent(),
+                bytes_sent: extra.bytes_sent(&ddp),
             })?;
             eval_time += paused.elapsed();
         }
@@ -464,15 +539,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
             global: global_at(0, &pos),
         };
         prof.phase(Phase::Checkpoint, || {
-            save(
-                &pg,
-                args,
-                &plan,
-                &ddp,
-                averager.as_ref(),
-                &here,
-                &mut writer,
-            )
+            save(&pg, args, &plan, &ddp, &mut extra, &here, &mut writer)
         })?;
         if let Some(target) = args.common.target_accuracy {
             // Rank 0 evaluates (outside the timed span); every rank learns whether to stop.
@@ -506,28 +573,19 @@ pub fn run(args: &Args) -> BoxResult<()> {
             global: global_at(epoch_base, &pos),
         };
         prof.phase(Phase::Checkpoint, || {
-            save(
-                &pg,
-                args,
-                &plan,
-                &ddp,
-                averager.as_ref(),
-                &here,
-                &mut writer,
-            )
+            save(&pg, args, &plan, &ddp, &mut extra, &here, &mut writer)
         })?;
     }
-    writer.finish()?; // the last background write has landed (or failed: an error)
-                      // Local SGD: the replicas differ between averagings; average once more so that every rank
-                      // ends with the same model.
-    if let (Some(a), Some(z)) = (&mut averager, ddp.zero()) {
-        a.average_now(&pg, z.params())?;
-    }
+    // The last background write has landed (or failed: an error).
+    writer.finish()?;
+    // Local SGD and DiLoCo: the replicas differ between synchronizations; synchronize once more
+    // so that every rank ends with the same model (DiLoCo: already done after the last epoch; a
+    // run stopped earlier wrote its checkpoint first, so that a resume is exact).
+    extra.finish(&pg, &ddp)?;
     let bytes_per_step = if stage != ZeroStage::Ddp {
         ddp.bytes_per_step() as f64
     } else {
-        let sent = ddp.bytes_sent() + averager.as_ref().map_or(0, |a| a.bytes_sent());
-        sent as f64 / steps_run.max(1) as f64
+        extra.bytes_sent(&ddp) as f64 / steps_run.max(1) as f64
     };
     ddp.refresh(&varmap)?;
 

@@ -1,12 +1,13 @@
 //! What the candle and Burn workers share for the checkpoints of `--hook diloco` /
-//! `streaming-diloco`: the library's [`ddprs::hooks::diloco::checkpoint`] (every rank's own
+//! `streaming-diloco`: the library's [`ddprs::hooks::local_state`] (every rank's own
 //! inner state gathered beside the outer state) written through train-gpt's [`Saver`], and the
-//! resume at the same world size (exact) or another (an elastic restart: joining ranks start
-//! from the last synchronization).
+//! resume (`ddp_example_support::diloco::restore`: at the same world size exact, at another —
+//! an elastic restart — joining ranks start from the last synchronization).
 
 use crate::saver::Saver;
+use ddp_example_support::diloco::{self, Restored};
 use ddprs::adapter::{DdpCore, ParamAccess};
-use ddprs::hooks::diloco::checkpoint::{self, Restored};
+use ddprs::hooks::local_state;
 use ddprs::hooks::DiLoCo;
 use ddprs::{Checkpoint, CheckpointMeta};
 use std::path::Path;
@@ -28,7 +29,7 @@ pub fn save<P: ParamAccess>(
 ) -> Result<()> {
     let mut local = Checkpoint::new(meta.clone());
     inner(&mut local)?;
-    let gathered = checkpoint::gather(core.process_group(), outer, &local)?;
+    let gathered = local_state::gather(core.process_group(), outer.state_dict()?, &local)?;
     let fill = |ck: &mut Checkpoint| -> ddprs::Result<()> {
         inner(ck)?;
         gathered.store(ck)
@@ -47,10 +48,9 @@ pub fn save<P: ParamAccess>(
     })
 }
 
-/// Resuming from the DiLoCo checkpoint `ck` (of `dir`) as `rank` of `world`: loads the outer
-/// state into `outer` and returns this rank's part: load `local` (parameters and optimizer
-/// state), then, when not `own` (a rank joining between synchronizations), set the parameters
-/// to the anchor with `DiLoCo::restore_anchor`. Rank 0 says so when the world size changed.
+/// Resuming from the DiLoCo checkpoint `ck` (of `dir`) as `rank` of `world`
+/// ([`ddp_example_support::diloco::restore`]): the outer state loaded, this rank's part
+/// returned — load `local`, then, when not `own`, `DiLoCo::restore_anchor`.
 pub fn restore(
     ck: &Checkpoint,
     dir: &Path,
@@ -58,10 +58,6 @@ pub fn restore(
     rank: usize,
     world: usize,
 ) -> Result<Restored> {
-    let r = checkpoint::restore(ck, &dir.display().to_string(), outer, rank, world)?;
-    let note = checkpoint::world_change_note(ck.meta.world_size, world, outer.last_sync_step());
-    if let Some(note) = note.filter(|_| rank == 0) {
-        eprintln!("train-gpt: {note}");
-    }
-    Ok(r)
+    let from = dir.display().to_string();
+    Ok(diloco::restore("train-gpt", ck, &from, outer, rank, world)?)
 }

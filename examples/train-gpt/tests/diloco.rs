@@ -94,7 +94,14 @@ fn diloco_resumes_exactly_between_synchronizations() {
 
 #[test]
 fn malformed_diloco_forms_are_refused() {
-    for bad in ["diloco", "diloco:0", "streaming-diloco:4", "diloco:4:x"] {
+    let bad_forms = ["diloco", "diloco:0", "streaming-diloco:4", "diloco:4:x"];
+    // Settings that parse but do not go together: F > H, TAU >= H/F, momentum 1.
+    let bad_settings = [
+        "streaming-diloco:4:8",
+        "streaming-diloco:4:2:2",
+        "diloco:4:0.7:1",
+    ];
+    for bad in bad_forms.into_iter().chain(bad_settings) {
         let out = Command::new(BIN).args(["--hook", bad]).output().unwrap();
         assert!(!out.status.success(), "{bad}");
         let err = String::from_utf8_lossy(&out.stderr);

@@ -38,6 +38,7 @@
 mod compress;
 pub mod diloco;
 mod local_sgd;
+pub mod local_state;
 mod powersgd;
 mod spec;
 pub(crate) mod state;

@@ -92,7 +92,7 @@ impl FromStr for HookSpec {
         if args.len() < min_args {
             return Err(format!("hook {s:?}: missing ':' fields (forms: {FORMS})"));
         }
-        Ok(match name {
+        let spec = match name {
             "none" => HookSpec::None,
             "fp16" => HookSpec::Fp16,
             "bf16" => HookSpec::Bf16,
@@ -114,7 +114,14 @@ impl FromStr for HookSpec {
                 fragments: num(1, "F", 0, 1)? as usize,
                 overlap: num(2, "TAU", 0, 0)?,
             },
-        })
+        };
+        // DiLoCo's settings checked together (F <= H, TAU < H/F, the outer optimizer's) when
+        // the command line is read, not in the workers.
+        if let Some(cfg) = spec.diloco() {
+            cfg.check()
+                .map_err(|e| format!("hook {s:?}: {e} (forms: {FORMS})"))?;
+        }
+        Ok(spec)
     }
 }
 
@@ -141,20 +148,6 @@ impl fmt::Display for HookSpec {
 }
 
 impl HookSpec {
-    /// [`HookSpec::from_str`] for a program without DiLoCo's outer loop (clap's `value_parser`):
-    /// `diloco` and `streaming-diloco` are refused, naming where they run, instead of training
-    /// with local steps and never synchronizing.
-    pub fn parse_without_diloco(s: &str) -> std::result::Result<HookSpec, String> {
-        let spec: HookSpec = s.parse()?;
-        match spec.diloco() {
-            Some(_) => Err(format!(
-                "hook {s:?}: DiLoCo is not wired into this program yet (train-gpt has it: \
-                 --hook diloco:H or streaming-diloco:H:F)"
-            )),
-            None => Ok(spec),
-        }
-    }
-
     /// The comm hook to register (`None` for the default all-reduce).
     pub fn hook(&self) -> Result<Option<BuiltinHook>> {
         Ok(match *self {

@@ -74,8 +74,11 @@ pub fn assert_diloco_resumes_at_another_world(bin: &str, nproc: usize, args: &[&
     assert_eq!(j["start_step"], 7, "{j}");
     assert_eq!(j["replicas_identical"], true, "{j}");
     let said = match nproc > 2 {
-        true => "join between synchronizations from the parameters of the last one (step 4)",
-        false => "since the last synchronization (step 4) is dropped",
+        true => {
+            "join between synchronizations from the parameters of the last synchronization \
+                 (step 4)"
+        }
+        false => "the progress of ranks 1..2 since the last synchronization is dropped",
     };
     assert!(
         err.contains("DiLoCo checkpoint of 2 processes resumed with") && err.contains(said),

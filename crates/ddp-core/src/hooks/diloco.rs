@@ -29,11 +29,9 @@
 //! Call [`DiLoCo::step`] after every inner optimizer step (a collective on synchronization
 //! steps). The state (anchor, momentum, step, in-flight fragments) goes into checkpoints through
 //! [`DiLoCo::state_dict`], which completes in-flight all-reduces so that a resumed run applies
-//! exactly what the uninterrupted one applies; [`checkpoint`] puts every rank's own inner state
-//! beside it and resumes at the same world size exactly, or at another with joining ranks
-//! started from the last synchronization.
-
-pub mod checkpoint;
+//! exactly what the uninterrupted one applies; [`local_state`](super::local_state) puts every
+//! rank's own inner state beside it and resumes at the same world size exactly, or at another
+//! with joining ranks started from the last synchronization.
 
 use crate::adapter::ParamAccess;
 use crate::checkpoint::TensorData;
@@ -96,7 +94,8 @@ impl DiLoCoConfig {
         }
     }
 
-    fn check(&self) -> Result<()> {
+    /// Whether the settings are valid (named in the error when not).
+    pub fn check(&self) -> Result<()> {
         let bad = |m: String| Err(Error::InvalidArgument(format!("DiLoCo: {m}")));
         if self.inner_steps == 0 {
             return bad("H (inner steps) must be at least 1".into());

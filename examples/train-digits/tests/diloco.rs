@@ -1,0 +1,18 @@
+//! `train-digits --hook diloco:H` and `--hook streaming-diloco:H:F:TAU` as a user runs them (real
+//! worker processes): identical replicas at the end, learning, a fraction of DDP's bytes, and
+//! an exact resume from a checkpoint taken between synchronizations (the checks are
+//! `ddp_example_support::testing`'s, shared with train-digits-burn).
+
+use ddp_example_support::testing;
+
+const BIN: &str = env!("CARGO_BIN_EXE_train-digits");
+
+#[test]
+fn diloco_ends_with_identical_replicas_learns_and_sends_a_fraction_of_ddps_bytes() {
+    testing::check_diloco_trains(BIN);
+}
+
+#[test]
+fn diloco_resumes_exactly_between_synchronizations_and_at_other_world_sizes() {
+    testing::check_diloco_resumes_exactly(BIN);
+}

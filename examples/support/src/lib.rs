@@ -2,8 +2,8 @@
 //! differ only where their frameworks do:
 //!
 //! - [`data`]: the UCI digits, embedded, and the fixed 80/20 split;
-//! - [`diloco`]: DiLoCo's outer state and every rank's own state in the plain checkpoints, and
-//!   where a run's last synchronization goes;
+//! - [`outer`]: DiLoCo's and post-local SGD's outer loop: its step, every rank's own state in
+//!   the plain checkpoints, and where a run's last synchronization goes;
 //! - [`flags`]: the common flags ([`flags::CommonArgs`], flattened into each program's `Args`)
 //!   and their value parsers;
 //! - [`resume`]: which checkpoint of a directory a run resumes from (plain or save set);
@@ -14,8 +14,8 @@
 #![forbid(unsafe_code)]
 
 pub mod data;
-pub mod diloco;
 pub mod flags;
+pub mod outer;
 pub mod resume;
 pub mod summary;
 pub mod testing;

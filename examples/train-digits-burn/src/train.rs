@@ -14,14 +14,13 @@ use burn::data::dataloader::DataLoaderBuilder;
 use burn::data::dataset::InMemDataset;
 use burn::optim::{AdamWConfig, ModuleOptimizer, Optimizer, SgdConfig};
 use burn::tensor::Tensor;
-use ddp_example_support::diloco;
 use ddp_example_support::flags::OptimizerKind;
+use ddp_example_support::outer::Outer;
 use ddp_example_support::resume::Writer;
 use ddp_example_support::resume::{resume_source, Source};
 use ddprs::burn::{Ddp, DdpOptions, ZeroDdp};
 use ddprs::checkpoint::{self, Checkpoint, CheckpointMeta, RunPlan, TrainingState};
 use ddprs::comm::ProcessGroup;
-use ddprs::hooks::{DiLoCo, PeriodicModelAverager};
 use ddprs::sharding::ZeroStage;
 use ddprs::DistributedSampler;
 use std::time::{Duration, Instant};
@@ -53,18 +52,15 @@ fn save(
         ddp.save_records(&mut ckpt, opt)?;
         Ok(ckpt)
     };
-    // DiLoCo: every rank's own Burn records (parameters and optimizer state), and the outer
-    // state (a collective).
+    // Local SGD, DiLoCo: every rank's own Burn records (parameters and optimizer state), and
+    // the outer loop's state (a collective).
     let outer = match &mut t.outer {
-        Some(d) => Some(diloco::gather(pg, d, &own(&t.ddp, &t.opt)?)?),
+        Some(o) => Some(o.gather(pg, &own(&t.ddp, &t.opt)?)?),
         None => None,
     };
     if pg.rank() == 0 {
         let mut ckpt = own(&t.ddp, &t.opt)?;
         ckpt.save_hook_state(&hook_state)?;
-        if let Some(a) = &t.averager {
-            ckpt.save_hook_state(&a.state_dict())?;
-        }
         if let Some(g) = outer {
             g.store(&mut ckpt)?;
         }
@@ -123,16 +119,13 @@ pub fn run(args: &Args) -> BoxResult<()> {
             let mut t = DdpStepper {
                 ddp,
                 opt: optimizer(args),
-                averager: args.common.hook.averager()?,
                 outer: None,
             };
             if let Some(hook) = args.common.hook.hook()? {
                 t.ddp.register_comm_hook(hook)?;
             }
-            if let Some(cfg) = args.common.hook.diloco() {
-                // Anchored at the replicas the wrapper made equal.
-                t.outer = Some(t.ddp.with_params(|_, p| DiLoCo::new(cfg, p))?);
-            }
+            // Anchored at the replicas the wrapper made equal.
+            t.outer = t.ddp.with_params(|_, p| Outer::new(&args.common.hook, p))?;
             let loaded = match &source {
                 Some(Source::Plain(r)) => {
                     t.resume(&r.checkpoint, &r.path.display().to_string(), &s.pg)?;
@@ -277,7 +270,7 @@ trait Stepper {
         writer: &mut Writer,
     ) -> BoxResult<()>;
     /// Once the last epoch is trained, before its checkpoint: DiLoCo's last synchronization
-    /// (a collective; `ddp_example_support::diloco`). Nothing for the others.
+    /// (a collective; `ddp_example_support::outer`). Nothing for the others.
     fn end_training(&mut self) -> BoxResult<()> {
         Ok(())
     }
@@ -286,13 +279,12 @@ trait Stepper {
     fn finish(&mut self, steps_run: u64) -> BoxResult<u64>;
 }
 
-/// `Ddp` with Burn's `ModuleOptimizer` and, for local SGD, the model averager, for DiLoCo the
-/// outer loop.
+/// `Ddp` with Burn's `ModuleOptimizer` and the outer loop of local SGD (model averaging) or
+/// DiLoCo.
 struct DdpStepper {
     ddp: Ddp<Mlp>,
     opt: ModuleOptimizer,
-    averager: Option<PeriodicModelAverager>,
-    outer: Option<DiLoCo>,
+    outer: Option<Outer>,
 }
 
 impl DdpStepper {
@@ -305,18 +297,13 @@ impl DdpStepper {
         let kind = self.ddp.reducer().comm_hook_state().kind;
         let hook_state = ckpt.hook_state(&kind)?.for_rank(rank);
         self.ddp.reducer_mut().load_comm_hook_state(&hook_state)?;
-        if let Some(a) = &mut self.averager {
-            a.load_state_dict(&ckpt.hook_state("periodic_model_averager")?)?;
-        }
-        if let Some(d) = &mut self.outer {
-            // This rank's own parameters and optimizer state (rank 0's were loaded above).
-            let own = diloco::restore("train-digits-burn", ckpt, from, d, rank, pg.size())?;
+        if let Some(o) = &mut self.outer {
+            // This rank's own parameters and optimizer state (rank 0's were loaded above), or a
+            // joining rank's (DiLoCo: from the last synchronization).
+            let own = o.restore("train-digits-burn", ckpt, from, rank, pg.size())?;
             let opt = std::mem::replace(&mut self.opt, optimizer_placeholder());
             self.opt = self.ddp.load_records(&own.local, opt)?;
-            if !own.own {
-                // Joining between synchronizations: from the last-synchronized parameters.
-                self.ddp.with_params(|_, p| d.restore_anchor(p))?;
-            }
+            self.ddp.with_params(|_, p| o.joined(&own, p))?;
         }
         Ok(())
     }
@@ -339,11 +326,8 @@ impl Stepper for DdpStepper {
     fn train_step(&mut self, loss: Tensor<1>, lr: f64) -> BoxResult<()> {
         let grads = self.ddp.backward(loss)?;
         self.ddp.step(&mut self.opt, lr, grads);
-        if let Some(a) = &mut self.averager {
-            self.ddp.average_parameters(a)?;
-        }
-        if let Some(d) = &mut self.outer {
-            self.ddp.with_params(|pg, p| d.step(pg, p))?;
+        if let Some(o) = &mut self.outer {
+            self.ddp.with_params(|pg, p| o.step(pg, p))?;
         }
         Ok(())
     }
@@ -359,8 +343,8 @@ impl Stepper for DdpStepper {
     }
 
     fn end_training(&mut self) -> BoxResult<()> {
-        if let Some(d) = &mut self.outer {
-            self.ddp.with_params(|pg, p| d.finish(pg, p))?;
+        if let Some(o @ Outer::DiLoCo(_)) = &mut self.outer {
+            self.ddp.with_params(|pg, p| o.finish(pg, p))?;
         }
         Ok(())
     }
@@ -369,13 +353,10 @@ impl Stepper for DdpStepper {
         // Local SGD and DiLoCo: replicas differ between synchronizations; synchronize once more
         // at the end (DiLoCo: already done after the last epoch, unless the run stopped
         // earlier).
-        if let Some(a) = &mut self.averager {
-            self.ddp.average_parameters_now(a)?;
+        if let Some(o) = &mut self.outer {
+            self.ddp.with_params(|pg, p| o.finish(pg, p))?;
         }
-        self.end_training()?;
-        Ok(self.ddp.reducer().bytes_sent()
-            + self.averager.as_ref().map_or(0, |a| a.bytes_sent())
-            + self.outer.as_ref().map_or(0, |d| d.bytes_sent()))
+        Ok(self.ddp.reducer().bytes_sent() + self.outer.as_ref().map_or(0, |o| o.bytes_sent()))
     }
 }
 

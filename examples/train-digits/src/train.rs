@@ -10,8 +10,8 @@ use crate::{Args, Backend, BackwardMode};
 use candle_core::{Module, Tensor, Var};
 use candle_nn::VarMap;
 use ddp_example_support::data::{self, CLASSES, FEATURES};
-use ddp_example_support::diloco;
 use ddp_example_support::flags::OptimizerKind;
+use ddp_example_support::outer::Outer;
 use ddp_example_support::resume::{resume_source, Source, Writer};
 use ddp_example_support::summary::{self, Details, RunSummary};
 use ddprs::candle::optim::ParamsSgd;
@@ -19,7 +19,6 @@ use ddprs::candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
 use ddprs::checkpoint::{self, Checkpoint, RunPlan, TrainingState};
 use ddprs::comm::process_group::Backend as CommBackend;
 use ddprs::comm::{init_process_group, InitOptions, ProcessGroup};
-use ddprs::hooks::{DiLoCo, PeriodicModelAverager};
 use ddprs::sharding::ZeroStage;
 use ddprs::trace::{self, Phase, StepProfiler};
 use ddprs::DistributedSampler;
@@ -92,24 +91,17 @@ impl Position {
     }
 }
 
-/// The model averager (local SGD) or outer loop (DiLoCo) of `--hook`, beside the DDP wrapper.
+/// The outer loop of `--hook` (local SGD's model averaging, DiLoCo), beside the DDP wrapper.
 struct Extra {
-    averager: Option<PeriodicModelAverager>,
-    outer: Option<DiLoCo>,
+    outer: Option<Outer>,
 }
 
 impl Extra {
     /// After every optimizer step: local SGD's averaging or DiLoCo's outer step (each a
     /// collective on its synchronization steps).
     fn step(&mut self, pg: &ProcessGroup, trainer: &Trainer) -> BoxResult<()> {
-        let Some(z) = trainer.zero() else {
-            return Ok(());
-        };
-        if let Some(a) = &mut self.averager {
-            a.average_parameters(pg, z.params())?;
-        }
-        if let Some(d) = &mut self.outer {
-            d.step(pg, z.params())?;
+        if let (Some(o), Some(z)) = (&mut self.outer, trainer.zero()) {
+            o.step(pg, z.params())?;
         }
         Ok(())
     }
@@ -117,23 +109,15 @@ impl Extra {
     /// The end of training: local SGD averages once more, DiLoCo synchronizes every fragment
     /// (a collective; nothing the second time), so that every rank holds the same model.
     fn finish(&mut self, pg: &ProcessGroup, trainer: &Trainer) -> BoxResult<()> {
-        let Some(z) = trainer.zero() else {
-            return Ok(());
-        };
-        if let Some(a) = &mut self.averager {
-            a.average_now(pg, z.params())?;
-        }
-        if let Some(d) = &mut self.outer {
-            d.finish(pg, z.params())?;
+        if let (Some(o), Some(z)) = (&mut self.outer, trainer.zero()) {
+            o.finish(pg, z.params())?;
         }
         Ok(())
     }
 
     /// Bytes this rank sent for gradients, model averaging and pseudo-gradients.
     fn bytes_sent(&self, trainer: &Trainer) -> u64 {
-        trainer.bytes_sent()
-            + self.averager.as_ref().map_or(0, |a| a.bytes_sent())
-            + self.outer.as_ref().map_or(0, |d| d.bytes_sent())
+        trainer.bytes_sent() + self.outer.as_ref().map_or(0, |o| o.bytes_sent())
     }
 }
 
@@ -167,18 +151,15 @@ fn save(
         ckpt.save_optimizer(opt)?;
         Ok(ckpt)
     };
-    // DiLoCo: every rank's own parameters and optimizer state, and the outer state (a
-    // collective).
+    // Local SGD, DiLoCo: every rank's own parameters and optimizer state, and the outer
+    // loop's state (a collective).
     let outer = match &mut extra.outer {
-        Some(d) => Some(diloco::gather(pg, d, &own(position.meta(plan))?)?),
+        Some(o) => Some(o.gather(pg, &own(position.meta(plan))?)?),
         None => None,
     };
     if pg.rank() == 0 {
         let mut ckpt = own(position.meta(plan))?;
         ckpt.save_hook_state(&hook_state)?;
-        if let Some(a) = &extra.averager {
-            ckpt.save_hook_state(&a.state_dict())?;
-        }
         if let Some(g) = outer {
             g.store(&mut ckpt)?;
         }
@@ -207,20 +188,14 @@ fn load_source(
             z.ddp_mut()
                 .reducer_mut()
                 .load_comm_hook_state(&hook_state)?;
-            if let Some(a) = &mut extra.averager {
-                a.load_state_dict(&r.checkpoint.hook_state("periodic_model_averager")?)?;
-            }
             let from = r.path.display().to_string();
-            if let Some(d) = &mut extra.outer {
-                // This rank's own parameters and optimizer state (rank 0's were loaded above).
-                let own =
-                    diloco::restore("train-digits", &r.checkpoint, &from, d, rank, pg.size())?;
+            if let Some(o) = &mut extra.outer {
+                // This rank's own parameters and optimizer state (rank 0's were loaded above),
+                // or a joining rank's (DiLoCo: from the last synchronization).
+                let own = o.restore("train-digits", &r.checkpoint, &from, rank, pg.size())?;
                 ddprs::candle::checkpoint::load_vars(&own.local, z.named_vars())?;
                 own.local.load_optimizer(z.optimizer_mut())?;
-                if !own.own {
-                    // Joining between synchronizations: from the last-synchronized parameters.
-                    d.restore_anchor(z.ddp().params())?;
-                }
+                o.joined(&own, z.ddp().params())?;
             }
             Ok((r.checkpoint.meta.clone(), from))
         }
@@ -333,12 +308,11 @@ pub fn run(args: &Args) -> BoxResult<()> {
         )?))
     };
     let mut extra = Extra {
-        averager: args.common.hook.averager()?,
-        // DiLoCo: anchored at the replicas the wrapper made equal (stage 0 only: --zero with a
-        // hook was refused above).
-        outer: match (args.common.hook.diloco(), ddp.zero()) {
-            (Some(cfg), Some(z)) => Some(DiLoCo::new(cfg, z.params())?),
-            _ => None,
+        // Anchored at the replicas the wrapper made equal (stage 0 only: --zero with a hook was
+        // refused above).
+        outer: match ddp.zero() {
+            Some(z) => Outer::new(&args.common.hook, z.params())?,
+            None => None,
         },
     };
     let mut pos = TrainingState::default();
@@ -512,7 +486,7 @@ pub fn run(args: &Args) -> BoxResult<()> {
         pos.consumed = 0;
         if pos.epoch == args.common.epochs {
             // The last epoch is trained: DiLoCo's last synchronization, before the evaluation
-            // and the checkpoint, which then see the one model (`ddp_example_support::diloco`).
+            // and the checkpoint, which then see the one model (`ddp_example_support::outer`).
             extra.finish(&pg, &ddp)?;
         }
         // Stage 3: the evaluation copy gathered from the shards, on every rank.

@@ -90,11 +90,13 @@ pub struct Args {
     #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=3))]
     pub zero: u8,
     /// Communication hook (PyTorch's DDP comm hooks): none (all-reduce), fp16 / bf16
-    /// (compressed all-reduce), `powersgd[:RANK[:START_ITER]]` (post-local SGD is refused
-    /// here: train-digits has it), `diloco:H[:OUTER_LR[:MOMENTUM]]` (DiLoCo: H local steps,
-    /// then the averaged pseudo-gradient stepped by Nesterov SGD, lr 0.7 and momentum 0.9 by
-    /// default), `streaming-diloco:H:F[:TAU]` (F fragments in turn, each all-reduce overlapping
-    /// TAU steps, bf16). Hook and DiLoCo state are saved in checkpoints.
+    /// (compressed all-reduce), `powersgd[:RANK[:START_ITER]]`, `localsgd[:PERIOD[:WARMUP]]`
+    /// (post-local SGD: all-reduce for WARMUP steps, then local steps with the parameters
+    /// averaged every PERIOD; 4:100 by default), `diloco:H[:OUTER_LR[:MOMENTUM]]` (DiLoCo: H
+    /// local steps, then the averaged pseudo-gradient stepped by Nesterov SGD, lr 0.7 and
+    /// momentum 0.9 by default), `streaming-diloco:H:F[:TAU]` (F fragments in turn, each
+    /// all-reduce overlapping TAU steps, bf16). Hook and outer-loop state (every rank's own
+    /// parameters under localsgd and DiLoCo) are saved in checkpoints.
     #[arg(long, default_value = "none")]
     pub hook: ddprs::hooks::HookSpec,
     /// Save checkpoints here.
@@ -229,16 +231,6 @@ impl Args {
                         only (ddprs::candle::Fsdp): use --framework candle, or --zero 1 or 2"
                     .into(),
             );
-        }
-        if let ddprs::hooks::HookSpec::LocalSgd { .. } = self.hook {
-            // The post-local SGD hook skips the all-reduce after its warm-up; without the
-            // model averager after each step (not wired into train-gpt yet) the replicas
-            // would drift apart.
-            return Err(format!(
-                "--hook {}: post-local SGD is not available in train-gpt yet (train-digits \
-                 has it); use none, fp16, bf16 or powersgd",
-                self.hook
-            ));
         }
         if self.zero > 0 && self.hook.hook().ok().flatten().is_some() {
             return Err(format!(

@@ -11,10 +11,10 @@
 
 mod config;
 mod data;
-mod diloco;
 mod fault;
 mod gpt_burn;
 mod gpt_candle;
+mod outer;
 mod report;
 mod saver;
 mod train_burn;

@@ -3,22 +3,23 @@
 //! Burn has no stage 3 here: refused), Burn's AdamW with weight decay on 2-D weights only (a
 //! second parameter group without decay for LayerNorms and biases; under ZeRO the same groups
 //! applied per chunk), nanoGPT's schedule, global-norm clipping across the whole model (and the
-//! shards), checkpoints (Burn's records; save sets under ZeRO) and exact resume; DiLoCo and
-//! streaming DiLoCo at `--zero 0` (`--hook diloco...`: the outer step after each inner step
-//! through `Ddp::with_params`, each rank's inner state in the checkpoints, see [`crate::diloco`]).
+//! shards), checkpoints (Burn's records; save sets under ZeRO) and exact resume; post-local SGD,
+//! DiLoCo and streaming DiLoCo at `--zero 0` (`--hook localsgd…`, `diloco…`: the outer step after
+//! each inner step through `Ddp::with_params`, each rank's inner state in the checkpoints, see
+//! [`crate::outer`]).
 
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
-use crate::diloco;
 use crate::gpt_burn::Gpt;
+use crate::outer;
 use crate::report::Report;
 use crate::saver::Saver;
 use crate::train_candle::{sharded_set_at_zero0, zero_stage};
 use burn::module::ParamGroup;
 use burn::optim::{AdamW, AdamWConfig, ModuleOptimizer};
 use burn::tensor::{Device, Int, Tensor, TensorData};
+use ddp_example_support::outer::Outer;
 use ddprs::burn::{Ddp, ZeroDdp};
-use ddprs::hooks::DiLoCo;
 use ddprs::sharding::ZeroStage;
 use ddprs::{CheckpointMeta, ProcessGroup};
 use std::path::Path;
@@ -75,8 +76,9 @@ enum Engine {
     Ddp {
         ddp: Box<Ddp<Gpt>>,
         optim: ModuleOptimizer,
-        /// `--hook diloco` / `streaming-diloco`: the outer loop after each inner step.
-        outer: Option<Box<DiLoCo>>,
+        /// `--hook localsgd` / `diloco` / `streaming-diloco`: the outer loop after each inner
+        /// step.
+        outer: Option<Box<Outer>>,
     },
     Zero(Box<ZeroDdp<Gpt, AdamW>>),
 }
@@ -102,7 +104,7 @@ impl Engine {
             } => {
                 // Every rank's own module and optimizer records, and the outer state.
                 let (ddp, optim) = (&**ddp, &*optim);
-                diloco::save(saver, ddp, d, dir, meta, |ck| {
+                outer::save(saver, ddp, d, dir, meta, |ck| {
                     ddp.save_records(ck, optim)
                         .map_err(|e| ddprs::Error::Checkpoint(e.to_string()))
                 })
@@ -124,7 +126,7 @@ impl Engine {
     }
 
     /// See `train_candle`'s `Engine::load`: plain at `--zero 0` (any world size without a comm
-    /// hook; under DiLoCo this rank's own records, or a joining rank's: `diloco::restore`), a save
+    /// hook; with an outer loop this rank's own records, or a joining rank's: `outer::restore`), a save
     /// set (any world size) or an imported plain checkpoint at stages 1 and 2.
     fn load(&mut self, dir: &Path, world: usize) -> Result<Option<(CheckpointMeta, Loaded)>> {
         let set = ddprs::sharding::latest_set(dir)?.is_some();
@@ -138,16 +140,14 @@ impl Engine {
                 };
                 data::check_plain_world(&ck, world, ddp.reducer())?;
                 let restored = match outer.as_deref_mut() {
-                    Some(d) => Some(diloco::restore(&ck, dir, d, ddp.rank(), world)?),
+                    Some(d) => Some(outer::restore(&ck, dir, d, ddp.rank(), world)?),
                     None => None,
                 };
                 let local = restored.as_ref().map_or(&ck, |r| &r.local);
                 let taken = std::mem::replace(optim, AdamWConfig::new().build().into());
                 *optim = ddp.load_records(local, taken)?;
-                if let (Some(d), Some(r)) = (outer, &restored) {
-                    if !r.own {
-                        ddp.with_params(|_, p| d.restore_anchor(p))?;
-                    }
+                if let (Some(o), Some(r)) = (outer, &restored) {
+                    ddp.with_params(|_, p| o.joined(r, p))?;
                 }
                 Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))))
             }
@@ -162,12 +162,13 @@ impl Engine {
         }
     }
 
-    /// Whether DiLoCo runs (the replicas differ between synchronizations).
+    /// Whether an outer loop runs (local SGD, DiLoCo: the replicas differ between
+    /// synchronizations).
     fn local_steps(&self) -> bool {
         matches!(self, Engine::Ddp { outer: Some(_), .. })
     }
 
-    /// DiLoCo at the end of the run: a last synchronization, so that every replica holds the
+    /// The outer loop at the end of the run: a last synchronization, so that every replica holds the
     /// same model (a collective).
     fn finish_outer(&mut self) -> Result<()> {
         if let Engine::Ddp {
@@ -181,7 +182,8 @@ impl Engine {
         Ok(())
     }
 
-    /// Payload bytes this rank has sent: gradient buckets and DiLoCo's pseudo-gradients.
+    /// Payload bytes this rank has sent: gradient buckets, averaged parameters, DiLoCo's
+    /// pseudo-gradients.
     fn comm_bytes(&self) -> u64 {
         match self {
             Engine::Ddp { ddp, outer, .. } => {
@@ -210,10 +212,8 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
             if let Some(hook) = args.hook.hook()? {
                 ddp.register_comm_hook(hook)?;
             }
-            let outer = match args.hook.diloco() {
-                Some(cfg) => Some(Box::new(ddp.with_params(|_, p| DiLoCo::new(cfg, p))?)),
-                None => None,
-            };
+            let outer = ddp.with_params(|_, p| Outer::new(&args.hook, p))?;
+            let outer = outer.map(Box::new);
             Engine::Ddp {
                 ddp: Box::new(ddp),
                 optim: nanogpt_optimizer(args),
@@ -298,7 +298,7 @@ pub fn run(args: &Args, pg: &ProcessGroup) -> Result<Report> {
         }
         let done = it + 1;
         if done == args.max_iters {
-            // DiLoCo ends synchronized: the last evaluation and checkpoint see one model.
+            // An outer loop ends synchronized: the last evaluation and checkpoint see one model.
             engine.finish_outer()?;
         }
         report.comm_bytes = engine.comm_bytes();

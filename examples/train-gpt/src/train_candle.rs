@@ -6,19 +6,19 @@
 
 use crate::config::Args;
 use crate::data::{self, Corpus, Windows};
-use crate::diloco;
 use crate::fault::{self, RegroupRecord};
 use crate::gpt_candle::{self, cross_entropy, decays, Dropout, Gpt, UnitCtx};
+use crate::outer;
 use crate::report::Report;
 use crate::saver::Saver;
 use candle_core::{Device, Tensor, Var};
 use candle_nn::{Optimizer, ParamsAdamW, VarMap};
+use ddp_example_support::outer::Outer;
 use ddprs::candle::checkpoint::load_vars;
 use ddprs::candle::checkpoint::save_vars;
 use ddprs::candle::optim::AdamW;
 use ddprs::candle::{Ddp, DdpOptions, Fsdp, ShardOptimizer, ZeroDdp};
 use ddprs::comm::process_group::{RegroupOptions, Regrouped};
-use ddprs::hooks::DiLoCo;
 use ddprs::sharding::ZeroStage;
 use ddprs::{CheckpointMeta, ProcessGroup};
 use std::path::Path;
@@ -49,8 +49,9 @@ enum Engine {
         ddp: Box<Ddp>,
         opt: AdamW,
         model: Gpt,
-        /// `--hook diloco` / `streaming-diloco`: the outer loop after each inner step.
-        outer: Option<Box<DiLoCo>>,
+        /// `--hook localsgd` / `diloco` / `streaming-diloco`: the outer loop after each inner
+        /// step.
+        outer: Option<Box<Outer>>,
     },
     Zero {
         zero: Box<ZeroDdp>,
@@ -92,10 +93,7 @@ impl Engine {
                 }
                 let vars = ddp.named_vars().to_vec();
                 let opt = AdamW::new_named_with_decay(vars, params, |n, v| decays(n, v.dims()))?;
-                let outer = match args.hook.diloco() {
-                    Some(cfg) => Some(Box::new(DiLoCo::new(cfg, ddp.params())?)),
-                    None => None,
-                };
+                let outer = Outer::new(&args.hook, ddp.params())?.map(Box::new);
                 Engine::Ddp {
                     ddp: Box::new(ddp),
                     opt,
@@ -148,8 +146,8 @@ impl Engine {
                     ddp.clip_grad_norm(&mut grads, clip)?;
                 }
                 opt.step(&grads)?;
-                if let Some(d) = outer {
-                    d.step(ddp.process_group(), ddp.params())?;
+                if let Some(o) = outer {
+                    o.step(ddp.process_group(), ddp.params())?;
                 }
                 loss
             }
@@ -204,11 +202,11 @@ impl Engine {
             ..
         } = self
         {
-            // DiLoCo's outer state goes with the model (its in-flight fragments completed), and
+            // The outer loop's state goes with the model (DiLoCo's in-flight fragments completed), and
             // so does every rank's inner state: between synchronizations each rank has its own
             // parameters and AdamW moments (a collective gathers them).
             let (ddp, opt) = (&**ddp, &*opt);
-            return diloco::save(saver, ddp, d, dir, meta, |ck| {
+            return outer::save(saver, ddp, d, dir, meta, |ck| {
                 let failed = |e: &dyn std::fmt::Display| ddprs::Error::Checkpoint(e.to_string());
                 save_vars(ck, ddp.named_vars()).map_err(|e| failed(&e))?;
                 ck.save_optimizer(opt).map_err(|e| failed(&e))
@@ -262,12 +260,10 @@ impl Engine {
             load_vars(&ck, ddp.named_vars())?;
             ck.load_optimizer(opt)?;
             if let Some(d) = outer {
-                let r = diloco::restore(&ck, dir, d, ddp.rank(), world)?;
+                let r = outer::restore(&ck, dir, d, ddp.rank(), world)?;
                 load_vars(&r.local, ddp.named_vars())?;
                 r.local.load_optimizer(opt)?;
-                if !r.own {
-                    d.restore_anchor(ddp.params())?;
-                }
+                d.joined(&r, ddp.params())?;
             }
             return Ok(Some((ck.meta.clone(), Loaded::Plain(Box::new(ck)))));
         }
@@ -335,12 +331,13 @@ impl Engine {
         Ok((sync.step, meta, sent))
     }
 
-    /// Whether DiLoCo runs (the replicas differ between synchronizations).
+    /// Whether an outer loop runs (local SGD, DiLoCo: the replicas differ between
+    /// synchronizations).
     fn local_steps(&self) -> bool {
         matches!(self, Engine::Ddp { outer: Some(_), .. })
     }
 
-    /// DiLoCo at the end of the run: a last synchronization, so that every replica holds the
+    /// The outer loop at the end of the run: a last synchronization, so that every replica holds the
     /// same model (a collective).
     fn finish_outer(&mut self) -> Result<()> {
         if let Engine::Ddp {
@@ -354,7 +351,8 @@ impl Engine {
         Ok(())
     }
 
-    /// Payload bytes this rank has sent: gradient buckets and DiLoCo's pseudo-gradients.
+    /// Payload bytes this rank has sent: gradient buckets, averaged parameters, DiLoCo's
+    /// pseudo-gradients.
     fn comm_bytes(&self) -> u64 {
         match self {
             Engine::Ddp { ddp, outer, .. } => {
@@ -634,7 +632,7 @@ pub fn run(args: &Args, group: &mut ProcessGroup, newcomer: bool) -> Result<Repo
         it = done;
         beacon.step(done);
         if done == args.max_iters {
-            // DiLoCo ends synchronized: the last evaluation and checkpoint see one model.
+            // An outer loop ends synchronized: the last evaluation and checkpoint see one model.
             engine.finish_outer()?;
         }
         let rank = group.rank();

@@ -1,4 +1,5 @@
-//! `train-gpt --hook diloco` / `streaming-diloco`, as a user runs it (real worker processes):
+//! `train-gpt --hook diloco` / `streaming-diloco` (and `localsgd`, the other outer loop), as a
+//! user runs it (real worker processes):
 //! the replicas end identical, far fewer bytes than DDP, an exact resume from a checkpoint
 //! taken between synchronizations (a fragment in flight), and the refusals.
 
@@ -178,4 +179,50 @@ fn a_node_joining_an_elastic_diloco_job_starts_from_the_last_synchronization() {
         all.contains("DiLoCo checkpoint of 2 processes resumed with 3"),
         "{all}"
     );
+}
+
+/// Post-local SGD (`--hook localsgd:4:4`: all-reduce for 4 steps, then the parameters averaged
+/// every 4 steps and at the end) on both frameworks: identical replicas at the end, the bytes of
+/// 4 all-reduced steps and 3 averagings (steps 5, 9 and the end), an exact resume from step 7
+/// (between averagings: every rank's own state in the checkpoint), and a resume with 3
+/// processes where rank 2 starts from a peer's state.
+#[test]
+fn post_local_sgd_averages_every_period_and_resumes_exactly() {
+    for fw in ["candle", "burn"] {
+        let run = |nproc: &str, args: &[&str]| {
+            let run = ["--framework", fw, "--nproc", nproc, "--batch-size", "4"];
+            let steps = ["--warmup-iters", "2", "--max-iters", "12", "--json"];
+            common::json_run_stderr(BIN, &[common::SMALL_MODEL, &run, &steps, args].concat())
+        };
+        let (ddp, _) = run("2", &[]);
+        let hook = ["--hook", "localsgd:4:4"];
+        let (whole, _) = run("2", &hook);
+        assert_eq!(whole["replicas_identical"], true, "{fw}: {whole}");
+        let bytes = |j: &Value| j["comm_bytes"].as_u64().unwrap() as f64;
+        let per_step = bytes(&ddp) / 12.0;
+        assert!(
+            (bytes(&whole) - 7.0 * per_step).abs() < 0.01 * per_step,
+            "{fw}: {whole}\n{ddp}"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let d = dir.path().to_str().unwrap();
+        let ck = [&hook[..], &["--checkpoint-dir", d]].concat();
+        run("2", &[&ck[..], &["--stop-after", "7"]].concat());
+        let at7 = common::copy_dir(dir.path());
+        let (resumed, _) = run("2", &[&ck[..], &["--resume"]].concat());
+        for key in ["param_sum", "param_l2", "val_loss"] {
+            assert_eq!(bits(&whole, key), bits(&resumed, key), "{fw} {key}");
+        }
+        let p = at7.path().to_str().unwrap();
+        let (three, err) = run(
+            "3",
+            &[&hook[..], &["--checkpoint-dir", p, "--resume"]].concat(),
+        );
+        assert_eq!(three["replicas_identical"], true, "{fw}: {three}");
+        assert!(
+            err.contains("post-local SGD checkpoint of 2 processes resumed with 3")
+                && err.contains("from a peer's parameters"),
+            "{fw}: {err}"
+        );
+    }
 }

@@ -391,10 +391,6 @@ fn bad_flags_are_refused_before_any_work() {
             &["--zero", "2", "--hook", "bf16"][..],
             "--hook applies to plain DDP",
         ),
-        (
-            &["--hook", "localsgd:4:10"][..],
-            "post-local SGD is not available",
-        ),
     ] {
         let out = Command::new(BIN).args(args).output().unwrap();
         assert_eq!(out.status.code(), Some(2), "{args:?}");

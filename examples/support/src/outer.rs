@@ -6,10 +6,10 @@
 //!
 //! Between synchronizations every rank's parameters and optimizer state are its own, so the
 //! checkpoint holds every rank's beside the method's state: the library's
-//! [`ddprs::hooks::local_state`] ([`gather`] on every rank, [`Gathered::store`] in rank 0's
-//! checkpoint, [`restore`] on resume). At the world size it was written at the resume is exact;
-//! at another (an elastic restart) a rank joining between synchronizations takes a peer's state
-//! and, under DiLoCo, the last-synchronized parameters; rank 0 says so.
+//! [`ddprs::hooks::local_state`] ([`Outer::gather`] on every rank, [`Gathered::store`] in rank
+//! 0's checkpoint, [`Outer::restore`] on resume). At the world size it was written at the resume
+//! is exact; at another (an elastic restart) a rank joining between synchronizations takes a
+//! peer's state and, under DiLoCo, the last-synchronized parameters; rank 0 says so.
 //!
 //! The end of a run: the last synchronization ([`Outer::finish`]) comes after the last step's
 //! training and before its evaluation and checkpoint, so that both see the one model every

@@ -44,19 +44,27 @@ run() {
   tag="w$((2 * NPROC))-d${DELAY_MS}-${rate}-${hook//:/_}-${steps}"
   shape "$rate"
   port=$((port + 1))
+  local pids=()
   for i in 0 1; do
     ip netns exec "${NS[$i]}" env DDP_BACKEND=tcp RAYON_NUM_THREADS=1 OMP_NUM_THREADS=1 \
       "$RUN" --nnodes 2 --node-rank "$i" --nproc-per-node "$NPROC" --master-addr "${ADDR[0]}" \
       --master-port "$port" "$GPT" --framework candle --hook "$hook" --max-iters "$steps" \
       --metrics "$OUT.$tag.metrics.jsonl" --json >"$OUT.$tag.$i.out" 2>"$OUT.$tag.$i.err" &
+    pids+=($!)
   done
-  wait
-  grep -h '{"framework"' "$OUT.$tag.0.out" | sed 's/^[^{]*//' | python3 -c "
+  wait "${pids[@]}" # not the link's relay
+  record "$tag" "$rate" "$hook" "$DELAY_MS"
+}
+
+# record TAG RATE HOOK DELAY: rank 0's JSON line of run TAG, with the rate, method and delay,
+# appended to $OUT.jsonl.
+record() {
+  grep -h '{"framework"' "$OUT.$1.0.out" | sed 's/^[^{]*//' | python3 -c "
 import json, sys
 j = json.loads(sys.stdin.read())
-j.update(rate='$rate', method='$hook', delay_ms=$DELAY_MS, metrics='$OUT.$tag.metrics.jsonl')
+j.update(rate='$2', method='$3', delay_ms=$4, metrics='$OUT.$1.metrics.jsonl')
 print(json.dumps(j))" >>"$OUT.jsonl"
-  echo "# $tag: $(tail -n 1 "$OUT.jsonl" | cut -c1-160)" >&2
+  echo "# $1: $(tail -n 1 "$OUT.jsonl" | cut -c1-160)" >&2
 }
 
 # run_local HOOK STEPS: the whole recipe on this host (no link: the loss curve only).
@@ -68,19 +76,16 @@ run_local() {
     --nproc-per-node $((2 * NPROC)) --master-port "$port" "$GPT" --framework candle \
     --hook "$hook" --max-iters "$steps" --metrics "$OUT.$tag.metrics.jsonl" --json \
     >"$OUT.$tag.0.out" 2>"$OUT.$tag.0.err"
-  grep -h '{"framework"' "$OUT.$tag.0.out" | sed 's/^[^{]*//' | python3 -c "
-import json, sys
-j = json.loads(sys.stdin.read())
-j.update(rate='local', method='$hook', delay_ms=0, metrics='$OUT.$tag.metrics.jsonl')
-print(json.dumps(j))" >>"$OUT.jsonl"
-  echo "# $tag: $(tail -n 1 "$OUT.jsonl" | cut -c1-160)" >&2
+  record "$tag" local "$hook" 0
 }
 
 slowest=${RATES%% *}
 for hook in $LOSS; do run_local "$hook" "$STEPS"; done
 for hook in $FULL; do run "$slowest" "$hook" "$STEPS"; done
 for rate in $RATES; do
-  for hook in $SHORT; do run "$rate" "$hook" "$STEPS_SHORT"; done
+  # Post-local SGD is timed after its warm-up (localsgd:P:0); its recipe time is WARMUP DDP
+  # steps and the rest at that pace (derived).
+  for hook in $SHORT; do run "$rate" "$(echo "$hook" | sed -E 's/^(localsgd:[0-9]+):[0-9]+$/\1:0/')" "$STEPS_SHORT"; done
   [ "$rate" = "$slowest" ] && continue
   for hook in $FULL; do
     h=${hook#*:}; h=${h%%:*}

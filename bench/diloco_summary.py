@@ -57,8 +57,10 @@ print(head)
 print("|" + "---|" * (head.count("|") - 1))
 ddp_bytes = None
 ddp_time = {}
+ddp_ms = {}
 f = full("none")
-for method in ["none"] + [m for m in methods if m != "none"]:
+timing_only = [m for m in methods if m.startswith("localsgd:") and m.endswith(":0")]
+for method in ["none"] + [m for m in methods if m != "none" and m not in timing_only]:
     whole = full(method)
     loss = whole["val_loss"] if whole else (ddp_loss if method == "none" else None)
     if method == "none" and whole:
@@ -79,13 +81,19 @@ for method in ["none"] + [m for m in methods if m != "none"]:
     ]
     for rate in rates:
         r = at(method, rate)
-        if r is None:
+        warmup = 0
+        if r is None and method.startswith("localsgd:"):
+            # Timed after its warm-up (localsgd:P:0): WARMUP steps of DDP, the rest at that pace.
+            period, warmup = method.split(":")[1:3]
+            r, warmup = at(f"localsgd:{period}:0", rate), int(warmup)
+        if r is None or (warmup and rate not in ddp_ms):
             cells += ["–", "–"]
             continue
-        t = r["ms_per_step"] * steps / 1e3
+        t = (r["ms_per_step"] * (steps - warmup) + (ddp_ms[rate] * warmup if warmup else 0)) / 1e3
         derived = "" if r["steps"] == steps else " (derived)"
         if method == "none":
             ddp_time[rate] = t
+            ddp_ms[rate] = r["ms_per_step"]
         cells.append(f"{t:.0f}{derived}")
         cells.append(f"{ddp_time[rate] / t:.1f}x" if rate in ddp_time else "–")
     print("| " + " | ".join(cells) + " |")

@@ -1,5 +1,9 @@
 """The table of bench/diloco.sh: final validation loss, bytes and training time of the recipe
-per method and link rate. Usage: diloco_summary.py ROWS.jsonl STEPS
+per method and link rate. Usage: diloco_summary.py ROWS.jsonl STEPS [CURVES]
+
+With CURVES (a path prefix), each method timed in fewer steps than the recipe on a rate gets its
+loss curve (its whole-recipe run on this host) with the recipe time it would have had there:
+CURVES.METHOD-RATE-derived.metrics.jsonl (elapsed_s = steps x that rate's ms/step), for ddp-plot.
 
 A method's loss per step does not depend on the link, so its recipe time on a rate where it ran
 fewer steps is its measured ms/step there x STEPS (marked "derived"). DDP's loss is the newest
@@ -47,6 +51,19 @@ def at(method, rate):
     return None
 
 
+def derive_curve(whole, method, rate, ms, warmup, warmup_ms):
+    """The method's loss curve as it would have run on `rate` (see the module doc)."""
+    name = "ddp" if method == "none" else method.replace(":", "_")
+    with open(f"{sys.argv[3]}.{name}-{rate}-derived.metrics.jsonl", "w") as out:
+        for line in open(whole["metrics"]):
+            m = json.loads(line)
+            if "step" not in m:
+                continue
+            s = m["step"]
+            m["elapsed_s"] = (min(s, warmup) * warmup_ms + max(s - warmup, 0) * ms) / 1e3
+            out.write(json.dumps(m) + "\n")
+
+
 out = []
 head = "| method | final val loss | vs DDP | bytes sent (MB) | DDP's / this |"
 for rate in rates:
@@ -90,6 +107,8 @@ for method in ["none"] + [m for m in methods if m != "none" and m not in timing_
             cells += ["–", "–"]
             continue
         t = (r["ms_per_step"] * (steps - warmup) + (ddp_ms[rate] * warmup if warmup else 0)) / 1e3
+        if r["steps"] != steps and whole and len(sys.argv) > 3:
+            derive_curve(whole, method, rate, r["ms_per_step"], warmup, ddp_ms.get(rate, 0))
         derived = "" if r["steps"] == steps else " (derived)"
         if method == "none":
             ddp_time[rate] = t

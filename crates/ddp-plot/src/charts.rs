@@ -4,7 +4,7 @@
 //! language-model runs, is [`crate::curves`]).
 
 use crate::input::{Metrics, Report, StepPoint, Sweep};
-use crate::scale::{number_label, series, Axis, Series};
+use crate::scale::{number_label, series, Axis, Series, LOG_DECADES};
 use plotters::chart::DualCoordChartContext;
 use plotters::coord::types::RangedCoordf64;
 use plotters::coord::{CoordTranslate, Shift};
@@ -111,9 +111,19 @@ fn two_axes(
             .collect::<Vec<_>>()
     };
     let (l, r) = (all(|s| &s.0), all(|s| &s.1));
-    let x = Axis::fit(l.iter().chain(&r).map(|p| p.0), (0.0, 1.0), 0.0, false);
-    let left = Axis::fit(l.iter().map(|p| p.1), left_fit.0, left_fit.1, true);
-    let right = Axis::fit(r.iter().map(|p| p.1), right_fit.0, right_fit.1, true);
+    let x = Axis::fit(l.iter().chain(&r).map(|p| p.0), (0.0, 1.0), 0.0, None);
+    let left = Axis::fit(
+        l.iter().map(|p| p.1),
+        left_fit.0,
+        left_fit.1,
+        Some(LOG_DECADES),
+    );
+    let right = Axis::fit(
+        r.iter().map(|p| p.1),
+        right_fit.0,
+        right_fit.1,
+        Some(LOG_DECADES),
+    );
     let skipped = series.iter().map(|s| s.0.skipped + s.1.skipped).sum();
     TwoAxes {
         series,
@@ -352,7 +362,7 @@ where
     // The sum of huge finite values may overflow: the axis then ends at f64::MAX.
     let total =
         |r: &crate::input::RankSplit| layers.iter().map(|l| (l.2)(r)).sum::<f64>().min(f64::MAX);
-    let y = Axis::fit(report.ranks.iter().map(total), (0.0, 1e-3), 0.45, false);
+    let y = Axis::fit(report.ranks.iter().map(total), (0.0, 1e-3), 0.45, None);
     let title = match report.straggler {
         Some((rank, pct)) => format!(
             "Mean step per rank: rank {rank} is the straggler (+{}%)",
@@ -463,7 +473,7 @@ where
         all.iter().flat_map(|s| s.points.iter().map(|p| p.1)),
         (0.0, 1e-3),
         0.15,
-        true,
+        Some(LOG_DECADES),
     );
     let mut chart = ChartBuilder::on(root)
         .caption(

@@ -11,6 +11,11 @@ use crate::scale::{series, Axis, Series};
 use plotters::coord::Shift;
 use plotters::prelude::*;
 
+/// Bytes spanning more than this many decades get a log axis: DDP's against DiLoCo's differ by
+/// the synchronization interval (50 to 500x), and a linear axis crushes DiLoCo's curves into its
+/// first pixels.
+const BYTES_LOG_DECADES: f64 = 2.0;
+
 /// What the curves are drawn along.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Along {
@@ -83,9 +88,17 @@ fn loss_along<DB: DrawingBackend>(
 where
     DB::ErrorType: 'static,
 {
+    // Against bytes, an evaluation before a run sent anything (DiLoCo before its first
+    // synchronization) has no place on a log axis: left out.
+    let placed = |x: f64| along != Along::Bytes || x > 0.0;
     let pick = |get: fn(&EvalPoint) -> Option<f64>| -> Vec<Series> {
         runs.iter()
-            .map(|r| series(r.points.iter().filter_map(|p| Some((along.x(p)?, get(p)?)))))
+            .map(|r| {
+                series(r.points.iter().filter_map(|p| {
+                    let x = along.x(p).filter(|&x| placed(x))?;
+                    Some((x, get(p)?))
+                }))
+            })
             .collect()
     };
     let (val, train) = (pick(|p| p.val_loss), pick(|p| p.train_loss));
@@ -98,7 +111,7 @@ where
         all.iter().map(|p| p.0),
         (0.0, 1.0),
         0.0,
-        along == Along::Bytes,
+        (along == Along::Bytes).then_some(BYTES_LOG_DECADES),
     );
     let y = Axis::fit_span(all.iter().map(|p| p.1), 0.05);
     let skipped = val.iter().chain(&train).map(|s| s.skipped).sum();

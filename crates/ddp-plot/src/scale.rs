@@ -91,13 +91,13 @@ pub struct Axis {
 impl Axis {
     /// An axis for `values` (the non-finite ones ignored) from 0 (or the smallest value when
     /// negative) to the largest plus `headroom` (a fraction of the span), with at least `lo..hi`
-    /// shown (`min_span`). With `allow_log`, positive values spanning more than [`LOG_DECADES`]
-    /// decades get a log10 axis.
+    /// shown (`min_span`). With `log_above` = `Some(d)`, positive values spanning more than `d`
+    /// decades get a log10 axis ([`LOG_DECADES`] for values where a log axis is a last resort).
     pub fn fit(
         values: impl Iterator<Item = f64>,
         min_span: (f64, f64),
         headroom: f64,
-        allow_log: bool,
+        log_above: Option<f64>,
     ) -> Axis {
         let (mut min, mut max, mut min_pos) = (f64::INFINITY, f64::NEG_INFINITY, f64::INFINITY);
         for v in values.filter(|v| v.is_finite()) {
@@ -110,7 +110,7 @@ impl Axis {
         if min > max {
             (min, max, min_pos) = (min_span.0, min_span.1, f64::INFINITY);
         }
-        if allow_log && min > 0.0 && (max / min_pos).log10() > LOG_DECADES {
+        if log_above.is_some_and(|d| min > 0.0 && (max / min_pos).log10() > d) {
             let lo = min_pos.log10().floor();
             let hi = max.log10().ceil().max(lo + 1.0);
             return Axis {
@@ -160,7 +160,7 @@ impl Axis {
         } else {
             min.abs().max(1.0)
         };
-        let mut axis = Axis::fit([min, max].into_iter(), (min, max), 0.0, false);
+        let mut axis = Axis::fit([min, max].into_iter(), (min, max), 0.0, None);
         let scale = 10f64.powi(-axis.exp);
         axis.lo = (min - span * margin) * scale;
         axis.hi = (max + span * margin) * scale;
@@ -272,17 +272,37 @@ mod tests {
     #[test]
     fn axes_fit_extremes() {
         // One spike among small positive values: log10, decades as the range.
-        let a = Axis::fit([2.0, 1.5, 1e30].into_iter(), (0.0, 0.0), 0.1, true);
+        let a = Axis::fit(
+            [2.0, 1.5, 1e30].into_iter(),
+            (0.0, 0.0),
+            0.1,
+            Some(LOG_DECADES),
+        );
         assert_eq!(a.range(), 0.0..30.0);
         assert_eq!(a.label(&30.0), "1e30");
         // The same without log: scaled, so plotters sees small numbers.
-        let a = Axis::fit([2.0, 1e30].into_iter(), (0.0, 0.0), 0.1, false);
+        let a = Axis::fit([2.0, 1e30].into_iter(), (0.0, 0.0), 0.1, None);
         assert!(a.range().end < 100.0 && a.range().end.is_finite());
         assert_eq!(a.label(&a.to(1e30)), "1e30");
-        let a = Axis::fit([f64::MAX, -f64::MAX].into_iter(), (0.0, 0.0), 0.1, true);
+        let a = Axis::fit(
+            [f64::MAX, -f64::MAX].into_iter(),
+            (0.0, 0.0),
+            0.1,
+            Some(LOG_DECADES),
+        );
         assert!(a.range().start.is_finite() && a.range().end.is_finite());
+        // Bytes of DiLoCo against DDP's (3.3 decades): log only with a lower threshold.
+        let bytes = [3.2e6, 1.6e7, 6.4e9];
+        assert!(!Axis::fit(bytes.into_iter(), (0.0, 1.0), 0.0, Some(LOG_DECADES)).log);
+        let a = Axis::fit(bytes.into_iter(), (0.0, 1.0), 0.0, Some(2.0));
+        assert!(a.log && a.range() == (6.0..10.0), "{a:?}");
         // Nothing finite: the minimum span.
-        let a = Axis::fit([f64::NAN, f64::INFINITY].into_iter(), (0.0, 1.0), 0.0, true);
+        let a = Axis::fit(
+            [f64::NAN, f64::INFINITY].into_iter(),
+            (0.0, 1.0),
+            0.0,
+            Some(LOG_DECADES),
+        );
         assert_eq!(a.range(), 0.0..1.0);
     }
 

@@ -194,3 +194,47 @@ fn language_model_evaluations_become_loss_curves() {
         "a run without bytes in the bytes picture"
     );
 }
+
+/// DDP's bytes against DiLoCo's (1/100 of them, nothing sent before the first synchronization):
+/// the bytes picture gets a log axis (labels by decade), and DiLoCo's curve is drawn from its
+/// first synchronization on.
+#[test]
+fn loss_against_bytes_spanning_decades_gets_a_log_axis() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut files = Vec::new();
+    for (name, per_step) in [("ddp", 3_200_000u64), ("local-diloco", 32_000)] {
+        let path = dir.path().join(format!("{name}.metrics.jsonl"));
+        let mut text = String::new();
+        for k in 1..=8u64 {
+            // DiLoCo's first evaluation comes before its first synchronization.
+            let sent = if name == "local-diloco" {
+                (k - 1) * 2 * per_step
+            } else {
+                k * per_step
+            };
+            text += &format!(
+                "{{\"step\":{},\"train_loss\":2.0,\"val_loss\":{},\"elapsed_s\":{k},\
+                 \"comm_bytes\":{sent}}}\n",
+                k * 250,
+                3.0 - 0.1 * k as f64
+            );
+        }
+        std::fs::write(&path, text).unwrap();
+        files.push(path);
+    }
+    let out = dir.path().join("out");
+    if plot(&files, &out).is_none() {
+        return;
+    }
+    // 6.4e4 to 2.56e7: labels 1e5, 1e6, 1e7 on a log axis (a linear one writes 0.5, 1, ...).
+    check_svg(
+        &out.join("loss_vs_bytes.svg"),
+        &[
+            "ddp: validation",
+            "local-diloco: validation",
+            "1e5",
+            "1e6",
+            "1e7",
+        ],
+    );
+}

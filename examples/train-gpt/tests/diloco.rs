@@ -42,21 +42,7 @@ fn diloco_ends_with_identical_replicas_and_sends_a_fraction_of_ddps_bytes() {
     let ddp = run(&["--max-iters", "12"]);
     let dl = run(&["--max-iters", "12", "--hook", "diloco:4"]);
     let st = run(&["--max-iters", "12", "--hook", "streaming-diloco:4:2:1"]);
-    for j in [&dl, &st] {
-        assert_eq!(j["replicas_identical"], true, "{j}");
-        assert!(j["val_loss"].as_f64().unwrap() < 4.15, "{j}"); // below ln(65) = 4.17
-    }
-    let bytes = |j: &Value| j["comm_bytes"].as_u64().unwrap() as f64;
-    let per_step = bytes(&ddp) / 12.0; // the parameters' size in bytes
-                                       // 3 synchronizations in 12 steps.
-    assert!(
-        (bytes(&dl) - 3.0 * per_step).abs() < 0.01 * per_step,
-        "{dl}\n{ddp}"
-    );
-    // Half the bytes (bf16), the same synchronizations, plus the final one of the fragment in
-    // flight at the end.
-    assert!(bytes(&st) < 0.6 * bytes(&dl), "{st}\n{dl}");
-    assert_ne!(bits(&dl, "param_sum"), bits(&ddp, "param_sum"));
+    common::assert_diloco_trains(&ddp, &dl, &st);
 }
 
 /// Stopped at step 6 — between synchronizations, streaming with a fragment in flight — and
@@ -120,11 +106,7 @@ fn a_node_joining_an_elastic_diloco_job_starts_from_the_last_synchronization() {
     if !ddprun.is_file() {
         return eprintln!("skipped: the ddprun binary is not built");
     }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = common::free_port();
     let tmp = tempfile::tempdir().unwrap();
     let ck = tmp.path().join("ck");
     let iters = "3000";

@@ -32,22 +32,7 @@ fn burn_diloco_ends_with_identical_replicas_and_sends_its_synchronizations_bytes
     let ddp = run(&[]);
     let dl = run(&["--hook", "diloco:4"]);
     let st = run(&["--hook", "streaming-diloco:4:2:1"]);
-    for j in [&dl, &st] {
-        assert_eq!(j["replicas_identical"], true, "{j}");
-        assert!(j["val_loss"].as_f64().unwrap() < 4.15, "{j}"); // below ln(65) = 4.17
-    }
-    let bytes = |j: &Value| j["comm_bytes"].as_u64().unwrap() as f64;
-    let per_step = bytes(&ddp) / 12.0; // the parameters' size in bytes
-    assert!(per_step > 0.0, "{ddp}");
-    // Synchronizations at steps 4, 8 and 12.
-    assert!(
-        (bytes(&dl) - 3.0 * per_step).abs() < 0.01 * per_step,
-        "{dl}\n{ddp}"
-    );
-    // Half the bytes (bf16), the same synchronizations, plus the final one of the fragment in
-    // flight at the end.
-    assert!(bytes(&st) < 0.6 * bytes(&dl), "{st}\n{dl}");
-    assert_ne!(bits(&dl, "param_sum"), bits(&ddp, "param_sum"));
+    common::assert_diloco_trains(&ddp, &dl, &st);
 }
 
 /// Stopped at step 7 — between synchronizations, streaming with a fragment in flight — and

@@ -86,6 +86,37 @@ pub fn assert_diloco_resumes_at_another_world(bin: &str, nproc: usize, args: &[&
     );
 }
 
+/// The JSON lines of 12-step runs of DDP, DiLoCo every 4 steps (`dl`) and streaming DiLoCo every
+/// 4 steps (`st`): the replicas end identical (the last step synchronizes), training learns,
+/// DiLoCo sends 3 synchronizations' worth of DDP's per-step bytes (steps 4, 8 and 12), streaming
+/// (bf16) fewer again even with the final synchronization of its fragment in flight, and the
+/// model is not DDP's.
+pub fn assert_diloco_trains(
+    ddp: &serde_json::Value,
+    dl: &serde_json::Value,
+    st: &serde_json::Value,
+) {
+    for j in [dl, st] {
+        assert_eq!(j["replicas_identical"], true, "{j}");
+        assert!(j["val_loss"].as_f64().unwrap() < 4.15, "{j}"); // below ln(65) = 4.17
+    }
+    let bytes = |j: &serde_json::Value| j["comm_bytes"].as_u64().unwrap() as f64;
+    let per_step = bytes(ddp) / 12.0; // the parameters' size in bytes
+    assert!(per_step > 0.0, "{ddp}");
+    assert!(
+        (bytes(dl) - 3.0 * per_step).abs() < 0.01 * per_step,
+        "{dl}\n{ddp}"
+    );
+    assert!(bytes(st) < 0.6 * bytes(dl), "{st}\n{dl}");
+    assert_ne!(bits(dl, "param_sum"), bits(ddp, "param_sum"));
+}
+
+/// A TCP port free on 127.0.0.1 when asked (for a launcher's store).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
+
 /// The bits of the number `key` of a JSON line (for bit-for-bit comparisons).
 pub fn bits(v: &serde_json::Value, key: &str) -> u64 {
     v[key]

@@ -1,7 +1,14 @@
-//! What the tests of both programs share: running a program to completion with a deadline, and
-//! reading and comparing its final `--json` line ([`RunSummary`]).
+//! What the tests of the example programs share: running a program to completion with a
+//! deadline, reading and comparing its final `--json` line ([`RunSummary`]), and a free port for
+//! a launcher's store.
 
 use crate::summary::RunSummary;
+
+/// A TCP port free on 127.0.0.1 when asked (for a launcher's store).
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().port()
+}
 
 /// The keys of the final JSON line that pin a training run down: two runs that agree on all of
 /// them (exactly) trained the same model.

@@ -202,14 +202,6 @@ fn resume_is_exact_with_stateful_comm_hooks() {
     assert!(bytes.iter().all(|&b| b < 76_840.0 / 2.0), "{bytes:?}");
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
 fn wait_for_file(path: &Path, deadline: Duration) {
     let start = Instant::now();
     while !path.exists() {
@@ -241,7 +233,7 @@ fn killing_a_worker_fails_the_others_naming_it_then_resume_completes() {
     let dir = tempfile::tempdir().unwrap();
     let d = dir.path().to_str().unwrap();
     // Workers started directly (as under ddprun): one process per rank, env rendezvous.
-    let port = free_port().to_string();
+    let port = ddp_example_support::testing::free_port().to_string();
     let worker = |rank: &str| {
         Command::new(BIN)
             .args([

@@ -106,7 +106,7 @@ fn a_node_joining_an_elastic_diloco_job_starts_from_the_last_synchronization() {
     if !ddprun.is_file() {
         return eprintln!("skipped: the ddprun binary is not built");
     }
-    let port = common::free_port();
+    let port = ddp_example_support::testing::free_port();
     let tmp = tempfile::tempdir().unwrap();
     let ck = tmp.path().join("ck");
     let iters = "3000";

@@ -258,7 +258,7 @@ fn a_joined_process_gets_the_live_state_and_no_checkpoint_is_read() {
         return;
     }
     // Two workers under ddprun; a third process joins by hand through the job's store.
-    let port = common::free_port().to_string();
+    let port = ddp_example_support::testing::free_port().to_string();
     let pid_dir = tempfile::tempdir().unwrap();
     let iters = 400;
     let launcher = [
@@ -330,7 +330,7 @@ fn a_restarted_node_rejoins_an_elastic_job_from_its_live_peers() {
     if ddprun().is_none() {
         return eprintln!("skipped: the ddprun binary is not built");
     }
-    let port = common::free_port();
+    let port = ddp_example_support::testing::free_port();
     let tmp = tempfile::tempdir().unwrap();
     let (pid_dir, ck) = (tmp.path().join("pids"), tmp.path().join("ck"));
     std::fs::create_dir_all(&pid_dir).unwrap();

@@ -472,7 +472,7 @@ fn under_ddprun_and_mpirun_it_is_the_same_run() {
             "`mpirun` not found (install openmpi-bin)",
         );
     }
-    let port = common::free_port();
+    let port = ddp_example_support::testing::free_port();
     let out = Command::new("mpirun")
         .args(["--allow-run-as-root", "--oversubscribe", "-np", "2", BIN])
         .args(small())

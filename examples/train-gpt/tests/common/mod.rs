@@ -111,12 +111,6 @@ pub fn assert_diloco_trains(
     assert_ne!(bits(dl, "param_sum"), bits(ddp, "param_sum"));
 }
 
-/// A TCP port free on 127.0.0.1 when asked (for a launcher's store).
-pub fn free_port() -> u16 {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().port()
-}
-
 /// The bits of the number `key` of a JSON line (for bit-for-bit comparisons).
 pub fn bits(v: &serde_json::Value, key: &str) -> u64 {
     v[key]
